@@ -1,0 +1,38 @@
+# Every target that runs code depends on `setup`, so a fresh clone needs nothing else.
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+STACK  ?= local
+PY_SRC := denv_iac agent/denv_agent stacks tests agent/tests benchmarks
+
+.PHONY: setup test lint typecheck unit demo bench lock clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml agent/pyproject.toml scripts/setup.sh
+	./scripts/setup.sh
+
+lint: setup
+	$(BIN)/ruff check $(PY_SRC)
+	$(BIN)/ruff format --check $(PY_SRC)
+
+typecheck: setup
+	$(BIN)/mypy denv_iac agent/denv_agent
+
+unit: setup
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+demo: setup
+	$(BIN)/denv plan --stack $(STACK)
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+# Re-pin after editing dependencies in pyproject.toml (needs uv on PATH).
+lock:
+	uv pip compile --quiet --generate-hashes --python-version 3.11 requirements.in -o requirements.lock
+
+clean:
+	rm -rf $(VENV) .denv .mypy_cache .pytest_cache .ruff_cache .hypothesis
