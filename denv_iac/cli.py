@@ -1,0 +1,86 @@
+"""The `denv` command."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from denv_iac.plan import make_plan
+from denv_iac.plan_view import render_plan
+from denv_iac.spec.reader import StackError
+from denv_iac.spec.stackfile import find_stacks_dir, load_lock, load_stack, write_lock
+
+STACKS_DIR = click.option(
+    "--stacks-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder holding Pulumi.<stack>.yaml (default: stacks/ of the project here).",
+)
+
+
+def wide_console() -> Console:
+    """A console that never truncates ids when output goes to a file or a CI log."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def fail(problems: list[str]) -> None:
+    """Print each problem on its own line and exit 2: the convention for bad input."""
+    for line in problems:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(2)
+
+
+@click.group()
+@click.version_option(package_name="denv-iac")
+def main() -> None:
+    """One cluster, one endpoint, warm GPU replicas across providers."""
+
+
+@main.command()
+@click.option("--stack", "stack_name", required=True, help="Stack name, e.g. local.")
+@STACKS_DIR
+@click.option(
+    "--json",
+    "json_file",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    help="Also write the plan as JSON to FILE ('-' for standard output).",
+)
+@click.option(
+    "--lock",
+    is_flag=True,
+    help="Write Pulumi.<stack>.placement.json so later edits never move these replicas.",
+)
+def plan(stack_name: str, stacks_dir: Path | None, json_file: str | None, lock: bool) -> None:
+    """Show where every replica goes, the nodes to create and the warm cost, offline."""
+    try:
+        folder = stacks_dir or find_stacks_dir()
+        stack = load_stack(folder, stack_name)
+        result = make_plan(stack, load_lock(folder, stack_name))
+    except StackError as error:
+        fail(error.problems)
+    if json_file == "-":
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        render_plan(result, wide_console())
+        if json_file:
+            Path(json_file).write_text(json.dumps(result.to_json(), indent=2) + "\n", "utf-8")
+    if lock:
+        path = write_lock(folder, stack_name, [r.id for r in result.placement.replicas])
+        click.echo(f"wrote {path.name}", err=True)
+
+
+@main.group()
+def key() -> None:
+    """API keys for the endpoint (only their digests go into stack config)."""
+
+
+@key.command()
+def digest() -> None:
+    """Read an API key on standard input and print its SHA-256 digest for api_key_digests."""
+    secret = sys.stdin.readline().strip()
+    if not secret:
+        fail(['stdin: no API key given; pipe one in, e.g. `printf %s "$KEY" | denv key digest`'])
+    click.echo(hashlib.sha256(secret.encode()).hexdigest())

@@ -1,0 +1,84 @@
+"""The offline plan: a stack's placement, the nodes it needs and what its warm capacity costs."""
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from denv_iac.catalog import Catalog, load_catalog
+from denv_iac.placement import PlacedNode, Placement, place_replicas
+from denv_iac.spec.model import SiteSpec, StackSpec
+
+HOURS_PER_MONTH = 730
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    node: PlacedNode
+    usd_per_gpu_hour: float
+    price_read: str  # "" when the price is the site's own override or unknown
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.usd_per_gpu_hour * self.node.gpu_count
+
+
+@dataclass(frozen=True)
+class Plan:
+    stack: StackSpec
+    placement: Placement
+    costs: tuple[NodeCost, ...]
+
+    @property
+    def usd_per_hour(self) -> float:
+        return sum(c.usd_per_hour for c in self.costs)
+
+    def to_json(self) -> dict[str, Any]:
+        by_site: dict[str, float] = {}
+        for cost in self.costs:
+            by_site[cost.node.site] = round(by_site.get(cost.node.site, 0.0) + cost.usd_per_hour, 2)
+        return {
+            "stack": self.stack.name,
+            "replicas": [
+                {
+                    "id": r.id,
+                    "pool": r.pool,
+                    "site": r.site,
+                    "node": r.node,
+                    "gpu": r.gpu,
+                    "slice": r.slice,
+                    "share": r.share,
+                    "tier": r.tier,
+                }
+                for r in self.placement.replicas
+            ],
+            "nodes": [
+                {**asdict(c.node), "usd_per_hour": round(c.usd_per_hour, 2)} for c in self.costs
+            ],
+            "mig_layouts": [asdict(m) for m in self.placement.mig_layouts],
+            "cost": {
+                "usd_per_hour": round(self.usd_per_hour, 2),
+                "usd_per_month": round(self.usd_per_hour * HOURS_PER_MONTH, 2),
+                "by_site_usd_per_hour": by_site,
+                "prices_read": sorted({c.price_read for c in self.costs if c.price_read}),
+            },
+        }
+
+
+def node_price(site: SiteSpec, node: PlacedNode, catalog: Catalog) -> tuple[float, str]:
+    if site.price_per_gpu_hour is not None:
+        return site.price_per_gpu_hour, ""
+    offering = catalog.offering(site.kind, node.offering) if node.offering else None
+    if offering is None:
+        return 0.0, ""  # local, joined and Kubernetes capacity has no list price of ours
+    return offering.usd_per_gpu_hour, offering.price_read
+
+
+def make_plan(stack: StackSpec, previous: list[str] | None = None) -> Plan:
+    catalog = load_catalog()
+    placement = place_replicas(stack, previous or (), catalog)
+    costs = []
+    for node in placement.nodes:
+        if node.replicas == 0 and not node.create:
+            continue  # an idle joined machine is not warm capacity of this stack
+        price, read = node_price(stack.site(node.site), node, catalog)
+        costs.append(NodeCost(node, price, read))
+    return Plan(stack, placement, tuple(costs))

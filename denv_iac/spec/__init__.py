@@ -1,0 +1,1 @@
+"""Stack specs: the validated, Pulumi-free model of sites, recipes and the balancer."""

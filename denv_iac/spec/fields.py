@@ -1,0 +1,202 @@
+"""Reading untrusted config mappings field by field, collecting every problem as one line.
+
+Each problem names its path (`recipes[1].gpu`) and says how to fix it. Readers never raise on bad
+input: they record the problem and return a placeholder, so one pass reports everything at once.
+"""
+
+import difflib
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from denv_iac.spec.model import Secret
+
+NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+NAME_RULE = (
+    "use 1-40 lower-case letters, digits and '-', starting and ending with a letter or digit"
+)
+
+
+class Problems:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.lines.append(f"{path}: {message}")
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+
+def describe(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "empty" if value is None else type(value).__name__
+
+
+def is_secret(value: object) -> bool:
+    return isinstance(value, dict) and set(value) == {"secure"} and isinstance(value["secure"], str)
+
+
+class Fields:
+    """One mapping being read. Call `finish()` last: it reports keys nobody asked for."""
+
+    def __init__(self, problems: Problems, path: str, raw: object) -> None:
+        self.problems = problems
+        self.path = path
+        self.ok = isinstance(raw, Mapping)
+        if not self.ok:
+            problems.add(path, f"expected a mapping of keys to values, got {describe(raw)}")
+        self.raw: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        self.known: set[str] = set()
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def _get(self, key: str) -> Any:
+        self.known.add(key)
+        return self.raw.get(key)
+
+    def has(self, key: str) -> bool:
+        return key in self.raw
+
+    def problem(self, key: str, message: str) -> None:
+        self.problems.add(self.at(key), message)
+
+    def text(self, key: str, default: str | None = None, *, example: str = "") -> str:
+        value = self._get(key)
+        if value is None:
+            if default is None and self.ok:
+                hint = f"; add {key}: {example}" if example else ""
+                self.problem(key, f"missing{hint}")
+            return default or ""
+        if is_secret(value):
+            self.problem(key, "is encrypted but is not a secret field; set it in plain text")
+            return ""
+        if not isinstance(value, str) or not value.strip():
+            self.problem(key, f"expected a non-empty string, got {describe(value)}")
+            return ""
+        return value
+
+    def name(self, key: str = "name") -> str:
+        value = self.text(key)
+        if value and not NAME_PATTERN.match(value):
+            self.problem(key, f'"{value}" is not a valid name; {NAME_RULE}')
+        return value
+
+    def choice(self, key: str, options: tuple[str, ...], default: str | None = None) -> str:
+        value = self.text(key, default, example=options[0])
+        if value and value not in options:
+            self.problem(key, f'"{value}" is not one of {", ".join(options)}')
+            return ""
+        return value
+
+    def integer(self, key: str, default: int | None, low: int, high: int | None = None) -> int:
+        value = self._get(key)
+        if value is None:
+            if default is None and self.ok:
+                self.problem(key, f"missing; add {key}: {low}")
+            return default if default is not None else low
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+            self.problem(key, f"expected a whole number, got {describe(value)}")
+            return default if default is not None else low
+        number = int(value)
+        if number < low or (high is not None and number > high):
+            bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+            self.problem(key, f"{number} is out of range; use a number {bounds}")
+            return default if default is not None else low
+        return number
+
+    def number(self, key: str) -> float | None:
+        value = self._get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            self.problem(key, f"expected a number >= 0, got {describe(value)}")
+            return None
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.problem(key, f"expected true or false, got {describe(value)}")
+            return default
+        return value
+
+    def text_list(self, key: str, *, required: bool = False) -> tuple[str, ...]:
+        value = self._get(key)
+        if value is None:
+            if required and self.ok:
+                self.problem(key, "missing; give a list")
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            self.problem(key, f"expected a list of non-empty strings, got {describe(value)}")
+            return ()
+        return tuple(value)
+
+    def string_map(self, key: str) -> tuple[tuple[str, str], ...]:
+        value = self._get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str | int | float) and not isinstance(v, bool)
+            for k, v in value.items()
+        ):
+            self.problem(key, "expected a mapping of names to string values")
+            return ()
+        return tuple(sorted((k, str(v)) for k, v in value.items()))
+
+    def secret(self, key: str, *, required: bool, how: str) -> Secret | None:
+        value = self._get(key)
+        if value is None:
+            if required and self.ok:
+                self.problem(key, f"missing; {how}")
+            return None
+        if not is_secret(value):
+            self.problem(key, f"must be a Pulumi secret, never plain text; {how}")
+            return None
+        return Secret(value["secure"])
+
+    def items(self, key: str, *, required: bool = True) -> Iterator[tuple[str, Any]]:
+        value = self._get(key)
+        if value is None:
+            if required and self.ok:
+                self.problem(key, "missing; give a list")
+            return
+        if not isinstance(value, list):
+            self.problem(key, f"expected a list, got {describe(value)}")
+            return
+        if required and not value:
+            self.problem(key, "is empty; give at least one entry")
+        for index, item in enumerate(value):
+            yield f"{self.at(key)}[{index}]", item
+
+    def child(self, key: str) -> "Fields | None":
+        value = self._get(key)
+        if value is None:
+            return None
+        return Fields(self.problems, self.at(key), value)
+
+    def finish(self) -> None:
+        for key in self.raw:
+            if key in self.known:
+                continue
+            close = difflib.get_close_matches(str(key), sorted(self.known), n=1)
+            fix = (
+                f'did you mean "{close[0]}"?'
+                if close
+                else f"known keys: {', '.join(sorted(self.known))}"
+            )
+            self.problems.add(self.at(str(key)), f"unknown key; {fix}")

@@ -1,0 +1,142 @@
+"""The validated model of a stack: sites, recipes, the balancer. Plain data, no Pulumi."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SITE_KINDS = (
+    "aws",
+    "lambda",
+    "nebius",
+    "hetzner",
+    "joined",
+    "kubernetes",
+    "local",
+)
+Survive = Literal["node", "site"]
+WHOLE_GPU = "whole"
+
+
+@dataclass(frozen=True)
+class Secret:
+    """A value Pulumi keeps encrypted (`secure:` in stack config). Never printed."""
+
+    ciphertext: str
+
+    def __repr__(self) -> str:
+        return "Secret(<redacted>)"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A machine that already exists: a local simulated node, a joined host, a Hetzner GEX box."""
+
+    name: str
+    gpu: str  # GPU model name from the catalog
+    gpu_count: int
+    address: str = ""  # SSH/data-plane address; empty for local nodes (127.0.0.1)
+    ssh_user: str = "root"
+    server_model: str = ""  # Hetzner GEX model, when the node is one
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    name: str
+    kind: str  # one of SITE_KINDS
+    nodes: tuple[NodeSpec, ...] = ()  # existing machines (local, joined, hetzner)
+    # Sites that create machines: which offering, where, and at most how many.
+    region: str = ""
+    offering: str = ""  # AWS instance type, Lambda instance type, Nebius "platform/preset"
+    max_nodes: int = 0
+    gpu: str = ""  # the GPU model of created nodes (resolved from the offering, or declared on k8s)
+    gpus_per_node: int = 0
+    price_per_gpu_hour: float | None = None  # overrides the catalog's list price
+    admin_cidrs: tuple[str, ...] = ()
+    ssh_private_key: Secret | None = None
+    api_key: Secret | None = None  # Lambda Cloud
+    kubeconfig: Secret | None = None  # Kubernetes
+    namespace: str = ""
+    project_id: str = ""  # Nebius parent project
+    subnet_id: str = ""  # Nebius / AWS subnet, optional on AWS
+    image: str = ""  # AMI SSM parameter, Nebius image family
+    cache_size_gb: int = 500
+
+    @property
+    def creates_nodes(self) -> bool:
+        return self.kind in ("aws", "lambda", "nebius", "kubernetes")
+
+
+@dataclass(frozen=True)
+class SimulatedServer:
+    """How the local runner's simulated replica behaves for a recipe."""
+
+    ttft_ms: int = 40
+    itl_ms: int = 10
+    tokens: int = 16
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    name: str
+    share: str  # WHOLE_GPU or a MIG profile such as "1g.10gb"
+    tiers: tuple[tuple[str, ...], ...]  # site names by preference; sites in one tuple share a tier
+    min_warm: int
+    spare: int = 1
+    survive: Survive = "node"
+    gpu_models: tuple[str, ...] = ()  # GPU models allowed; empty = any
+    models: tuple[str, ...] = ()  # OpenAI `model` names routed to this pool (default: its name)
+    command: tuple[str, ...] = ()  # model server command; empty = the simulator on local sites
+    image: str = ""  # container image on nodes and Kubernetes
+    port: int = 8000
+    health_path: str = "/health"
+    cold_start_budget_s: int = 900
+    ttft_budget_ms: int | None = None
+    cache_dirs: tuple[str, ...] = ("/var/cache/denv/hf", "/var/cache/denv/compile")
+    session_affinity: bool = True
+    env: tuple[tuple[str, str], ...] = ()
+    simulate: SimulatedServer = field(default_factory=SimulatedServer)
+
+    @property
+    def is_mig(self) -> bool:
+        return self.share != WHOLE_GPU
+
+    @property
+    def replicas_wanted(self) -> int:
+        return self.min_warm + self.spare
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return tuple(s for tier in self.tiers for s in tier)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.models or (self.name,)
+
+
+@dataclass(frozen=True)
+class DnsSpec:
+    zone_id: str
+    name: str
+    ttl: int = 30
+
+
+@dataclass(frozen=True)
+class BalancerSpec:
+    sites: tuple[str, ...]  # where HAProxy instances run
+    port: int = 8080
+    api_key_digests: tuple[str, ...] = ()  # SHA-256 hex digests of accepted API keys
+    tls_certificate: Secret | None = None
+    prometheus_port: int = 8405
+    dns: DnsSpec | None = None
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    name: str
+    sites: tuple[SiteSpec, ...]
+    recipes: tuple[RecipeSpec, ...]
+    balancer: BalancerSpec
+
+    def site(self, name: str) -> SiteSpec:
+        return next(s for s in self.sites if s.name == name)

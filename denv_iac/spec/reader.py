@@ -1,0 +1,367 @@
+"""Turn the `denv:` keys of a stack's config into a validated StackSpec, or all its problems."""
+
+import ipaddress
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from denv_iac.catalog import Catalog, load_catalog
+from denv_iac.spec.fields import Fields, Problems
+from denv_iac.spec.model import (
+    SITE_KINDS,
+    WHOLE_GPU,
+    BalancerSpec,
+    DnsSpec,
+    NodeSpec,
+    RecipeSpec,
+    SimulatedServer,
+    SiteSpec,
+    StackSpec,
+)
+
+CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
+DIGEST = re.compile(r"^[0-9a-f]{64}$")
+SSH_KEY_HOW = "set it with 'pulumi config set --secret' (see docs/stacks.md)"
+PROVIDER_OF_KIND = {"aws": "aws", "lambda": "lambda", "nebius": "nebius", "hetzner": "hetzner"}
+
+
+class StackError(Exception):
+    """A stack that cannot be built. `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def read_stack(name: str, config: Mapping[str, Any], catalog: Catalog | None = None) -> StackSpec:
+    """Validate a stack's config (the `config:` mapping of Pulumi.<stack>.yaml)."""
+    catalog = catalog or load_catalog()
+    problems = Problems()
+    for key in config:
+        if str(key).startswith("denv:") and key not in CONFIG_KEYS:
+            problems.add(str(key), f"unknown config key; use one of {', '.join(CONFIG_KEYS)}")
+    root = Fields(problems, "", {k.removeprefix("denv:"): v for k, v in config.items()})
+    sites = tuple(_read_site(problems, p, raw, catalog) for p, raw in root.items("sites"))
+    recipes = tuple(_read_recipe(problems, p, raw) for p, raw in root.items("recipes"))
+    balancer_fields = Fields(problems, "balancer", root.raw.get("balancer", {}))
+    root.known.add("balancer")
+    balancer = _read_balancer(balancer_fields)
+    if problems:
+        raise StackError(problems.lines)
+    stack = StackSpec(name, sites, recipes, balancer)
+    _check_references(problems, stack, catalog)
+    if problems:
+        raise StackError(problems.lines)
+    return stack
+
+
+def _read_node(problems: Problems, path: str, raw: object, kind: str, catalog: Catalog) -> NodeSpec:
+    f = Fields(problems, path, raw)
+    name = f.name()
+    address = f.text("address", "" if kind == "local" else None, example="203.0.113.10")
+    if address:
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            if not re.match(r"^[A-Za-z0-9.-]+$", address):
+                f.problem("address", f'"{address}" is not an IP address or host name')
+    ssh_user = "root" if kind == "local" else f.text("ssh_user", "root")
+    if kind == "hetzner":
+        model = f.text("server_model", example="GEX130")
+        offering = catalog.offering("hetzner", model) if model else None
+        if model and offering is None:
+            f.problem(
+                "server_model",
+                f'"{model}" is unknown; use one of {catalog.offering_names("hetzner")}',
+            )
+        f.finish()
+        if offering is None:
+            return NodeSpec(name, "", 0, address, ssh_user)
+        return NodeSpec(name, offering.gpu, offering.gpu_count, address, ssh_user, model)
+    gpu = _gpu_model(f, "gpu", catalog)
+    count = f.integer("gpus", None, 1, 16)
+    f.finish()
+    return NodeSpec(name, gpu, count, address, ssh_user)
+
+
+def _gpu_model(f: Fields, key: str, catalog: Catalog) -> str:
+    gpu = f.text(key, example="H100")
+    if gpu and catalog.gpu(gpu) is None:
+        f.problem(key, f'GPU model "{gpu}" is unknown; use one of {catalog.gpu_names()}')
+        return ""
+    return gpu
+
+
+def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> SiteSpec:
+    f = Fields(problems, path, raw)
+    name = f.name()
+    kind = f.choice("kind", SITE_KINDS)
+    price = f.number("price_per_gpu_hour")
+    cache_size_gb = f.integer("cache_size_gb", 500, 10, 65536)
+    common: dict[str, Any] = {"price_per_gpu_hour": price, "cache_size_gb": cache_size_gb}
+    site = SiteSpec(name, kind or "local", **common)
+    if kind in ("local", "joined", "hetzner"):
+        nodes = tuple(_read_node(problems, p, n, kind, catalog) for p, n in f.items("nodes"))
+        extra: dict[str, Any] = {"nodes": nodes}
+        if kind != "local":
+            extra["ssh_private_key"] = f.secret("ssh_private_key", required=True, how=SSH_KEY_HOW)
+            extra["admin_cidrs"] = _cidrs(f)
+        if kind == "hetzner":
+            extra["region"] = f.text("location", "fsn1")
+        site = SiteSpec(name, kind, **common, **extra)
+    elif kind in ("aws", "lambda", "nebius"):
+        site = _read_cloud_site(f, name, kind, catalog, common)
+    elif kind == "kubernetes":
+        site = SiteSpec(
+            name,
+            kind,
+            **common,
+            kubeconfig=f.secret("kubeconfig", required=True, how=SSH_KEY_HOW),
+            namespace=f.name("namespace") if f.has("namespace") else "denv",
+            gpu=_gpu_model(f, "gpu", catalog),
+            gpus_per_node=f.integer("gpus_per_node", None, 1, 16),
+            max_nodes=f.integer("max_nodes", None, 1, 1000),
+        )
+    f.finish()
+    return site
+
+
+def _read_cloud_site(
+    f: Fields, name: str, kind: str, catalog: Catalog, common: dict[str, Any]
+) -> SiteSpec:
+    region = f.text("region", example="eu-north1" if kind == "nebius" else "us-east-1")
+    if kind == "nebius":
+        platform = f.text("platform", example="gpu-h100-sxm")
+        preset = f.text("preset", example="1gpu-16vcpu-200gb")
+        given, offering_name, key = bool(platform and preset), f"{platform}/{preset}", "preset"
+    else:
+        offering_name, key = f.text("instance_type", example="p5.48xlarge"), "instance_type"
+        given = bool(offering_name)
+    offering = catalog.offering(kind, offering_name)
+    if given and offering is None:
+        f.problem(
+            key,
+            f'"{offering_name}" is not a GPU offering we know on {kind}; '
+            f"use one of {catalog.offering_names(kind)}",
+        )
+    extra: dict[str, Any] = {
+        "region": region,
+        "offering": offering_name,
+        "max_nodes": f.integer("max_nodes", None, 1, 1000),
+        "gpu": offering.gpu if offering else "",
+        "gpus_per_node": offering.gpu_count if offering else 0,
+        "admin_cidrs": _cidrs(f),
+        "ssh_private_key": f.secret("ssh_private_key", required=True, how=SSH_KEY_HOW),
+    }
+    if kind == "aws":
+        extra["subnet_id"] = f.text("subnet_id", "")
+        extra["image"] = f.text(
+            "ami_parameter",
+            "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+        )
+    if kind == "lambda":
+        extra["api_key"] = f.secret("api_key", required=True, how=SSH_KEY_HOW)
+    if kind == "nebius":
+        extra["project_id"] = f.text("project_id", example="project-e00example")
+        extra["subnet_id"] = f.text("subnet_id", example="vpcsubnet-e00example")
+        extra["image"] = f.text("image_family", "ubuntu22.04-cuda12")
+    return SiteSpec(name, kind, **common, **extra)
+
+
+def _cidrs(f: Fields) -> tuple[str, ...]:
+    cidrs = f.text_list("admin_cidrs")
+    for cidr in cidrs:
+        try:
+            ipaddress.ip_network(cidr)
+        except ValueError:
+            f.problem("admin_cidrs", f'"{cidr}" is not a CIDR block; write it like 198.51.100.0/24')
+    return cidrs
+
+
+def _read_tiers(f: Fields) -> tuple[tuple[str, ...], ...]:
+    tiers: list[tuple[str, ...]] = []
+    for path, entry in f.items("sites"):
+        names = entry if isinstance(entry, list) else [entry]
+        if not names or not all(isinstance(n, str) and n for n in names):
+            f.problems.add(path, "expected a site name, or a list of site names that share a tier")
+            continue
+        tiers.append(tuple(names))
+    return tuple(tiers)
+
+
+def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
+    f = Fields(problems, path, raw)
+    name = f.name()
+    share = f.text("gpu", WHOLE_GPU)
+    if share != WHOLE_GPU and not re.match(r"^\d+g\.\d+gb$", share):
+        f.problem(
+            "gpu", f'"{share}" is not a GPU share; use "whole" or a MIG profile like "1g.10gb"'
+        )
+    min_warm = f.integer("min_warm", None, 1, 10000)
+    spare = f.integer("spare", 1, 0, 10000)
+    survive = f.choice("survive", ("node", "site"), "node")
+    tiers = _read_tiers(f)
+    sim = f.child("simulate")
+    simulate = SimulatedServer()
+    if sim is not None:
+        simulate = SimulatedServer(
+            sim.integer("ttft_ms", 40, 0, 600_000),
+            sim.integer("itl_ms", 10, 0, 60_000),
+            sim.integer("tokens", 16, 1, 100_000),
+        )
+        sim.finish()
+    health_path = f.text("health_path", "/health")
+    if health_path and not re.match(r"^/[A-Za-z0-9._~/-]*$", health_path):
+        f.problem("health_path", f'"{health_path}" is not a URL path; write it like /health')
+    models = f.text_list("models")
+    for model in models:
+        if not re.match(r"^[A-Za-z0-9._:/-]{1,128}$", model):
+            f.problem(
+                "models",
+                f'"{model}" has characters a model name may not have; '
+                "use letters, digits and . _ : / -",
+            )
+    ttft_budget = f.integer("ttft_budget_ms", 0, 0, 600_000) or None
+    recipe = RecipeSpec(
+        name=name,
+        share=share,
+        tiers=tiers,
+        min_warm=min_warm,
+        spare=spare,
+        survive="site" if survive == "site" else "node",
+        gpu_models=f.text_list("gpu_models"),
+        models=models,
+        command=f.text_list("command"),
+        image=f.text("image", ""),
+        port=f.integer("port", 8000, 1, 65535),
+        health_path=health_path,
+        cold_start_budget_s=f.integer("cold_start_budget_s", 900, 10, 86400),
+        ttft_budget_ms=ttft_budget,
+        cache_dirs=f.text_list("cache_dirs") or RecipeSpec.cache_dirs,
+        session_affinity=f.flag("session_affinity", True),
+        env=f.string_map("env"),
+        simulate=simulate,
+    )
+    for cache_dir in recipe.cache_dirs:
+        if not cache_dir.startswith("/"):
+            f.problem("cache_dirs", f'"{cache_dir}" is not an absolute path; start it with /')
+    f.finish()
+    return recipe
+
+
+def _read_balancer(f: Fields) -> BalancerSpec:
+    sites = f.text_list("sites", required=True)
+    digests = f.text_list("api_key_digests")
+    for digest in digests:
+        if not DIGEST.match(digest):
+            f.problem(
+                "api_key_digests",
+                "entries must be SHA-256 hex digests (64 lower-case hex "
+                "characters); compute one with `denv key digest`",
+            )
+            break
+    dns_fields = f.child("dns")
+    dns = None
+    if dns_fields is not None:
+        dns = DnsSpec(
+            dns_fields.text("zone_id", example="Z0123456789ABC"),
+            dns_fields.text("name", example="llm.example.com"),
+            dns_fields.integer("ttl", 30, 5, 86400),
+        )
+        dns_fields.finish()
+    balancer = BalancerSpec(
+        sites=sites,
+        port=f.integer("port", 8080, 1, 65535),
+        api_key_digests=digests,
+        tls_certificate=f.secret("tls_certificate", required=False, how=SSH_KEY_HOW),
+        prometheus_port=f.integer("prometheus_port", 8405, 1, 65535),
+        dns=dns,
+    )
+    if balancer.port == balancer.prometheus_port:
+        f.problem("prometheus_port", f"{balancer.port} is also the endpoint port; pick another")
+    f.finish()
+    return balancer
+
+
+def _duplicates(names: list[str]) -> list[str]:
+    return sorted(n for n, c in Counter(names).items() if c > 1 and n)
+
+
+def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) -> None:
+    site_names = [s.name for s in stack.sites]
+    for dup in _duplicates(site_names):
+        problems.add("sites", f'site name "{dup}" is used twice; give each site its own name')
+    for i, site in enumerate(stack.sites):
+        for dup in _duplicates([n.name for n in site.nodes]):
+            problems.add(f"sites[{i}].nodes", f'node name "{dup}" is used twice; rename one')
+    recipe_names = [r.name for r in stack.recipes]
+    for dup in _duplicates(recipe_names):
+        problems.add("recipes", f'recipe name "{dup}" is used twice; give each recipe its own name')
+    for dup in _duplicates([m for r in stack.recipes for m in r.model_names]):
+        problems.add(
+            "recipes", f'model name "{dup}" is routed to two recipes; a model needs one pool'
+        )
+    by_name = {s.name: s for s in stack.sites}
+    for i, recipe in enumerate(stack.recipes):
+        path = f"recipes[{i}]"
+        for dup in _duplicates(list(recipe.sites)):
+            problems.add(f"{path}.sites", f'site "{dup}" is listed twice; list each site once')
+        for gpu in recipe.gpu_models:
+            if catalog.gpu(gpu) is None:
+                problems.add(
+                    f"{path}.gpu_models",
+                    f'GPU model "{gpu}" is unknown; use one of {catalog.gpu_names()}',
+                )
+        for site_name in recipe.sites:
+            listed = by_name.get(site_name)
+            if listed is None:
+                problems.add(
+                    f"{path}.sites",
+                    f'site "{site_name}" is not defined; define it under '
+                    f"denv:sites or use one of {', '.join(site_names)}",
+                )
+                continue
+            _check_share(problems, path, recipe, listed, catalog)
+    for name in stack.balancer.sites:
+        if name not in by_name:
+            problems.add(
+                "balancer.sites",
+                f'site "{name}" is not defined; use one of {", ".join(site_names)}',
+            )
+
+
+def site_gpu_models(site: SiteSpec) -> list[str]:
+    models = [n.gpu for n in site.nodes] + ([site.gpu] if site.gpu else [])
+    return sorted(set(m for m in models if m))
+
+
+def _check_share(
+    problems: Problems, path: str, recipe: RecipeSpec, site: SiteSpec, catalog: Catalog
+) -> None:
+    models = site_gpu_models(site)
+    if recipe.gpu_models:
+        models = [m for m in models if m in recipe.gpu_models]
+        if not models:
+            problems.add(
+                f"{path}.sites",
+                f'site "{site.name}" has no {"/".join(recipe.gpu_models)} '
+                "GPUs; remove it from this recipe or allow its GPU in gpu_models",
+            )
+            return
+    if not recipe.is_mig:
+        return
+    for model in models:
+        gpu = catalog.gpus[model]
+        if not gpu.has_mig:
+            problems.add(
+                f"{path}.gpu",
+                f'MIG profile "{recipe.share}" does not exist on {model} '
+                f"({model} has no MIG, site {site.name}); use a whole GPU",
+            )
+        elif recipe.share not in gpu.mig_profiles:
+            problems.add(
+                f"{path}.gpu",
+                f'MIG profile "{recipe.share}" does not exist on {model} '
+                f"(site {site.name}); use one of {', '.join(gpu.mig_profiles)}",
+            )
