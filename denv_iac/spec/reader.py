@@ -47,8 +47,7 @@ def read_stack(name: str, config: Mapping[str, Any], catalog: Catalog | None = N
     balancer_fields = Fields(problems, "balancer", root.raw.get("balancer", {}))
     root.known.add("balancer")
     balancer = _read_balancer(balancer_fields)
-    if problems:
-        raise StackError(problems.lines)
+    # References are checked even when fields were bad, so one run reports everything.
     stack = StackSpec(name, sites, recipes, balancer)
     _check_references(problems, stack, catalog)
     if problems:
@@ -123,7 +122,8 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
             gpus_per_node=f.integer("gpus_per_node", None, 1, 16),
             max_nodes=f.integer("max_nodes", None, 1, 1000),
         )
-    f.finish()
+    if kind:  # with the kind unknown, which keys belong is unknown too
+        f.finish()
     return site
 
 
@@ -342,7 +342,7 @@ def _check_share(
     models = site_gpu_models(site)
     if recipe.gpu_models:
         models = [m for m in models if m in recipe.gpu_models]
-        if not models:
+        if not models and all(catalog.gpu(m) for m in recipe.gpu_models):
             problems.add(
                 f"{path}.sites",
                 f'site "{site.name}" has no {"/".join(recipe.gpu_models)} '

@@ -1,0 +1,3 @@
+from denv_iac.cli import main
+
+main()

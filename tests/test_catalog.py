@@ -1,0 +1,70 @@
+"""The shipped catalog: consistent, and every AWS instance type one EC2 really has."""
+
+import gzip
+import json
+from pathlib import Path
+
+import botocore
+import pytest
+
+from denv_iac.catalog import PROVIDERS, load_catalog, parse_catalog
+
+
+def ec2_instance_types() -> set[str]:
+    models = sorted((Path(botocore.__file__).parent / "data" / "ec2").glob("*/service-2.json*"))
+    newest = models[-1]
+    raw = gzip.decompress(newest.read_bytes()) if newest.suffix == ".gz" else newest.read_bytes()
+    return set(json.loads(raw)["shapes"]["InstanceType"]["enum"])
+
+
+def test_every_aws_offering_is_a_real_instance_type() -> None:
+    known = ec2_instance_types()
+    offered = set(load_catalog().offerings["aws"])
+    assert offered, "the catalog lists no AWS offerings"
+    assert offered - known == set()
+
+
+def test_required_families_are_present() -> None:
+    families = {name.split(".")[0] for name in load_catalog().offerings["aws"]}
+    assert families >= {"p5", "p5e", "p5en", "p4d", "p4de", "p6-b200", "g6e", "g6", "g5"}
+
+
+def test_offerings_are_priced_dated_and_name_known_gpus() -> None:
+    catalog = load_catalog()
+    assert set(catalog.offerings) == set(PROVIDERS)
+    for provider, offerings in catalog.offerings.items():
+        for offering in offerings.values():
+            assert offering.gpu in catalog.gpus, (provider, offering.name)
+            assert offering.gpu_count >= 1 and offering.usd_per_gpu_hour > 0
+            assert len(offering.price_read) == 10 and offering.price_read[4] == "-"
+
+
+@pytest.mark.parametrize(
+    ("gpu", "profile", "count"),
+    [
+        ("H100", "1g.10gb", 7),
+        ("H100", "7g.80gb", 1),
+        ("A100-40GB", "1g.5gb", 7),
+        ("H200", "3g.71gb", 2),
+        ("A30", "2g.12gb", 2),
+        ("B200", "1g.45gb", 4),
+    ],
+)
+def test_mig_profiles(gpu: str, profile: str, count: int) -> None:
+    assert load_catalog().gpus[gpu].mig_profiles[profile] == count
+
+
+@pytest.mark.parametrize("gpu", ["L4", "L40S", "A10G", "RTX-4000-SFF-ADA", "RTX-6000-ADA"])
+def test_gpus_without_mig(gpu: str) -> None:
+    assert not load_catalog().gpus[gpu].has_mig
+
+
+def test_an_offering_naming_an_unknown_gpu_is_rejected() -> None:
+    raw = {
+        "gpus": {},
+        "offerings": {
+            "aws": {"x.large": {"gpu": "Z1", "count": 1, "usd_per_gpu_hour": 1, "price_read": "d"}}
+        },
+    }
+    with pytest.raises(ValueError, match="unknown GPU Z1"):
+        parse_catalog(raw)

@@ -1,0 +1,334 @@
+"""Every kind of bad stack gets its own one-line message naming the path and the fix."""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from denv_iac.spec.model import Secret
+from denv_iac.spec.reader import StackError, read_stack
+from tests.stacks import SECRET, valid_config
+
+Config = dict[str, Any]
+
+
+def site(c: Config, i: int) -> dict[str, Any]:
+    return c["denv:sites"][i]  # type: ignore[no-any-return]
+
+
+def recipe(c: Config, i: int) -> dict[str, Any]:
+    return c["denv:recipes"][i]  # type: ignore[no-any-return]
+
+
+CASES: list[tuple[str, Callable[[Config], object], str]] = [
+    (
+        "unknown top key",
+        lambda c: c.update({"denv:site": []}),
+        "denv:site: unknown config key; use one of denv:sites, denv:recipes, denv:balancer",
+    ),
+    ("no sites", lambda c: c.pop("denv:sites"), "sites: missing; give a list"),
+    (
+        "empty recipes",
+        lambda c: c.update({"denv:recipes": []}),
+        "recipes: is empty; give at least one entry",
+    ),
+    (
+        "site not a mapping",
+        lambda c: c["denv:sites"].append("oops"),
+        "sites[7]: expected a mapping of keys to values, got a string",
+    ),
+    (
+        "bad kind",
+        lambda c: site(c, 0).update(kind="gcp"),
+        'sites[0].kind: "gcp" is not one of aws, lambda, nebius, hetzner, joined, '
+        "kubernetes, local",
+    ),
+    (
+        "typo key in site",
+        lambda c: site(c, 1).update(max_node=3),
+        'sites[1].max_node: unknown key; did you mean "max_nodes"?',
+    ),
+    (
+        "bad site name",
+        lambda c: site(c, 0).update(name="Local_1"),
+        'sites[0].name: "Local_1" is not a valid name; use 1-40 lower-case letters, digits and '
+        "'-', starting and ending with a letter or digit",
+    ),
+    (
+        "duplicate site",
+        lambda c: site(c, 1).update(name="local"),
+        'sites: site name "local" is used twice; give each site its own name',
+    ),
+    (
+        "duplicate node",
+        lambda c: site(c, 0)["nodes"][1].update(name="node-a"),
+        'sites[0].nodes: node name "node-a" is used twice; rename one',
+    ),
+    (
+        "unknown gpu",
+        lambda c: site(c, 0)["nodes"][0].update(gpu="H1000"),
+        'sites[0].nodes[0].gpu: GPU model "H1000" is unknown; use one of A10, A100-40GB, '
+        "A100-80GB, A10G, A30, B200, H100, H200, L4, L40S, RTX-4000-SFF-ADA, RTX-6000-ADA",
+    ),
+    (
+        "gpus zero",
+        lambda c: site(c, 0)["nodes"][0].update(gpus=0),
+        "sites[0].nodes[0].gpus: 0 is out of range; use a number from 1 to 16",
+    ),
+    (
+        "gpus not int",
+        lambda c: site(c, 0)["nodes"][0].update(gpus="two"),
+        "sites[0].nodes[0].gpus: expected a whole number, got a string",
+    ),
+    (
+        "unknown instance type",
+        lambda c: site(c, 1).update(instance_type="p9.48xlarge"),
+        'sites[1].instance_type: "p9.48xlarge" is not a GPU offering we know on aws; use one of '
+        "g5.12xlarge, g5.48xlarge, g5.xlarge, g6.12xlarge, g6.48xlarge, g6.xlarge, g6e.12xlarge, "
+        "g6e.48xlarge, g6e.xlarge, p4d.24xlarge, p4de.24xlarge, p5.48xlarge, p5.4xlarge, "
+        "p5e.48xlarge, p5en.48xlarge, p6-b200.48xlarge",
+    ),
+    (
+        "max_nodes missing",
+        lambda c: site(c, 1).pop("max_nodes"),
+        "sites[1].max_nodes: missing; add max_nodes: 1",
+    ),
+    (
+        "plaintext ssh key",
+        lambda c: site(c, 1).update(ssh_private_key="-----BEGIN KEY"),
+        "sites[1].ssh_private_key: must be a Pulumi secret, never plain text; set it with "
+        "'pulumi config set --secret' (see docs/stacks.md)",
+    ),
+    (
+        "missing lambda api key",
+        lambda c: site(c, 2).pop("api_key"),
+        "sites[2].api_key: missing; set it with 'pulumi config set --secret' (see docs/stacks.md)",
+    ),
+    (
+        "bad cidr",
+        lambda c: site(c, 1).update(admin_cidrs=["10.0.0.0/33"]),
+        'sites[1].admin_cidrs: "10.0.0.0/33" is not a CIDR block; write it like 198.51.100.0/24',
+    ),
+    (
+        "nebius preset",
+        lambda c: site(c, 3).update(preset="3gpu"),
+        'sites[3].preset: "gpu-h100-sxm/3gpu" is not a GPU offering we know on nebius; use one of '
+        "gpu-b200-sxm/8gpu-160vcpu-1792gb, gpu-h100-sxm/1gpu-16vcpu-200gb, "
+        "gpu-h100-sxm/8gpu-128vcpu-1600gb, gpu-h200-sxm/1gpu-16vcpu-200gb, "
+        "gpu-h200-sxm/8gpu-128vcpu-1600gb",
+    ),
+    (
+        "hetzner model",
+        lambda c: site(c, 4)["nodes"][0].update(server_model="GEX9"),
+        'sites[4].nodes[0].server_model: "GEX9" is unknown; use one of GEX130, GEX44',
+    ),
+    (
+        "joined address missing",
+        lambda c: site(c, 5)["nodes"][0].pop("address"),
+        "sites[5].nodes[0].address: missing; add address: 203.0.113.10",
+    ),
+    (
+        "bad address",
+        lambda c: site(c, 5)["nodes"][0].update(address="a b;rm"),
+        'sites[5].nodes[0].address: "a b;rm" is not an IP address or host name',
+    ),
+    (
+        "kubeconfig plaintext",
+        lambda c: site(c, 6).update(kubeconfig="apiVersion: v1"),
+        "sites[6].kubeconfig: must be a Pulumi secret, never plain text; set it with "
+        "'pulumi config set --secret' (see docs/stacks.md)",
+    ),
+    (
+        "secret in plain field",
+        lambda c: site(c, 1).update(region=SECRET),
+        "sites[1].region: is encrypted but is not a secret field; set it in plain text",
+    ),
+    (
+        "min_warm zero",
+        lambda c: recipe(c, 0).update(min_warm=0),
+        "recipes[0].min_warm: 0 is out of range; use a number from 1 to 10000",
+    ),
+    (
+        "min_warm missing",
+        lambda c: recipe(c, 0).pop("min_warm"),
+        "recipes[0].min_warm: missing; add min_warm: 1",
+    ),
+    (
+        "spare negative",
+        lambda c: recipe(c, 0).update(spare=-1),
+        "recipes[0].spare: -1 is out of range; use a number from 0 to 10000",
+    ),
+    (
+        "port out of range",
+        lambda c: recipe(c, 0).update(port=70000),
+        "recipes[0].port: 70000 is out of range; use a number from 1 to 65535",
+    ),
+    (
+        "balancer port",
+        lambda c: c["denv:balancer"].update(port=0),
+        "balancer.port: 0 is out of range; use a number from 1 to 65535",
+    ),
+    (
+        "survive",
+        lambda c: recipe(c, 0).update(survive="zone"),
+        'recipes[0].survive: "zone" is not one of node, site',
+    ),
+    (
+        "typo in recipe",
+        lambda c: recipe(c, 0).update(minwarm=2),
+        'recipes[0].minwarm: unknown key; did you mean "min_warm"?',
+    ),
+    (
+        "duplicate recipe",
+        lambda c: recipe(c, 1).update(name="voice"),
+        'recipes: recipe name "voice" is used twice; give each recipe its own name',
+    ),
+    (
+        "unknown site ref",
+        lambda c: recipe(c, 0).update(sites=["local", "gcp-1"]),
+        'recipes[0].sites: site "gcp-1" is not defined; define it under denv:sites or use one of '
+        "local, aws-use1, lambda-use1, nebius-eun1, hetzner-fsn, office, k8s",
+    ),
+    (
+        "site listed twice",
+        lambda c: recipe(c, 0).update(sites=["local", ["aws-use1", "local"]]),
+        'recipes[0].sites: site "local" is listed twice; list each site once',
+    ),
+    (
+        "mig on l40s",
+        lambda c: recipe(c, 1).update(sites=["office"]),
+        'recipes[1].gpu: MIG profile "1g.10gb" does not exist on L40S '
+        "(L40S has no MIG, site office); use a whole GPU",
+    ),
+    (
+        "wrong mig profile",
+        lambda c: recipe(c, 1).update(gpu="1g.5gb"),
+        'recipes[1].gpu: MIG profile "1g.5gb" does not exist on H100 (site local); use one of '
+        "1g.10gb, 1g.20gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb",
+    ),
+    (
+        "not a share",
+        lambda c: recipe(c, 1).update(gpu="half"),
+        'recipes[1].gpu: "half" is not a GPU share; use "whole" or a MIG profile like "1g.10gb"',
+    ),
+    (
+        "gpu_models unknown",
+        lambda c: recipe(c, 0).update(gpu_models=["H101"]),
+        'recipes[0].gpu_models: GPU model "H101" is unknown; use one of A10, A100-40GB, '
+        "A100-80GB, A10G, A30, B200, H100, H200, L4, L40S, RTX-4000-SFF-ADA, RTX-6000-ADA",
+    ),
+    (
+        "gpu_models exclude site",
+        lambda c: recipe(c, 2).update(gpu_models=["L40S"]),
+        'recipes[2].sites: site "hetzner-fsn" has no L40S GPUs; remove it from this '
+        "recipe or allow its GPU in gpu_models",
+    ),
+    (
+        "duplicate model name",
+        lambda c: recipe(c, 1).update(models=["voice"]),
+        'recipes: model name "voice" is routed to two recipes; a model needs one pool',
+    ),
+    (
+        "model name injection",
+        lambda c: recipe(c, 0).update(models=["x\nuse_backend y"]),
+        'recipes[0].models: "x\nuse_backend y" has characters a model name may not have; use '
+        "letters, digits and . _ : / -",
+    ),
+    (
+        "health path",
+        lambda c: recipe(c, 0).update(health_path="health"),
+        'recipes[0].health_path: "health" is not a URL path; write it like /health',
+    ),
+    (
+        "relative cache dir",
+        lambda c: recipe(c, 0).update(cache_dirs=["cache"]),
+        'recipes[0].cache_dirs: "cache" is not an absolute path; start it with /',
+    ),
+    (
+        "simulate typo",
+        lambda c: recipe(c, 0).update(simulate={"ttft": 5}),
+        'recipes[0].simulate.ttft: unknown key; did you mean "ttft_ms"?',
+    ),
+    (
+        "affinity not bool",
+        lambda c: recipe(c, 0).update(session_affinity="yes"),
+        "recipes[0].session_affinity: expected true or false, got a string",
+    ),
+    (
+        "balancer site unknown",
+        lambda c: c["denv:balancer"].update(sites=["nowhere"]),
+        'balancer.sites: site "nowhere" is not defined; use one of local, aws-use1, lambda-use1, '
+        "nebius-eun1, hetzner-fsn, office, k8s",
+    ),
+    (
+        "digest",
+        lambda c: c["denv:balancer"].update(api_key_digests=["sk-live-123"]),
+        "balancer.api_key_digests: entries must be SHA-256 hex digests (64 lower-case hex "
+        "characters); compute one with `denv key digest`",
+    ),
+    (
+        "port clash",
+        lambda c: c["denv:balancer"].update(port=8405),
+        "balancer.prometheus_port: 8405 is also the endpoint port; pick another",
+    ),
+    (
+        "tls plaintext",
+        lambda c: c["denv:balancer"].update(tls_certificate="-----BEGIN"),
+        "balancer.tls_certificate: must be a Pulumi secret, never plain text; set it with "
+        "'pulumi config set --secret' (see docs/stacks.md)",
+    ),
+    (
+        "dns typo",
+        lambda c: c["denv:balancer"].update(dns={"zone": "Z1", "name": "a.example"}),
+        "balancer.dns.zone_id: missing; add zone_id: Z0123456789ABC",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_stack_reports_one_line(change: Callable[[Config], object], expected: str) -> None:
+    config = valid_config()
+    change(config)
+    with pytest.raises(StackError) as raised:
+        read_stack("t", config)
+    assert expected in raised.value.problems
+
+
+def test_case_count_meets_the_bar() -> None:
+    assert len(CASES) >= 30
+
+
+def test_valid_stack_reads() -> None:
+    stack = read_stack("t", valid_config())
+    assert [s.kind for s in stack.sites] == [
+        "local",
+        "aws",
+        "lambda",
+        "nebius",
+        "hetzner",
+        "joined",
+        "kubernetes",
+    ]
+    assert stack.site("aws-use1").gpu == "H100" and stack.site("aws-use1").gpus_per_node == 8
+    assert stack.site("hetzner-fsn").nodes[0].gpu == "RTX-4000-SFF-ADA"
+    assert stack.recipes[0].tiers == (("local", "aws-use1"), ("lambda-use1",))
+    assert stack.recipes[0].model_names == ("voice",)
+
+
+def test_every_problem_reported_at_once() -> None:
+    config = valid_config()
+    recipe(config, 0).update(min_warm=0, port=0, colour="red")
+    site(config, 1).update(kind="gcp")
+    with pytest.raises(StackError) as raised:
+        read_stack("t", config)
+    assert len(raised.value.problems) == 4
+    assert all("\n" not in line.split(": ", 1)[0] for line in raised.value.problems)
+
+
+def test_secrets_stay_opaque() -> None:
+    stack = read_stack("t", valid_config())
+    key = stack.site("lambda-use1").api_key
+    assert isinstance(key, Secret)
+    assert SECRET["secure"] not in repr(stack) and SECRET["secure"] not in str(key)
