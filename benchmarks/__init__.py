@@ -1,0 +1,1 @@
+"""Benchmarks for `make bench`: figures reported as ratios against baselines from the same run."""

@@ -1,0 +1,37 @@
+"""`make bench`: run each benchmark present, print its figures, write results/NAME.json."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+MODULES = ("placement_bench", "agent_bench", "dataplane_bench")
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> int:
+    failed = []
+    RESULTS.mkdir(exist_ok=True)
+    for name in MODULES:
+        try:
+            module = importlib.import_module(f"benchmarks.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"benchmarks.{name}":
+                raise
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            figures = module.run()
+        except Exception as error:  # one failing benchmark must not hide the others' figures
+            print(f"{name} failed: {error}", file=sys.stderr)
+            failed.append(name)
+            continue
+        for key, value in figures.items():
+            print(f"  {key:32} {value}")
+        out = RESULTS / f"{name.removesuffix('_bench')}.json"
+        out.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
