@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 STACK  ?= local
-PY_SRC := denv_iac agent/denv_agent stacks tests agent/tests benchmarks
+PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks)
 
 .PHONY: setup test lint typecheck unit demo bench lock clean
 
