@@ -1,0 +1,322 @@
+"""Render the HAProxy configuration of the endpoint from placed pools.
+
+Pure: the same pools and settings always give byte-identical text. Order is kept where it
+carries meaning (tiers, rule order) and sorted everywhere else (pools, servers, sites, keys).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import posixpath
+import zlib
+from collections.abc import Iterable, Sequence
+
+from denv_iac.balancer.model import (
+    BalancerPool,
+    BalancerServer,
+    BalancerSettings,
+    BalancerTier,
+    RenderedConfig,
+)
+from denv_iac.balancer.validation import validate_balancer_inputs
+
+POOLS_MAP = "pools.map"
+API_KEYS_MAP = "api_keys.map"
+NO_REPLICA_BACKEND = "denv.no-healthy-replica"
+ENDPOINT_FRONTEND = "denv.endpoint"
+PROMETHEUS_FRONTEND = "denv.prometheus"
+
+# Routing on the `model` field reads the body from one buffer; 64 KiB holds typical chat
+# requests whole, so they can also be retried (a request larger than the buffer never is).
+_BUFSIZE = 65536
+
+_ERROR_UNAUTHORIZED = (
+    '{"error":{"type":"authentication_error","code":"invalid_api_key",'
+    '"message":"missing or unknown API key: send Authorization: Bearer <key>"}}'
+)
+_ERROR_UNKNOWN_POOL = (
+    '{"error":{"type":"invalid_request_error","code":"model_not_found",'
+    '"message":"unknown pool: set the model field or the X-Denv-Pool header to a served pool"}}'
+)
+# lf-string: the pool name is validated to JSON-safe characters before it gets here.
+_ERROR_NO_REPLICA = (
+    '{"error":{"type":"service_unavailable","code":"no_healthy_replica",'
+    '"message":"no healthy replica in any allowed site of pool %[var(txn.pool)]"}}'
+)
+
+_INDENT = "    "
+_MAX_SERVER_ID = 2**31 - 1
+
+
+def render_haproxy_config(
+    pools: Sequence[BalancerPool], settings: BalancerSettings, map_dir: str
+) -> RenderedConfig:
+    """Render haproxy.cfg and its map files; map files are referenced under `map_dir`.
+
+    Raises BalancerConfigError (a ValueError) naming the offending field.
+    """
+    validate_balancer_inputs(pools, settings, map_dir)
+    ordered = sorted(pools, key=lambda pool: pool.name)
+    maps = _MapPaths(map_dir)
+    sections = [
+        _header(),
+        _global_section(settings),
+        _defaults_section(settings),
+        *([_prometheus_frontend(settings)] if settings.prometheus_port is not None else []),
+        _endpoint_frontend(ordered, settings, maps),
+        *(_tier_backend(pool, tier, settings) for pool in ordered for tier in pool.tiers),
+        _no_replica_backend(),
+    ]
+    files = {POOLS_MAP: _pools_map(ordered)}
+    if settings.api_key_digests:
+        files[API_KEYS_MAP] = _api_keys_map(settings.api_key_digests)
+    return RenderedConfig(haproxy_cfg="\n".join(sections), files=files, map_dir=map_dir)
+
+
+def tier_backend_name(pool: BalancerPool, tier: BalancerTier) -> str:
+    """The backend serving one tier of a pool.
+
+    Unique: the text after the last '.tier' is the priority, the rest is the pool name.
+    """
+    return f"{pool.name}.tier{tier.priority}"
+
+
+class _MapPaths:
+    def __init__(self, map_dir: str) -> None:
+        self.pools = posixpath.join(map_dir, POOLS_MAP)
+        self.api_keys = posixpath.join(map_dir, API_KEYS_MAP)
+
+
+def _section(title: str, comments: Iterable[str], lines: Iterable[str]) -> str:
+    body = [f"# {comment}" for comment in comments]
+    body.append(title)
+    body.extend(f"{_INDENT}{line}" if line else "" for line in lines)
+    return "\n".join(body) + "\n"
+
+
+def _header() -> str:
+    return (
+        "# HAProxy configuration of the denv endpoint, rendered by denv-iac.\n"
+        "# Change the pools or balancer settings and render again; edits here are overwritten.\n"
+    )
+
+
+def _global_section(settings: BalancerSettings) -> str:
+    lines = [
+        "log stdout format raw local0",
+        f"stats socket {settings.stats_socket} mode 600 level admin expose-fd listeners",
+    ]
+    if settings.state_file is not None:
+        lines.append(f"server-state-file {settings.state_file}")
+    lines.append(f"tune.bufsize {_BUFSIZE}")
+    return _section("global", [], lines)
+
+
+def _defaults_section(settings: BalancerSettings) -> str:
+    idle = f"{settings.stream_idle_timeout_s}s"
+    lines = [
+        "mode http",
+        "log global",
+        "# Send each streamed token as soon as it arrives; without this, small SSE chunks wait",
+        "# for more data and time to first token grows by up to 200 ms.",
+        "option http-no-delay",
+        "# Retry only failures that happen before any response byte reaches the client, each",
+        "# time on another replica; a stream that has started is never replayed.",
+        "retries 2",
+        "retry-on conn-failure empty-response response-timeout",
+        "option redispatch 1",
+        "# A retry after a refused connect first waits min(timeout connect, 1 s), so this is",
+        "# what a replica that has just died costs the next request.",
+        f"timeout connect {settings.connect_timeout_ms}ms",
+        "# Inactivity timers: a stream may run for minutes as long as tokens keep coming.",
+        f"timeout client {idle}",
+        f"timeout server {idle}",
+        "timeout http-request 10s",
+        "timeout http-keep-alive 10s",
+        "# Reuse idle replica connections from the first request on: a fresh connect would add",
+        "# a round trip to time to first token. A reused connection found closed is retried at",
+        "# once (conn-failure, empty-response).",
+        "http-reuse always",
+        *_default_server(settings),
+    ]
+    if settings.state_file is not None:
+        lines.append("load-server-state-from-file global")
+    return _section("defaults", [], lines)
+
+
+def _prometheus_frontend(settings: BalancerSettings) -> str:
+    assert settings.prometheus_port is not None
+    return _section(
+        f"frontend {PROMETHEUS_FRONTEND}",
+        ["Prometheus metrics of every frontend, backend and server, on their own port."],
+        [
+            f"bind {_host_port(settings.bind_address, settings.prometheus_port)}",
+            "no log",
+            "http-request use-service prometheus-exporter if { path /metrics }",
+        ],
+    )
+
+
+def _endpoint_frontend(
+    pools: Sequence[BalancerPool], settings: BalancerSettings, maps: _MapPaths
+) -> str:
+    bind = f"bind {_host_port(settings.bind_address, settings.port)}"
+    if settings.tls_cert_path is not None:
+        bind += f" ssl crt {settings.tls_cert_path}"
+    lines = [
+        bind,
+        "option httplog",
+        "option dontlognull",
+        "# The whole request body is needed to read the model field and to retry the request.",
+        "option http-buffer-request",
+        "# Only the balancer says which replica served.",
+        "http-request del-header X-Denv-Replica",
+    ]
+    if settings.api_key_digests:
+        lines += [
+            "",
+            "# API keys are stored as SHA-256 digests; the bearer token's digest must be listed.",
+            "http-request return status 401 content-type application/json"
+            f" string '{_ERROR_UNAUTHORIZED}' hdr WWW-Authenticate Bearer"
+            f" unless {{ http_auth_bearer,sha2(256),hex,lower,map({maps.api_keys}) -m found }}",
+            "# The endpoint key is ours: replicas never see it.",
+            "http-request del-header Authorization",
+        ]
+    lines += [
+        "",
+        "# Pool: the X-Denv-Pool header when sent, else the model field of the JSON body.",
+        "acl pool_header req.hdr(X-Denv-Pool) -m found",
+        f"http-request set-var(txn.pool) req.hdr(X-Denv-Pool),map({maps.pools}) if pool_header",
+        "http-request set-var(txn.pool)"
+        f" req.body,json_query('$.model'),map({maps.pools}) unless pool_header",
+        "http-request return status 404 content-type application/json"
+        f" string '{_ERROR_UNKNOWN_POOL}' unless {{ var(txn.pool) -m found }}",
+    ]
+    for pool in pools:
+        lines += ["", *_pool_routing(pool)]
+    return _section(
+        f"frontend {ENDPOINT_FRONTEND}",
+        ["The endpoint: authenticate, pick the pool, then the most preferred tier with a replica."],
+        lines,
+    )
+
+
+def _pool_routing(pool: BalancerPool) -> list[str]:
+    chain = " -> ".join(
+        f"tier {tier.priority} ({', '.join(sorted(tier.sites))})" for tier in pool.tiers
+    )
+    pool_acl = f"pool:{pool.name}"
+    lines = [
+        f"# pool {pool.name}: {chain} -> 503",
+        f"acl {pool_acl} var(txn.pool) -m str {pool.name}",
+    ]
+    backends = [tier_backend_name(pool, tier) for tier in pool.tiers]
+    lines += [f"acl empty:{backend} nbsrv({backend}) eq 0" for backend in backends]
+    for i, backend in enumerate(backends):
+        # Each rule spells out that every more preferred tier is empty, so a tier is used only
+        # then, whatever the rule order.
+        preferred_empty = [f"empty:{more}" for more in backends[:i]]
+        conditions = " ".join([pool_acl, *preferred_empty, f"!empty:{backend}"])
+        lines.append(f"use_backend {backend} if {conditions}")
+    lines.append(f"use_backend {NO_REPLICA_BACKEND} if {pool_acl}")
+    return lines
+
+
+def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSettings) -> str:
+    servers = sorted(tier.servers, key=lambda server: server.replica_id)
+    if pool.session_affinity:
+        lines = [
+            "# A conversation stays on its replica (warm KV cache); if that replica fails, only",
+            "# its sessions move. Requests without the header go round robin.",
+            "balance hdr(X-Denv-Session)",
+            "hash-type consistent",
+        ]
+    else:
+        lines = ["balance leastconn"]
+    if tier.connect_timeout_ms is not None:
+        lines += [
+            "# A farther tier: its handshakes need longer.",
+            f"timeout connect {tier.connect_timeout_ms}ms",
+        ]
+    lines.append("http-response set-header X-Denv-Replica %s")
+    if servers:
+        # Validation guarantees one health path per tier.
+        lines += [f"option httpchk GET {servers[0].health_path}", "http-check expect status 200"]
+    for server, server_id in zip(servers, stable_server_ids(servers), strict=True):
+        lines += [f"# replica {server.replica_id} (site {server.site}, node {server.node})"]
+        lines += [_server_line(server, server_id)]
+    sites = ", ".join(sorted(tier.sites))
+    return _section(
+        f"backend {tier_backend_name(pool, tier)}",
+        [f"pool {pool.name}, tier {tier.priority}: sites {sites}"],
+        lines,
+    )
+
+
+def _default_server(settings: BalancerSettings) -> list[str]:
+    inter = settings.check_inter_ms
+    return [
+        "# Out of rotation fast: the node agent's verdict (GPU faults) every agent-inter; a",
+        "# refused connect on live traffic at once (observe layer4); a failed health check",
+        "# confirmed at fastinter. Weight 100 so that the agent's percentages can scale it.",
+        "# A replica host name that does not resolve leaves that server out (init-addr none)",
+        "# instead of failing the whole endpoint.",
+        f"default-server check inter {inter}ms fastinter {max(inter // 4, 1)}ms fall 2 rise 2"
+        f" agent-check agent-inter {settings.agent_inter_ms}ms weight 100"
+        " observe layer4 error-limit 1 on-error mark-down init-addr last,libc,none",
+    ]
+
+
+def stable_server_ids(servers: Sequence[BalancerServer]) -> list[int]:
+    """HAProxy server ids derived from replica ids, so that they survive config changes.
+
+    Consistent hashing places each server on the ring by its id; HAProxy numbers servers by
+    position otherwise, and adding one replica would then move other replicas' sessions.
+    """
+    taken: set[int] = set()
+    ids = []
+    for server in servers:
+        server_id = zlib.crc32(server.replica_id.encode()) % _MAX_SERVER_ID + 1
+        while server_id in taken:  # rare crc collision: probe to the next free id
+            server_id = server_id % _MAX_SERVER_ID + 1
+        taken.add(server_id)
+        ids.append(server_id)
+    return ids
+
+
+def _server_line(server: BalancerServer, server_id: int) -> str:
+    return (
+        f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
+        f' agent-port {server.agent_port} agent-send "{server.replica_id}\\n"'
+    )
+
+
+def _no_replica_backend() -> str:
+    return _section(
+        f"backend {NO_REPLICA_BACKEND}",
+        ["Every allowed tier of the pool is empty: answer at once rather than queue."],
+        [
+            "http-request return status 503 content-type application/json"
+            f" lf-string '{_ERROR_NO_REPLICA}'",
+        ],
+    )
+
+
+def _pools_map(pools: Sequence[BalancerPool]) -> str:
+    lines = ["# model field or X-Denv-Pool header -> pool"]
+    lines += [f"{pool.name} {pool.name}" for pool in pools]
+    return "\n".join(lines) + "\n"
+
+
+def _api_keys_map(digests: Iterable[str]) -> str:
+    lines = ["# SHA-256 of an API key (lowercase hex) -> 1"]
+    lines += [f"{digest} 1" for digest in sorted({digest.lower() for digest in digests})]
+    return "\n".join(lines) + "\n"
+
+
+def _host_port(address: str, port: int) -> str:
+    try:
+        is_v6 = ipaddress.ip_address(address).version == 6
+    except ValueError:
+        is_v6 = False
+    return f"[{address}]:{port}" if is_v6 else f"{address}:{port}"

@@ -1,0 +1,67 @@
+"""What the balancer is built from: placed pools and endpoint settings, as plain frozen data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BalancerServer:
+    """One replica as HAProxy sees it: where to send requests and where its node agent listens."""
+
+    replica_id: str  # pool.site.node.gpu[.slice], also the HAProxy server name
+    site: str
+    node: str
+    address: str
+    port: int
+    agent_port: int
+    health_path: str = "/health"
+
+
+@dataclass(frozen=True)
+class BalancerTier:
+    """Replicas of one pool that are equally preferred; a pool fails over tier by tier."""
+
+    priority: int
+    sites: tuple[str, ...]
+    servers: tuple[BalancerServer, ...]
+    # For a tier farther away than settings.connect_timeout_ms allows for a TCP handshake
+    # (another continent, from some balancer); None: the settings' value.
+    connect_timeout_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class BalancerPool:
+    """A served model: its tiers, most preferred first."""
+
+    name: str
+    tiers: tuple[BalancerTier, ...]
+    session_affinity: bool = True  # consistent hash on X-Denv-Session
+
+
+@dataclass(frozen=True)
+class BalancerSettings:
+    """Endpoint-wide choices: listeners, credentials, timers."""
+
+    bind_address: str = "0.0.0.0"
+    port: int = 8080
+    tls_cert_path: str | None = None
+    api_key_digests: tuple[str, ...] = ()  # SHA-256 hex digests of API keys; empty = no auth
+    stats_socket: str = "/run/denv/haproxy.sock"
+    prometheus_port: int | None = 8405
+    agent_inter_ms: int = 200
+    check_inter_ms: int = 1000
+    # Also the wait before retrying a refused connect, i.e. what a replica that just died costs
+    # the next request: keep it small, but above the round trip to every site.
+    connect_timeout_ms: int = 80
+    stream_idle_timeout_s: int = 300
+    state_file: str | None = None  # server-state-file path
+
+
+@dataclass(frozen=True)
+class RenderedConfig:
+    """An HAProxy configuration and the map files it reads, by file name."""
+
+    haproxy_cfg: str
+    files: dict[str, str] = field(default_factory=dict)
+    map_dir: str = ""  # where haproxy_cfg expects the files

@@ -1,0 +1,112 @@
+"""Run a rendered config with the installed HAProxy and read its state from the stats socket.
+
+The local runner, the data-plane tests and the benchmarks start HAProxy this way: master-worker
+(`-W`, so a reload keeps established streams), in the foreground, in its own process group so
+that stopping it stops its workers too.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+class HaproxyStartError(RuntimeError):
+    """HAProxy exited or never opened its stats socket; the message holds its log tail."""
+
+
+class HaproxyProcess:
+    """One HAProxy master process (and its workers) serving one config file."""
+
+    def __init__(
+        self,
+        config_path: Path,
+        stats_socket: Path,
+        log_path: Path,
+        haproxy_bin: str = "haproxy",
+    ) -> None:
+        self.config_path = config_path
+        self.stats_socket = stats_socket
+        self.log_path = log_path
+        self.haproxy_bin = haproxy_bin
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start and wait until the worker answers on the stats socket."""
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                [self.haproxy_bin, "-W", "-f", str(self.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise HaproxyStartError(f"haproxy exited at start:\n{self._log_tail()}")
+            try:
+                stats_command(self.stats_socket, "show info")
+                return
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise HaproxyStartError(
+            f"haproxy gave no stats socket in {timeout_s} s:\n{self._log_tail()}"
+        )
+
+    def reload(self) -> None:
+        """Load the config file again; old workers finish their streams, then exit."""
+        self._signal(signal.SIGUSR2)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop master and workers: SIGTERM to the process group, SIGKILL when it lingers."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            process.wait(timeout_s)
+
+    def _signal(self, signum: signal.Signals) -> None:
+        if self._process is not None and self._process.poll() is None:
+            # The group id is the master's pid: start_new_session made it a group leader.
+            os.killpg(self._process.pid, signum)
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def stats_command(socket_path: Path, command: str, timeout_s: float = 2.0) -> str:
+    """Send one runtime API command on the stats socket and return HAProxy's answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(str(socket_path))
+        sock.sendall(command.encode() + b"\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def server_stats(socket_path: Path) -> dict[str, dict[str, str]]:
+    """`show stat` rows of every server, by server name (replica id)."""
+    text = stats_command(socket_path, "show stat").removeprefix("# ")
+    rows = csv.DictReader(io.StringIO(text))
+    return {row["svname"]: row for row in rows if row["svname"] not in ("FRONTEND", "BACKEND")}

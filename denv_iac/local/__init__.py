@@ -1,0 +1,1 @@
+"""The data plane on one machine: the local runner and the simulated replica."""

@@ -1,0 +1,507 @@
+"""A simulated GPU replica: an OpenAI-compatible streaming server with configurable latency.
+
+It stands in for a model server in the local runner, the data-plane tests and the benchmarks:
+`POST /v1/chat/completions` (SSE when `stream` is true), `GET /health`, `GET /stats` (what it
+received, so tests can prove a request was never replayed) and `POST /control/fault` to make
+it fail the ways real replicas do. Plain asyncio and a minimal HTTP/1.1, so that it is never
+the bottleneck of a measurement and needs nothing beyond the standard library.
+
+    python -m denv_iac.local.replica_sim --id voice.local.n0.0 --port 0 --ttft-ms 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import enum
+import json
+import os
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+READY_PREFIX = "replica_sim ready"
+SELF_HEADER = "X-Denv-Replica-Self"
+
+_MAX_HEAD_BYTES = 64 * 1024
+_MAX_BODY_BYTES = 16 * 1024 * 1024
+_ROUTES = ("/stats", "/control/fault", "/health", "/v1/chat/completions")
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    413: "Content Too Large",
+    501: "Not Implemented",
+}
+
+
+class FaultMode(enum.StrEnum):
+    NONE = "none"
+    EXIT = "exit"  # the process exits at once: every connection is reset, the port refuses
+    DIE_AFTER_TOKENS = "die_after_tokens"  # streams are reset after k tokens, no final chunk
+    REFUSE = "refuse"  # the listening socket closes: new connections are refused
+    HANG = "hang"  # requests are read but never answered (health checks included)
+
+
+@dataclass(frozen=True)
+class ReplicaSimConfig:
+    replica_id: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: an ephemeral port, see ReplicaSim.port
+    ttft_ms: float = 50.0
+    itl_ms: float = 10.0
+    tokens: int = 20
+
+
+@dataclass
+class _Request:
+    method: str
+    path: str
+    keep_alive: bool
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class _Stats:
+    requests: int = 0
+    health_checks: int = 0
+    streams_completed: int = 0
+    streams_aborted: int = 0
+    by_request_id: Counter[str] = field(default_factory=Counter)
+
+
+class _ConnectionAborted(Exception):
+    """The simulated fault reset the connection; stop serving it."""
+
+
+class ReplicaSim:
+    """The server; `start()` binds and serves in the running event loop."""
+
+    def __init__(self, config: ReplicaSimConfig) -> None:
+        self.config = config
+        self.fault = FaultMode.NONE
+        self.fault_k = 0
+        self.stats = _Stats()
+        self._server: asyncio.Server | None = None
+        self._port = config.port
+        self._idle: set[asyncio.StreamWriter] = set()
+        self._open: set[asyncio.StreamWriter] = set()
+        self._completion_seq = 0
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._serve_connection,
+            self.config.host,
+            self._port,
+            reuse_address=True,
+            limit=_MAX_HEAD_BYTES,
+        )
+        self._port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self._stop_listening()
+        for writer in list(self._open):
+            writer.transport.abort()
+
+    def _stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _set_fault(self, mode: FaultMode, k: int) -> None:
+        self.fault, self.fault_k = mode, k
+        if mode is FaultMode.REFUSE:
+            self._stop_listening()
+            # A replica whose port refuses has no idle keep-alive connections left either.
+            for writer in list(self._idle):
+                writer.transport.abort()
+        elif self._server is None:
+            await self.start()
+
+    async def _serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self._open.add(writer)
+        try:
+            while True:
+                self._idle.add(writer)
+                request = await _read_request(reader)
+                self._idle.discard(writer)
+                if request is None:
+                    return
+                if not await self._dispatch(request, writer):
+                    return
+        except (ConnectionError, _ConnectionAborted):
+            return
+        except _BadRequest as error:
+            await _respond_json(writer, error.status, {"error": str(error)}, self.config, False)
+        finally:
+            self._idle.discard(writer)
+            self._open.discard(writer)
+            writer.transport.close()
+
+    async def _dispatch(self, request: _Request, writer: asyncio.StreamWriter) -> bool:
+        """Serve one request; False when the connection must close afterwards."""
+        path = request.path.split("?", 1)[0]
+        route = (request.method, path)
+        if route == ("GET", "/stats"):
+            await self._respond(writer, 200, self._stats_body(), request)
+        elif route == ("POST", "/control/fault"):
+            await self._control_fault(request, writer)
+        elif route == ("GET", "/health"):
+            self.stats.health_checks += 1
+            await self._hang_if_asked()
+            await self._respond(
+                writer, 200, {"status": "ok", "replica": self.config.replica_id}, request
+            )
+        elif route == ("POST", "/v1/chat/completions"):
+            await self._chat_completion(request, writer)
+        elif path in _ROUTES:
+            await self._respond(writer, 405, {"error": "method not allowed"}, request)
+        else:
+            await self._respond(writer, 404, {"error": f"no route {path}"}, request)
+        return request.keep_alive
+
+    async def _hang_if_asked(self) -> None:
+        if self.fault is FaultMode.HANG:
+            await asyncio.Event().wait()
+
+    async def _control_fault(self, request: _Request, writer: asyncio.StreamWriter) -> None:
+        try:
+            body = json.loads(request.body or b"{}")
+            mode = FaultMode(body["mode"])
+            k = int(body.get("k", 0))
+        except (ValueError, KeyError, TypeError):
+            modes = ", ".join(mode.value for mode in FaultMode)
+            await self._respond(writer, 400, {"error": f"send mode: one of {modes}"}, request)
+            return
+        if mode is not FaultMode.EXIT:
+            await self._set_fault(mode, k)
+        await self._respond(writer, 200, {"fault": mode.value, "k": k}, request)
+        if mode is FaultMode.EXIT:
+            os._exit(1)
+
+    def _stats_body(self) -> dict[str, Any]:
+        return {
+            "replica": self.config.replica_id,
+            "fault": self.fault.value,
+            "requests": self.stats.requests,
+            "health_checks": self.stats.health_checks,
+            "streams_completed": self.stats.streams_completed,
+            "streams_aborted": self.stats.streams_aborted,
+            "by_request_id": dict(sorted(self.stats.by_request_id.items())),
+        }
+
+    async def _chat_completion(self, request: _Request, writer: asyncio.StreamWriter) -> None:
+        received = time.monotonic()
+        try:
+            body = json.loads(request.body)
+            if not isinstance(body, dict):
+                raise ValueError("the body is not a JSON object")
+        except ValueError as error:
+            await self._respond(writer, 400, {"error": f"invalid JSON body: {error}"}, request)
+            return
+        request_id = request.headers.get("x-request-id") or body.get("user")
+        self.stats.requests += 1
+        if request_id:
+            self.stats.by_request_id[str(request_id)] += 1
+        await self._hang_if_asked()
+        tokens = int(body.get("max_tokens") or self.config.tokens)
+        self._completion_seq += 1
+        completion = _Completion(
+            id=f"chatcmpl-{self.config.replica_id}-{self._completion_seq}",
+            model=str(body.get("model", "")),
+            replica_id=self.config.replica_id,
+        )
+        if body.get("stream"):
+            await self._stream(completion, tokens, received, request, writer)
+        else:
+            await self._sleep_until(received, self._token_offset_s(tokens - 1))
+            await self._respond(writer, 200, completion.whole(tokens), request)
+
+    async def _stream(
+        self,
+        completion: _Completion,
+        tokens: int,
+        received: float,
+        request: _Request,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        # Headers go out at once, as real model servers send them before the first token.
+        writer.write(
+            _head(200, "text/event-stream", self.config, request.keep_alive, chunked=True)
+            + b"Cache-Control: no-cache\r\n\r\n"
+        )
+        await writer.drain()
+        die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
+        for index in range(tokens):
+            if index == die_after:
+                self.stats.streams_aborted += 1
+                _reset(writer)
+                raise _ConnectionAborted
+            await self._sleep_until(received, self._token_offset_s(index))
+            writer.write(_chunk(_sse(completion.token_chunk(index))))
+            await writer.drain()
+        writer.write(
+            _chunk(_sse(completion.final_chunk())) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        )
+        await writer.drain()
+        self.stats.streams_completed += 1
+
+    def _token_offset_s(self, index: int) -> float:
+        return (self.config.ttft_ms + max(index, 0) * self.config.itl_ms) / 1000.0
+
+    @staticmethod
+    async def _sleep_until(start: float, offset_s: float) -> None:
+        # Deadlines from the request's arrival keep the token pace free of accumulated drift.
+        delay = start + offset_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _respond(
+        self, writer: asyncio.StreamWriter, status: int, body: dict[str, Any], request: _Request
+    ) -> None:
+        await _respond_json(writer, status, body, self.config, request.keep_alive)
+
+
+@dataclass(frozen=True)
+class _Completion:
+    id: str
+    model: str
+    replica_id: str
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model,
+            "replica": self.replica_id,
+        }
+
+    def token_chunk(self, index: int) -> dict[str, Any]:
+        delta = {"content": _token_text(index)}
+        if index == 0:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+
+    def final_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {}, "finish_reason": "stop"}
+        return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+
+    def whole(self, tokens: int) -> dict[str, Any]:
+        text = "".join(_token_text(index) for index in range(tokens))
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop",
+        }
+        usage = {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
+        return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage}
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
+    """One request from the connection, or None when the peer closed it between requests."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as error:
+        if error.partial.strip():
+            raise _BadRequest(400, "truncated request head") from None
+        return None
+    except asyncio.LimitOverrunError:
+        raise _BadRequest(400, "request head too large") from None
+    request_line, *header_lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+    try:
+        method, target, version = request_line.split(" ", 2)
+    except ValueError:
+        raise _BadRequest(400, "malformed request line") from None
+    headers: dict[str, str] = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        raise _BadRequest(501, "chunked request bodies are not supported; send Content-Length")
+    length = int(headers.get("content-length") or 0)
+    if length > _MAX_BODY_BYTES:
+        raise _BadRequest(413, "request body too large")
+    body = await reader.readexactly(length) if length else b""
+    connection = headers.get("connection", "").lower()
+    keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
+    return _Request(method, target, keep_alive, headers, body)
+
+
+def _head(
+    status: int, content_type: str, config: ReplicaSimConfig, keep_alive: bool, chunked: bool
+) -> bytes:
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}",
+        f"Content-Type: {content_type}",
+        f"{SELF_HEADER}: {config.replica_id}",
+        "Connection: keep-alive" if keep_alive else "Connection: close",
+    ]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    return ("\r\n".join(lines) + "\r\n").encode("latin-1")
+
+
+async def _respond_json(
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: dict[str, Any],
+    config: ReplicaSimConfig,
+    keep_alive: bool,
+) -> None:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    head = _head(status, "application/json", config, keep_alive, chunked=False)
+    writer.write(head + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    await writer.drain()
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _token_text(index: int) -> str:
+    return f"tok{index} "
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Abort with a TCP reset, as a crashed model server's kernel would."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+class ReplicaProcess:
+    """A simulated replica in its own process, as the local runner and the tests start it."""
+
+    def __init__(self, config: ReplicaSimConfig, log_path: Path | None = None) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.port = config.port
+        self._process: subprocess.Popen[str] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def spawn(self) -> None:
+        """Start the process; wait_ready() then gives its port. Split so that many replicas
+        start in parallel."""
+        command = [sys.executable, "-m", "denv_iac.local.replica_sim", *self._arguments()]
+        log = self.log_path.open("a") if self.log_path is not None else None
+        try:
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log if log is not None else subprocess.DEVNULL,
+                text=True,
+            )
+        finally:
+            if log is not None:
+                log.close()
+
+    def wait_ready(self, timeout_s: float = 10.0) -> int:
+        process = self._process
+        if process is None or process.stdout is None:
+            raise RuntimeError("spawn() the replica first")
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout_s):
+                self.stop()
+                raise RuntimeError(f"replica {self.config.replica_id} not ready in {timeout_s} s")
+        line = process.stdout.readline()
+        if not line.startswith(READY_PREFIX):
+            self.stop()
+            raise RuntimeError(f"replica {self.config.replica_id} failed to start: {line!r}")
+        self.port = int(line.rsplit("port=", 1)[1])
+        return self.port
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+        if self._process is not None:
+            self._process.wait()
+            if self._process.stdout is not None:
+                self._process.stdout.close()
+
+    def _arguments(self) -> list[str]:
+        config = self.config
+        return [
+            f"--id={config.replica_id}",
+            f"--host={config.host}",
+            f"--port={self.port}",
+            f"--ttft-ms={config.ttft_ms}",
+            f"--itl-ms={config.itl_ms}",
+            f"--tokens={config.tokens}",
+        ]
+
+
+def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m denv_iac.local.replica_sim",
+        description="A simulated GPU replica: OpenAI-compatible streaming with set latency.",
+    )
+    parser.add_argument("--id", dest="replica_id", required=True, help="replica id to report")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--ttft-ms", type=float, default=50.0, help="time to first token")
+    parser.add_argument("--itl-ms", type=float, default=10.0, help="gap between tokens")
+    parser.add_argument("--tokens", type=int, default=20, help="tokens per completion")
+    args = parser.parse_args(argv)
+    return ReplicaSimConfig(
+        replica_id=args.replica_id,
+        host=args.host,
+        port=args.port,
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        tokens=args.tokens,
+    )
+
+
+async def _serve(config: ReplicaSimConfig) -> None:
+    sim = ReplicaSim(config)
+    await sim.start()
+    print(f"{READY_PREFIX} id={config.replica_id} host={config.host} port={sim.port}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = _parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""The rendered HAProxy config: structure, escaping, determinism, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from denv_iac.balancer import (
+    BalancerConfigError,
+    BalancerPool,
+    BalancerSettings,
+    BalancerTier,
+    RenderedConfig,
+    render_haproxy_config,
+)
+
+from .sample_pools import LLM, MAP_DIR, POOLS, SETTINGS, VOICE, server
+
+GOLDEN = Path(__file__).parent / "golden" / "representative.cfg"
+
+
+def render(
+    pools: tuple[BalancerPool, ...] = POOLS, balancer: BalancerSettings = SETTINGS
+) -> RenderedConfig:
+    return render_haproxy_config(pools, balancer, MAP_DIR)
+
+
+def section(cfg: str, title: str) -> list[str]:
+    """The directive lines of one section, comments dropped."""
+    block = re.split(r"\n\n(?=\S)", cfg.split(f"\n{title}\n", 1)[1], maxsplit=1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip() and line[4] != "#"]
+
+
+def test_golden_snapshot() -> None:
+    cfg = render().haproxy_cfg
+    if os.environ.get("DENV_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(cfg)
+    assert cfg == GOLDEN.read_text(), "rendering changed: DENV_UPDATE_GOLDEN=1 to accept it"
+
+
+def test_sections_come_in_a_stable_order() -> None:
+    titles = [line for line in render().haproxy_cfg.splitlines() if re.match(r"^[a-z]", line)]
+    assert titles == [
+        "global",
+        "defaults",
+        "frontend denv.prometheus",
+        "frontend denv.endpoint",
+        "backend llm-8b.tier1",
+        "backend voice.tier1",
+        "backend voice.tier2",
+        "backend denv.no-healthy-replica",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("balancer", "present", "absent"),
+    [
+        (
+            BalancerSettings(),
+            ["bind 0.0.0.0:8080\n", "bind 0.0.0.0:8405", "timeout connect 80ms", "stats socket "],
+            ["ssl crt", "http_auth_bearer", "server-state-file", "api_keys.map"],
+        ),
+        (
+            BalancerSettings(tls_cert_path="/etc/denv/tls.pem", port=443),
+            ["bind 0.0.0.0:443 ssl crt /etc/denv/tls.pem\n"],
+            [],
+        ),
+        (BalancerSettings(prometheus_port=None), [], ["prometheus"]),
+        (
+            BalancerSettings(bind_address="::", prometheus_port=9090),
+            ["bind [::]:8080\n", "bind [::]:9090\n"],
+            [],
+        ),
+        (
+            BalancerSettings(api_key_digests=("ab" * 32,)),
+            [
+                "http-request return status 401 content-type application/json string '{",
+                f"unless {{ http_auth_bearer,sha2(256),hex,lower,map({MAP_DIR}/api_keys.map)"
+                " -m found }",
+                "http-request del-header Authorization",
+            ],
+            [],
+        ),
+        (
+            BalancerSettings(state_file="/var/lib/denv/state"),
+            ["server-state-file /var/lib/denv/state\n", "load-server-state-from-file global"],
+            [],
+        ),
+        (
+            BalancerSettings(
+                agent_inter_ms=150,
+                check_inter_ms=800,
+                connect_timeout_ms=40,
+                stream_idle_timeout_s=60,
+            ),
+            [
+                "agent-inter 150ms",
+                "inter 800ms fastinter 200ms fall 2 rise 2",
+                "timeout connect 40ms",
+                "timeout client 60s\n",
+                "timeout server 60s\n",
+            ],
+            [],
+        ),
+        (
+            BalancerSettings(stats_socket="/run/x/h.sock"),
+            ["stats socket /run/x/h.sock mode 600 level admin expose-fd listeners\n"],
+            [],
+        ),
+    ],
+    ids=["defaults", "tls", "no-prometheus", "ipv6", "api-keys", "state-file", "timers", "socket"],
+)
+def test_settings_shape_the_config(
+    balancer: BalancerSettings, present: list[str], absent: list[str]
+) -> None:
+    cfg = render(balancer=balancer).haproxy_cfg
+    for text in present:
+        assert text in cfg
+    for text in absent:
+        assert text not in cfg
+
+
+def test_defaults_hold_the_streaming_and_retry_policy() -> None:
+    lines = section(render().haproxy_cfg, "defaults")
+    for directive in (
+        "option http-no-delay",
+        "retries 2",
+        "retry-on conn-failure empty-response response-timeout",
+        "option redispatch 1",
+        "http-reuse always",
+    ):
+        assert directive in lines
+    (default_server,) = [line for line in lines if line.startswith("default-server")]
+    for option in (
+        " check ",
+        " agent-check ",
+        " weight 100 ",
+        " observe layer4 error-limit 1 on-error mark-down ",
+        " fall 2 rise 2 ",
+    ):
+        assert option in f"{default_server} "
+
+
+def test_frontend_strips_replica_header_and_buffers_the_body() -> None:
+    lines = section(render().haproxy_cfg, "frontend denv.endpoint")
+    assert "option http-buffer-request" in lines
+    assert "http-request del-header X-Denv-Replica" in lines
+    assert lines.index("http-request del-header X-Denv-Replica") < lines.index(
+        "acl pool_header req.hdr(X-Denv-Pool) -m found"
+    )
+    assert (
+        f"http-request set-var(txn.pool) req.body,json_query('$.model'),map({MAP_DIR}/pools.map)"
+        " unless pool_header"
+    ) in lines
+
+
+def test_tiers_chain_in_order_and_end_in_503() -> None:
+    lines = section(render().haproxy_cfg, "frontend denv.endpoint")
+    assert [line for line in lines if "voice" in line] == [
+        "acl pool:voice var(txn.pool) -m str voice",
+        "acl empty:voice.tier1 nbsrv(voice.tier1) eq 0",
+        "acl empty:voice.tier2 nbsrv(voice.tier2) eq 0",
+        "use_backend voice.tier1 if pool:voice !empty:voice.tier1",
+        "use_backend voice.tier2 if pool:voice empty:voice.tier1 !empty:voice.tier2",
+        "use_backend denv.no-healthy-replica if pool:voice",
+    ]
+
+
+def test_tier_comment_names_pool_priority_and_sites() -> None:
+    cfg = render().haproxy_cfg
+    assert "# pool voice, tier 1: sites aws-use1, lambda-use1\nbackend voice.tier1\n" in cfg
+    assert "# pool voice: tier 1 (aws-use1, lambda-use1) -> tier 2 (nebius-eun1) -> 503" in cfg
+
+
+@pytest.mark.parametrize(
+    ("backend", "balance"),
+    [
+        ("backend voice.tier1", ["balance hdr(X-Denv-Session)", "hash-type consistent"]),
+        ("backend llm-8b.tier1", ["balance leastconn"]),
+    ],
+)
+def test_balance_follows_session_affinity(backend: str, balance: list[str]) -> None:
+    lines = section(render().haproxy_cfg, backend)
+    assert lines[: len(balance)] == balance
+    assert "http-response set-header X-Denv-Replica %s" in lines
+    assert "option httpchk GET /health" in lines
+    assert "http-check expect status 200" in lines
+
+
+def test_server_lines_name_replicas_sorted_with_agent_send() -> None:
+    cfg = render().haproxy_cfg
+    block = cfg.split("\nbackend voice.tier1\n", 1)[1].split("\n\n", 1)[0]
+    servers = re.findall(
+        r"^    server (\S+) (\S+) id (\d+) agent-port (\d+) agent-send (.*)$", block, re.M
+    )
+    assert [(name, address) for name, address, *_ in servers] == [
+        ("voice.aws-use1.node-0.0", "10.0.0.7:8001"),
+        ("voice.aws-use1.node-0.1", "10.0.0.7:8000"),
+        ("voice.lambda-use1.node-0.0", "10.1.0.5:8000"),
+    ]
+    for name, _address, _id, agent_port, agent_send in servers:
+        assert agent_port == "9100"
+        # HAProxy turns the two characters \n into the newline the agent reads up to.
+        assert agent_send == f'"{name}\\n"'
+        assert f"    # replica {name} (site {name.split('.')[1]}, node node-0)\n" in block
+
+
+def test_far_tier_gets_its_own_connect_timeout() -> None:
+    assert "timeout connect 250ms" in section(render().haproxy_cfg, "backend voice.tier2")
+    assert not any(
+        "timeout" in line for line in section(render().haproxy_cfg, "backend voice.tier1")
+    )
+
+
+def test_server_ids_survive_adding_a_replica() -> None:
+    def ids(pool: BalancerPool) -> dict[str, str]:
+        cfg = render((pool,)).haproxy_cfg
+        return dict(re.findall(r"^    server (\S+) \S+ id (\d+)", cfg, re.M))
+
+    tier = VOICE.tiers[0]
+    grown = dataclasses.replace(
+        tier, servers=(*tier.servers, server("voice.aws-use1.node-0.00", "10.0.0.8"))
+    )
+    before = ids(VOICE)
+    after = ids(dataclasses.replace(VOICE, tiers=(grown, *VOICE.tiers[1:])))
+    assert {name: after[name] for name in before} == before
+    assert len(set(after.values())) == len(after)
+
+
+def test_error_bodies_are_json_and_cannot_break_out_of_their_quotes() -> None:
+    cfg = render().haproxy_cfg
+    bodies = re.findall(r"(?:lf-)?string '([^']*)'", cfg)
+    assert len(bodies) == 3  # 401, 404, 503
+    for body in bodies:
+        assert body.startswith('{"error":{') and body.endswith("}}")
+        assert "\n" not in body
+
+
+def test_map_files() -> None:
+    upper = hashlib.sha256(b"other").hexdigest().upper()
+    balancer = dataclasses.replace(
+        SETTINGS, api_key_digests=(upper, *SETTINGS.api_key_digests, upper)
+    )
+    rendered = render(balancer=balancer)
+    assert rendered.map_dir == MAP_DIR
+    assert rendered.files["pools.map"] == (
+        "# model field or X-Denv-Pool header -> pool\nllm-8b llm-8b\nvoice voice\n"
+    )
+    digests = sorted({upper.lower(), *SETTINGS.api_key_digests})
+    assert rendered.files["api_keys.map"] == (
+        "# SHA-256 of an API key (lowercase hex) -> 1\n" + "".join(f"{d} 1\n" for d in digests)
+    )
+    assert "api_keys.map" not in render(balancer=BalancerSettings()).files
+
+
+def test_no_timestamps_or_machine_details() -> None:
+    cfg = render().haproxy_cfg
+    assert not re.search(r"\d{4}-\d{2}-\d{2}|\d{2}:\d{2}:\d{2}", cfg)
+
+
+def _shuffled(pools: list[BalancerPool], rand: st.DrawFn) -> list[BalancerPool]:
+    result = []
+    for pool in rand(st.permutations(pools)):
+        tiers = tuple(
+            dataclasses.replace(
+                tier,
+                sites=tuple(rand(st.permutations(tier.sites))),
+                servers=tuple(rand(st.permutations(tier.servers))),
+            )
+            for tier in pool.tiers  # tier order carries meaning: kept
+        )
+        result.append(dataclasses.replace(pool, tiers=tiers))
+    return result
+
+
+@st.composite
+def _reordered_inputs(rand: st.DrawFn) -> tuple[list[BalancerPool], BalancerSettings]:
+    digests = tuple(
+        rand(st.permutations([hashlib.sha256(bytes([n])).hexdigest() for n in range(4)]))
+    )
+    return _shuffled(list(POOLS), rand), dataclasses.replace(SETTINGS, api_key_digests=digests)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_reordered_inputs())
+def test_output_does_not_depend_on_input_order(
+    inputs: tuple[list[BalancerPool], BalancerSettings],
+) -> None:
+    pools, balancer = inputs
+    canonical = dataclasses.replace(
+        balancer, api_key_digests=tuple(sorted(balancer.api_key_digests))
+    )
+    assert render_haproxy_config(pools, balancer, MAP_DIR) == render(POOLS, canonical)
+
+
+def _with_server(**changes: object) -> tuple[BalancerPool, ...]:
+    tier = LLM.tiers[0]
+    changed = dataclasses.replace(tier.servers[0], **changes)
+    return (dataclasses.replace(LLM, tiers=(dataclasses.replace(tier, servers=(changed,)),)),)
+
+
+def _with_tier(**changes: object) -> tuple[BalancerPool, ...]:
+    return (dataclasses.replace(LLM, tiers=(dataclasses.replace(LLM.tiers[0], **changes),)),)
+
+
+_FAR = BalancerTier(2, ("aws-usw2",), (server("voice.aws-usw2.n.0", "10.9.0.1"),))
+
+Case = Callable[[], object]
+VALIDATION_CASES: list[tuple[str, Case, str]] = [
+    ("no pools", lambda: render_haproxy_config([], SETTINGS, MAP_DIR), "pools: no pool given"),
+    (
+        "pool name injects a line",
+        lambda: render((dataclasses.replace(LLM, name="llm\nbackend evil"),)),
+        "pools[0].name: 'llm\\nbackend evil'",
+    ),
+    ("empty pool name", lambda: render((dataclasses.replace(LLM, name=""),)), "pools[0].name:"),
+    ("duplicate pool", lambda: render((LLM, LLM)), "pools[1].name: pool 'llm-8b' appears twice"),
+    (
+        "replica id with a space",
+        lambda: render(_with_server(replica_id="llm 8b")),
+        "pools[0].tiers[0].servers[0].replica_id:",
+    ),
+    (
+        "replica id with a quote",
+        lambda: render(_with_server(replica_id='llm"8b')),
+        "pools[0].tiers[0].servers[0].replica_id:",
+    ),
+    (
+        "replica in two pools",
+        lambda: render((LLM, dataclasses.replace(LLM, name="llm-copy"))),
+        "pools[1].tiers[0].servers[0].replica_id: replica",
+    ),
+    ("port 0", lambda: render(_with_server(port=0)), "servers[0].port: 0 is not a TCP port"),
+    ("port too big", lambda: render(_with_server(port=70000)), "servers[0].port: 70000"),
+    ("agent port", lambda: render(_with_server(agent_port=-1)), "servers[0].agent_port: -1"),
+    (
+        "address with an option",
+        lambda: render(_with_server(address="10.0.0.1 backup")),
+        "servers[0].address:",
+    ),
+    (
+        "health path without slash",
+        lambda: render(_with_server(health_path="health")),
+        "servers[0].health_path:",
+    ),
+    (
+        "health path with a space",
+        lambda: render(_with_server(health_path="/health check")),
+        "servers[0].health_path:",
+    ),
+    (
+        "server site not in tier",
+        lambda: render(_with_server(site="aws-use1")),
+        "servers[0].site: site 'aws-use1' is not one of the tier's sites",
+    ),
+    ("tier without sites", lambda: render(_with_tier(sites=())), "pools[0].tiers[0].sites:"),
+    (
+        "pool without servers",
+        lambda: render(_with_tier(servers=())),
+        "pools[0].tiers: pool 'llm-8b' has no server",
+    ),
+    (
+        "site in two tiers",
+        lambda: render(
+            (
+                dataclasses.replace(
+                    VOICE,
+                    tiers=(
+                        *VOICE.tiers,
+                        dataclasses.replace(_FAR, priority=3, sites=("aws-use1",)),
+                    ),
+                ),
+            )
+        ),
+        "pools[0].tiers[2].sites[0]: site 'aws-use1' is in more than one tier",
+    ),
+    (
+        "duplicate priority",
+        lambda: render(
+            (
+                dataclasses.replace(
+                    VOICE, tiers=(*VOICE.tiers, dataclasses.replace(_FAR, priority=1))
+                ),
+            )
+        ),
+        "pools[0].tiers[2].priority: priority 1 is used twice",
+    ),
+    (
+        "mixed health paths",
+        lambda: render(
+            (
+                dataclasses.replace(
+                    VOICE,
+                    tiers=(
+                        dataclasses.replace(
+                            VOICE.tiers[0],
+                            servers=(
+                                *VOICE.tiers[0].servers[1:],
+                                dataclasses.replace(
+                                    VOICE.tiers[0].servers[0], health_path="/ready"
+                                ),
+                            ),
+                        ),
+                    ),
+                ),
+            )
+        ),
+        "pools[0].tiers[0].servers: servers disagree on the health path",
+    ),
+    (
+        "tier connect timeout",
+        lambda: render(_with_tier(connect_timeout_ms=0)),
+        "pools[0].tiers[0].connect_timeout_ms: 0 is not positive",
+    ),
+    ("endpoint port", lambda: render(balancer=BalancerSettings(port=0)), "settings.port: 0"),
+    (
+        "exporter on the endpoint port",
+        lambda: render(balancer=BalancerSettings(port=9000, prometheus_port=9000)),
+        "settings.prometheus_port: 9000 is also the endpoint port",
+    ),
+    (
+        "bind address",
+        lambda: render(balancer=BalancerSettings(bind_address="0.0.0.0:80")),
+        "settings.bind_address:",
+    ),
+    (
+        "api key in plaintext",
+        lambda: render(balancer=BalancerSettings(api_key_digests=("sk-plain",))),
+        "settings.api_key_digests[0]: is not a SHA-256 hex digest",
+    ),
+    (
+        "cert path with a space",
+        lambda: render(balancer=BalancerSettings(tls_cert_path="/etc/my cert.pem")),
+        "settings.tls_cert_path:",
+    ),
+    (
+        "socket path with a quote",
+        lambda: render(balancer=BalancerSettings(stats_socket="/run/'x")),
+        "settings.stats_socket:",
+    ),
+    (
+        "zero agent interval",
+        lambda: render(balancer=BalancerSettings(agent_inter_ms=0)),
+        "settings.agent_inter_ms: 0 is not positive",
+    ),
+    ("map dir", lambda: render_haproxy_config(POOLS, SETTINGS, "/etc/my maps"), "map_dir:"),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [(make, message) for _, make, message in VALIDATION_CASES],
+    ids=[name for name, _, _ in VALIDATION_CASES],
+)
+def test_invalid_inputs_are_rejected_with_one_line_naming_field_and_fix(
+    make: Case, message: str
+) -> None:
+    with pytest.raises(BalancerConfigError) as raised:
+        make()
+    text = str(raised.value)
+    assert isinstance(raised.value, ValueError)
+    assert message in text
+    assert "\n" not in text
+    assert "; " in text  # problem; fix
+    assert text.startswith(raised.value.field)

@@ -1,0 +1,322 @@
+"""A real data plane on 127.0.0.1: simulated replicas, a real HAProxy, a stand-in agent.
+
+Used by the data-plane tests and the data-plane benchmark. Everything started here is stopped
+by pid in Dataplane.close(), which the fixtures call whatever the test outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import socketserver
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from denv_iac.balancer import (
+    BalancerPool,
+    BalancerServer,
+    BalancerSettings,
+    BalancerTier,
+    render_haproxy_config,
+)
+from denv_iac.balancer.files import write_config
+from denv_iac.balancer.runtime import HaproxyProcess, server_stats
+from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+
+AGENT_UP = "up 100%"
+# Latency of the simulated replicas unless a test asks otherwise; replica_id is set per replica.
+FAST_REPLICA = ReplicaSimConfig("template", ttft_ms=20, itl_ms=5, tokens=8)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    name: str
+    tiers: tuple[tuple[int, tuple[str, ...]], ...]  # (priority, sites), most preferred first
+    session_affinity: bool = True
+
+
+# Two home sites and one failover site for voice; llm lives on a site voice may not use.
+STANDARD_POOLS = (
+    PoolLayout("voice", ((10, ("home-a", "home-b")), (20, ("fallback",)))),
+    PoolLayout("llm", ((10, ("elsewhere",)),), session_affinity=False),
+)
+STANDARD_REPLICAS = (
+    "voice.home-a.n0.0",
+    "voice.home-b.n1.0",
+    "voice.fallback.n2.0",
+    "llm.elsewhere.n3.0",
+)
+
+
+class AgentStandIn:
+    """Answers HAProxy's agent checks as the node agent would: one line per poll for the
+    replica named by agent-send. Tests choose the reply per replica."""
+
+    def __init__(self) -> None:
+        self._replies: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.polls: Counter[str] = Counter()
+        stand_in = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                replica_id = self.rfile.readline(256).decode(errors="replace").strip()
+                with stand_in._lock:
+                    stand_in.polls[replica_id] += 1
+                    reply = stand_in._replies.get(replica_id, AGENT_UP)
+                self.wfile.write(reply.encode() + b"\n")
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def set_reply(self, replica_id: str, reply: str) -> None:
+        with self._lock:
+            self._replies[replica_id] = reply
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@dataclass
+class SimulatedReplica:
+    replica_id: str
+    process: ReplicaProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.process.port}"
+
+    @property
+    def pool(self) -> str:
+        return self.replica_id.split(".")[0]
+
+    @property
+    def site(self) -> str:
+        return self.replica_id.split(".")[1]
+
+    @property
+    def node(self) -> str:
+        return self.replica_id.split(".")[2]
+
+    def fault(self, mode: str, k: int = 0) -> None:
+        response = httpx.post(f"{self.url}/control/fault", json={"mode": mode, "k": k}, timeout=2)
+        response.raise_for_status()
+
+    def kill(self) -> None:
+        """The replica process dies: its port refuses and its connections reset."""
+        self.process.stop()
+
+    def restart(self) -> None:
+        """A fresh process on the same port."""
+        self.process.spawn()
+        self.process.wait_ready()
+
+    def stats(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/stats", timeout=2)
+        response.raise_for_status()
+        stats: dict[str, Any] = response.json()
+        return stats
+
+
+class Dataplane:
+    """Replicas + HAProxy + agent stand-in, started together; close() stops them all."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.agent = AgentStandIn()
+        self.replicas: dict[str, SimulatedReplica] = {}
+        self.haproxy: HaproxyProcess | None = None
+        self.settings = BalancerSettings()
+
+    @classmethod
+    def start(
+        cls,
+        workdir: Path,
+        pools: Sequence[PoolLayout] = STANDARD_POOLS,
+        replica_ids: Sequence[str] = STANDARD_REPLICAS,
+        sim: ReplicaSimConfig = FAST_REPLICA,
+        **settings: Any,
+    ) -> Dataplane:
+        workdir.mkdir(parents=True, exist_ok=True)
+        plane = cls(workdir)
+        try:
+            plane._start_replicas(replica_ids, sim)
+            plane._start_haproxy(pools, settings)
+            plane.wait_until(plane.all_up, timeout_s=10, what="every server up")
+        except BaseException:
+            plane.close()
+            raise
+        return plane
+
+    def _start_replicas(self, replica_ids: Sequence[str], sim: ReplicaSimConfig) -> None:
+        for replica_id in replica_ids:
+            config = dataclasses.replace(sim, replica_id=replica_id)
+            process = ReplicaProcess(config, log_path=self.workdir / f"{replica_id}.log")
+            self.replicas[replica_id] = SimulatedReplica(replica_id, process)
+            process.spawn()
+        for replica in self.replicas.values():
+            replica.process.wait_ready()
+
+    def _start_haproxy(self, layouts: Sequence[PoolLayout], settings: dict[str, Any]) -> None:
+        self.settings = BalancerSettings(
+            **{
+                "bind_address": "127.0.0.1",
+                "port": free_port(),
+                "stats_socket": str(self.workdir / "haproxy.sock"),
+                "prometheus_port": None,
+                **settings,
+            }
+        )
+        pools = [self._balancer_pool(layout) for layout in layouts]
+        rendered = render_haproxy_config(pools, self.settings, str(self.workdir))
+        config_path = write_config(rendered, self.workdir)
+        self.haproxy = HaproxyProcess(
+            config_path, Path(self.settings.stats_socket), self.workdir / "haproxy.log"
+        )
+        self.haproxy.start()
+
+    def _balancer_pool(self, layout: PoolLayout) -> BalancerPool:
+        tiers = []
+        for priority, sites in layout.tiers:
+            servers = tuple(
+                BalancerServer(
+                    replica_id=replica.replica_id,
+                    site=replica.site,
+                    node=replica.node,
+                    address="127.0.0.1",
+                    port=replica.process.port,
+                    agent_port=self.agent.port,
+                )
+                for replica in self.replicas.values()
+                if replica.pool == layout.name and replica.site in sites
+            )
+            tiers.append(BalancerTier(priority, sites, servers))
+        return BalancerPool(layout.name, tuple(tiers), layout.session_affinity)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    def client(self, timeout_s: float = 5.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def status(self) -> dict[str, str]:
+        """HAProxy's status of each server (UP, DOWN, DRAIN, ...), by replica id."""
+        assert self.haproxy is not None
+        return {
+            name: row["status"] for name, row in server_stats(self.haproxy.stats_socket).items()
+        }
+
+    def all_up(self) -> bool:
+        assert self.haproxy is not None
+        rows = server_stats(self.haproxy.stats_socket)
+        # UP alone is HAProxy's optimistic start state: wait for a passed health check too.
+        return len(rows) == len(self.replicas) and all(
+            row["status"] == "UP" and row["check_status"] == "L7OK" for row in rows.values()
+        )
+
+    def wait_until(
+        self, predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.01
+    ) -> float:
+        """Poll until `predicate` holds; returns the seconds it took."""
+        started = time.monotonic()
+        while not predicate():
+            if time.monotonic() - started > timeout_s:
+                raise AssertionError(f"not within {timeout_s} s: {what}; {self.status()}")
+            time.sleep(interval_s)
+        return time.monotonic() - started
+
+    def total_requests(self, request_id: str) -> int:
+        """How many times any live replica received the request with this id."""
+        return sum(
+            replica.stats()["by_request_id"].get(request_id, 0)
+            for replica in self.replicas.values()
+            if replica.process.running
+        )
+
+    def close(self) -> None:
+        if self.haproxy is not None:
+            self.haproxy.stop()
+        for replica in self.replicas.values():
+            replica.process.stop()
+        self.agent.close()
+
+
+@dataclass
+class StreamOutcome:
+    status: int
+    replica: str | None  # X-Denv-Replica, as set by the balancer
+    chunks: list[dict[str, Any]]
+    done: bool  # the stream ended with data: [DONE]
+    error: str | None  # why the stream broke off, if it did
+    first_token_s: float | None
+    elapsed_s: float
+    body: bytes = b""  # the body of a non-streamed (error) answer
+
+
+def stream_chat(
+    client: httpx.Client,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> StreamOutcome:
+    """POST a streamed chat completion and record what came back, and when."""
+    started = time.monotonic()
+    chunks: list[dict[str, Any]] = []
+    first_token_s: float | None = None
+    done = False
+    error: str | None = None
+    with client.stream(
+        "POST", "/v1/chat/completions", json={"stream": True, **body}, headers=headers
+    ) as response:
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                for event in _sse_events(response.iter_lines()):
+                    if first_token_s is None:
+                        first_token_s = time.monotonic() - started
+                    if event == "[DONE]":
+                        done = True
+                    else:
+                        chunks.append(json.loads(event))
+            except httpx.TransportError as broken:
+                error = f"{type(broken).__name__}: {broken}"
+            content = b""
+        else:
+            content = response.read()
+    return StreamOutcome(
+        status=response.status_code,
+        replica=response.headers.get("x-denv-replica"),
+        chunks=chunks,
+        done=done,
+        error=error,
+        first_token_s=first_token_s,
+        elapsed_s=time.monotonic() - started,
+        body=content,
+    )
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[str]:
+    for line in lines:
+        if line.startswith("data: "):
+            yield line.removeprefix("data: ")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
