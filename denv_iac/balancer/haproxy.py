@@ -192,6 +192,13 @@ def _endpoint_frontend(
         "http-request return status 404 content-type application/json"
         f" string '{_ERROR_UNKNOWN_POOL}' unless {{ var(txn.pool) -m found }}",
     ]
+    lines += [
+        "",
+        "# After a reload the old worker still answers the requests already on its keep-alive",
+        "# connections, and in a stopping process nbsrv() is 0 for every backend: those go to",
+        "# the first tier rather than to a 503.",
+        "acl reloading stopping",
+    ]
     for pool in pools:
         lines += ["", *_pool_routing(pool)]
     return _section(
@@ -212,6 +219,8 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
     ]
     backends = [tier_backend_name(pool, tier) for tier in pool.tiers]
     lines += [f"acl empty:{backend} nbsrv({backend}) eq 0" for backend in backends]
+    first_staffed = next(tier_backend_name(pool, tier) for tier in pool.tiers if tier.servers)
+    lines.append(f"use_backend {first_staffed} if {pool_acl} reloading")
     for i, backend in enumerate(backends):
         # Each rule spells out that every more preferred tier is empty, so a tier is used only
         # then, whatever the rule order.

@@ -67,21 +67,22 @@ class HaproxyProcess:
 
     def reload(self) -> None:
         """Load the config file again; old workers finish their streams, then exit."""
-        self._signal(signal.SIGUSR2)
+        if self._process is not None and self._process.poll() is None:
+            os.kill(self._process.pid, signal.SIGUSR2)  # the master alone re-reads the config
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop master and workers: SIGTERM to the process group, SIGKILL when it lingers."""
         process = self._process
         if process is None or process.poll() is not None:
             return
-        self._signal(signal.SIGTERM)
+        self._signal_group(signal.SIGTERM)
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
+            self._signal_group(signal.SIGKILL)
             process.wait(timeout_s)
 
-    def _signal(self, signum: signal.Signals) -> None:
+    def _signal_group(self, signum: signal.Signals) -> None:
         if self._process is not None and self._process.poll() is None:
             # The group id is the master's pid: start_new_session made it a group leader.
             os.killpg(self._process.pid, signum)

@@ -168,10 +168,19 @@ def test_tiers_chain_in_order_and_end_in_503() -> None:
         "acl pool:voice var(txn.pool) -m str voice",
         "acl empty:voice.tier1 nbsrv(voice.tier1) eq 0",
         "acl empty:voice.tier2 nbsrv(voice.tier2) eq 0",
+        "use_backend voice.tier1 if pool:voice reloading",
         "use_backend voice.tier1 if pool:voice !empty:voice.tier1",
         "use_backend voice.tier2 if pool:voice empty:voice.tier1 !empty:voice.tier2",
         "use_backend denv.no-healthy-replica if pool:voice",
     ]
+
+
+def test_a_stopping_worker_keeps_to_the_first_tier_with_servers() -> None:
+    unstaffed = BalancerTier(0, ("aws-euc1",), ())
+    pool = dataclasses.replace(VOICE, tiers=(unstaffed, *VOICE.tiers))
+    lines = section(render((pool,)).haproxy_cfg, "frontend denv.endpoint")
+    assert "acl reloading stopping" in lines
+    assert "use_backend voice.tier1 if pool:voice reloading" in lines
 
 
 def test_tier_comment_names_pool_priority_and_sites() -> None:

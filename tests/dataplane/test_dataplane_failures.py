@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import pytest
 
 from denv_iac.balancer.runtime import server_stats
+from denv_iac.local.replica_sim import ReplicaSimConfig
 
-from .dataplane_harness import Dataplane, stream_chat
+from .dataplane_harness import Dataplane, StreamOutcome, stream_chat
 
 VOICE_HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 VOICE_FALLBACK = "voice.fallback.n2.0"
@@ -124,3 +128,39 @@ def test_agent_down_takes_server_out_fast_and_up_brings_it_back(dataplane: Datap
     dataplane.agent.set_reply(victim, "up 100%")
     dataplane.wait_until(lambda: dataplane.status()[victim] == "UP", 3, "agent up again")
     assert _replica_of_session(dataplane) == victim
+
+
+def test_agent_drain_lets_streams_finish_and_sends_new_requests_elsewhere(
+    start_dataplane: Callable[..., Dataplane],
+) -> None:
+    plane = start_dataplane(sim=ReplicaSimConfig("template", ttft_ms=20, itl_ms=10, tokens=40))
+    victim = _replica_of_session(plane)
+    in_flight: list[StreamOutcome] = []
+    with plane.client() as client:
+        streaming = threading.Thread(
+            target=lambda: in_flight.append(stream_chat(client, {"model": "voice"}, SESSION))
+        )
+        streaming.start()
+        plane.agent.set_reply(victim, "drain")
+        plane.wait_until(lambda: plane.status()[victim].startswith("DRAIN"), 2, "drain")
+        with plane.client() as other:
+            moved = stream_chat(other, {"model": "voice", "max_tokens": 1}, SESSION)
+            for replica_id in VOICE_HOME:
+                plane.agent.set_reply(replica_id, "drain")
+            plane.wait_until(
+                lambda: all(plane.status()[r].startswith("DRAIN") for r in VOICE_HOME), 2, "drain"
+            )
+            # A fully drained tier counts as empty: the next tier takes the pool.
+            fallback = stream_chat(other, {"model": "voice", "max_tokens": 1}, SESSION)
+        streaming.join(timeout=10)
+
+    (outcome,) = in_flight
+    assert outcome.replica == victim and outcome.done
+    assert moved.done and moved.replica != victim
+    assert fallback.done and fallback.replica == VOICE_FALLBACK
+
+    # Leaving drain takes `ready`; the percentage scales the configured weight of 100.
+    plane.agent.set_reply(victim, "up ready 40%")
+    plane.wait_until(lambda: plane.status()[victim] == "UP", 2, "ready again")
+    assert plane.haproxy is not None
+    assert server_stats(plane.haproxy.stats_socket)[victim]["weight"] == "40"
