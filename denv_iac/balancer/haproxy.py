@@ -38,6 +38,15 @@ _ERROR_UNKNOWN_POOL = (
     '{"error":{"type":"invalid_request_error","code":"model_not_found",'
     '"message":"unknown pool: set the model field or the X-Denv-Pool header to a served pool"}}'
 )
+# HAProxy's own error pages, as JSON like every other answer of the endpoint.
+_HAPROXY_ERRORS = {
+    502: '{"error":{"type":"service_unavailable","code":"bad_gateway",'
+    '"message":"the replica failed before its answer started; retry"}}',
+    503: '{"error":{"type":"service_unavailable","code":"no_healthy_replica",'
+    '"message":"no replica could take the request; retry"}}',
+    504: '{"error":{"type":"timeout","code":"replica_timeout",'
+    '"message":"the replica did not answer in time; retry"}}',
+}
 # lf-string: the pool name is validated to JSON-safe characters before it gets here.
 _ERROR_NO_REPLICA = (
     '{"error":{"type":"service_unavailable","code":"no_healthy_replica",'
@@ -138,6 +147,11 @@ def _defaults_section(settings: BalancerSettings) -> str:
         "# once (conn-failure, empty-response).",
         "http-reuse always",
         *_default_server(settings),
+        "# When every try failed or a replica timed out, HAProxy answers; in JSON too.",
+        *(
+            f"http-error status {status} content-type application/json string '{body}'"
+            for status, body in sorted(_HAPROXY_ERRORS.items())
+        ),
     ]
     if settings.state_file is not None:
         lines.append("load-server-state-from-file global")

@@ -138,6 +138,8 @@ def test_defaults_hold_the_streaming_and_retry_policy() -> None:
         "http-reuse always",
     ):
         assert directive in lines
+    errors = [line.split(" content-type ")[0] for line in lines if line.startswith("http-error")]
+    assert errors == [f"http-error status {status}" for status in (502, 503, 504)]
     (default_server,) = [line for line in lines if line.startswith("default-server")]
     for option in (
         " check ",
@@ -247,7 +249,7 @@ def test_server_ids_survive_adding_a_replica() -> None:
 def test_error_bodies_are_json_and_cannot_break_out_of_their_quotes() -> None:
     cfg = render().haproxy_cfg
     bodies = re.findall(r"(?:lf-)?string '([^']*)'", cfg)
-    assert len(bodies) == 3  # 401, 404, 503
+    assert len(bodies) == 6  # 401, 404, 503 of ours; HAProxy's own 502, 503, 504
     for body in bodies:
         assert body.startswith('{"error":{') and body.endswith("}}")
         assert "\n" not in body

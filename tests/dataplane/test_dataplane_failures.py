@@ -48,6 +48,25 @@ def test_home_tier_down_falls_back_to_listed_site_only(dataplane: Dataplane) -> 
     assert dataplane.replicas["llm.elsewhere.n3.0"].stats()["requests"] == 0
 
 
+def test_whole_tier_dying_at_once_costs_at_most_one_retryable_json_503(
+    dataplane: Dataplane,
+) -> None:
+    for replica_id in VOICE_HOME:
+        dataplane.replicas[replica_id].kill()
+    with dataplane.client() as client:
+        first = client.post("/v1/chat/completions", json={"model": "voice", "max_tokens": 1})
+        then = [
+            client.post("/v1/chat/completions", json={"model": "voice", "max_tokens": 1})
+            for _ in range(3)
+        ]
+
+    # Retries stay in the tier HAProxy picked, and both its replicas refused.
+    if first.status_code != 200:
+        assert first.status_code == 503
+        assert first.json()["error"]["code"] == "no_healthy_replica"
+    assert [r.headers["x-denv-replica"] for r in then] == [VOICE_FALLBACK] * 3
+
+
 def test_every_server_down_is_503_json(dataplane: Dataplane) -> None:
     for replica_id in (*VOICE_HOME, VOICE_FALLBACK):
         dataplane.agent.set_reply(replica_id, "down #xid 79")

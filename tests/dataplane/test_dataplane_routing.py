@@ -109,5 +109,14 @@ def test_session_sticks_to_one_replica(dataplane: Dataplane) -> None:
             for n in range(24)
         }
 
+        # Without the header, hashing has no key: HAProxy goes round robin.
+        headerless = [
+            client.post("/v1/chat/completions", json={"model": "voice", "max_tokens": 1}).headers[
+                "x-denv-replica"
+            ]
+            for _ in range(6)
+        ]
+
     assert len(sticky) == 1 and sum(sticky.values()) == 12
     assert spread == VOICE_HOME  # sessions hash over both home replicas, never the fallback
+    assert Counter(headerless) == {replica_id: 3 for replica_id in VOICE_HOME}
