@@ -73,7 +73,7 @@ def render_haproxy_config(
         _defaults_section(settings),
         *([_prometheus_frontend(settings)] if settings.prometheus_port is not None else []),
         _endpoint_frontend(ordered, settings, maps),
-        *(_tier_backend(pool, tier, settings) for pool in ordered for tier in pool.tiers),
+        *(_tier_backend(pool, tier) for pool in ordered for tier in pool.tiers),
         _no_replica_backend(),
     ]
     files = {POOLS_MAP: _pools_map(ordered)}
@@ -126,8 +126,8 @@ def _defaults_section(settings: BalancerSettings) -> str:
     lines = [
         "mode http",
         "log global",
-        "# Send each streamed token as soon as it arrives; without this, small SSE chunks wait",
-        "# for more data and time to first token grows by up to 200 ms.",
+        "# Send each streamed token as soon as it arrives: without this a small SSE chunk waits",
+        "# for more data, and the first token reaches the client only with the second.",
         "option http-no-delay",
         "# Retry only failures that happen before any response byte reaches the client, each",
         "# time on another replica; a stream that has started is never replayed.",
@@ -245,7 +245,7 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
     return lines
 
 
-def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSettings) -> str:
+def _tier_backend(pool: BalancerPool, tier: BalancerTier) -> str:
     servers = sorted(tier.servers, key=lambda server: server.replica_id)
     if pool.session_affinity:
         lines = [
@@ -265,7 +265,7 @@ def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSett
     if servers:
         # Validation guarantees one health path per tier.
         lines += [f"option httpchk GET {servers[0].health_path}", "http-check expect status 200"]
-    for server, server_id in zip(servers, stable_server_ids(servers), strict=True):
+    for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
         lines += [f"# replica {server.replica_id} (site {server.site}, node {server.node})"]
         lines += [_server_line(server, server_id)]
     sites = ", ".join(sorted(tier.sites))
@@ -290,7 +290,7 @@ def _default_server(settings: BalancerSettings) -> list[str]:
     ]
 
 
-def stable_server_ids(servers: Sequence[BalancerServer]) -> list[int]:
+def _stable_server_ids(servers: Sequence[BalancerServer]) -> list[int]:
     """HAProxy server ids derived from replica ids, so that they survive config changes.
 
     Consistent hashing places each server on the ring by its id; HAProxy numbers servers by

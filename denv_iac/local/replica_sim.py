@@ -212,15 +212,15 @@ class ReplicaSim:
             body = json.loads(request.body)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
-        except ValueError as error:
-            await self._respond(writer, 400, {"error": f"invalid JSON body: {error}"}, request)
+            tokens = int(body.get("max_tokens") or self.config.tokens)
+        except (ValueError, TypeError) as error:
+            await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
             return
         request_id = request.headers.get("x-request-id") or body.get("user")
         self.stats.requests += 1
         if request_id:
             self.stats.by_request_id[str(request_id)] += 1
         await self._hang_if_asked()
-        tokens = int(body.get("max_tokens") or self.config.tokens)
         self._completion_seq += 1
         completion = _Completion(
             id=f"chatcmpl-{self.config.replica_id}-{self._completion_seq}",
@@ -249,11 +249,11 @@ class ReplicaSim:
         await writer.drain()
         die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
         for index in range(tokens):
+            await self._sleep_until(received, self._token_offset_s(index))
             if index == die_after:
                 self.stats.streams_aborted += 1
                 _reset(writer)
                 raise _ConnectionAborted
-            await self._sleep_until(received, self._token_offset_s(index))
             writer.write(_chunk(_sse(completion.token_chunk(index))))
             await writer.drain()
         writer.write(

@@ -164,6 +164,7 @@ def test_stats_count_requests_by_request_id_header_or_user() -> None:
         ("GET", "/nowhere", None, 404),
         ("GET", "/v1/chat/completions", None, 405),
         ("POST", "/v1/chat/completions", "not an object", 400),
+        ("POST", "/v1/chat/completions", {"max_tokens": "many"}, 400),
         ("POST", "/control/fault", {"mode": "explode"}, 400),
     ],
 )
