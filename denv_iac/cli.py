@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from denv_iac.local.cli import local
 from denv_iac.plan import make_plan
 from denv_iac.plan_view import render_plan
 from denv_iac.spec.reader import StackError
@@ -84,3 +85,6 @@ def digest() -> None:
     if not secret:
         fail(['stdin: no API key given; pipe one in, e.g. `printf %s "$KEY" | denv key digest`'])
     click.echo(hashlib.sha256(secret.encode()).hexdigest())
+
+
+main.add_command(local)

@@ -1,0 +1,44 @@
+"""From placed replicas to what the balancer serves: pools, tiers and servers."""
+
+from collections.abc import Callable
+
+from denv_iac.balancer import BalancerPool, BalancerServer, BalancerTier
+from denv_iac.placement import PlacedReplica, Placement
+from denv_iac.spec.model import StackSpec
+
+# Where a replica answers once it runs: (address, replica port, agent port).
+Locator = Callable[[PlacedReplica], tuple[str, int, int]]
+
+
+def balancer_pools(
+    stack: StackSpec, placement: Placement, locate: Locator
+) -> tuple[BalancerPool, ...]:
+    """One pool per recipe, one tier per preference level of its sites (priority 10, 20, ...).
+
+    A tier with no placed replica is left out: HAProxy then falls through straight to the next.
+    """
+    pools = []
+    for recipe in stack.recipes:
+        replicas = placement.replicas_of(recipe.name)
+        tiers = []
+        for index, sites in enumerate(recipe.tiers):
+            servers = []
+            for replica in replicas:
+                if replica.tier != index:
+                    continue
+                address, port, agent_port = locate(replica)
+                servers.append(
+                    BalancerServer(
+                        replica.id,
+                        replica.site,
+                        replica.node,
+                        address,
+                        port,
+                        agent_port,
+                        recipe.health_path,
+                    )
+                )
+            if servers:
+                tiers.append(BalancerTier((index + 1) * 10, sites, tuple(servers)))
+        pools.append(BalancerPool(recipe.name, tuple(tiers), recipe.session_affinity))
+    return tuple(pools)

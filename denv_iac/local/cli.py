@@ -1,0 +1,144 @@
+"""`denv local up|down|demo`: the data plane of a local stack on this machine."""
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from denv_iac.local.demo import run_demo
+from denv_iac.local.runner import LocalCluster, RunState, run_dir, stop_recorded
+from denv_iac.spec.reader import StackError
+from denv_iac.spec.stackfile import find_stacks_dir, load_stack
+
+STACK = click.option(
+    "--stack",
+    "stack_name",
+    default="local",
+    show_default=True,
+    help="A stack whose sites are all local.",
+)
+
+
+def _fail(problems: list[str]) -> None:
+    for line in problems:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(2)
+
+
+def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, Path]:
+    try:
+        stacks = find_stacks_dir()
+        stack = load_stack(stacks, stack_name)
+        directory = run_dir(stacks.parent, stack_name)
+        if (directory / "state.json").exists():
+            raise StackError(
+                [
+                    f"--stack: {stack_name} is already running locally; "
+                    f"`denv local down --stack {stack_name}` stops it"
+                ]
+            )
+        return LocalCluster(stack, directory, port), directory
+    except StackError as error:
+        _fail(error.problems)
+        raise AssertionError from None
+
+
+def _start(cluster: LocalCluster, console: Console, quiet: bool) -> RunState:
+    try:
+        with console.status("starting the local data plane") as status:
+            cluster.up(lambda line: status.update(line) if not quiet else None)
+    except StackError as error:
+        _fail(error.problems)
+    except RuntimeError as error:
+        _fail([f"local up: {error}"])
+    assert cluster.state is not None
+    return cluster.state
+
+
+def _table(state: RunState) -> Table:
+    table = Table(title=f"Endpoint {state.endpoint}", title_justify="left")
+    for column in ("replica", "pool", "node", "address", "agent port", "pid"):
+        table.add_column(column)
+    for r in state.replicas:
+        table.add_row(
+            r.id,
+            r.pool,
+            f"{r.site}/{r.node}",
+            f"{r.address}:{r.port}",
+            str(r.agent_port),
+            str(r.pid),
+        )
+    return table
+
+
+@click.group()
+def local() -> None:
+    """Run a stack's whole data plane here: simulated GPUs, real agents, real HAProxy."""
+
+
+@local.command()
+@STACK
+@click.option("--port", type=click.IntRange(1, 65535), help="Endpoint port (default: the stack's).")
+@click.option("--detach", is_flag=True, help="Leave it running; `denv local down` stops it.")
+@click.option("--quiet", is_flag=True, help="Print only the endpoint.")
+def up(stack_name: str, port: int | None, detach: bool, quiet: bool) -> None:
+    """Start the data plane and print the endpoint; Ctrl-C stops everything."""
+    console = Console(stderr=quiet)
+    cluster, _ = _cluster(stack_name, port)
+    state = _start(cluster, console, quiet)
+    if quiet:
+        click.echo(state.endpoint)
+    else:
+        console.print(_table(state))
+        console.print(f"admin socket {state.admin_socket}; metrics {state.prometheus}")
+    if detach:
+        return
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if not quiet:
+        console.print("serving; Ctrl-C stops everything")
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.down()
+
+
+@local.command()
+@STACK
+def down(stack_name: str) -> None:
+    """Stop a detached local data plane, process by recorded pid."""
+    try:
+        directory = run_dir(find_stacks_dir().parent, stack_name)
+    except StackError as error:
+        _fail(error.problems)
+    stopped = stop_recorded(directory)
+    click.echo(f"stopped {stopped} processes" if stopped else f"{stack_name} is not running")
+
+
+@local.command()
+@STACK
+@click.option(
+    "--duration",
+    type=click.FloatRange(9, 600),
+    default=10.0,
+    show_default=True,
+    help="Seconds of traffic.",
+)
+def demo(stack_name: str, duration: float) -> None:
+    """Traffic through the endpoint while replicas die and a GPU fails; counts what was lost."""
+    console = Console()
+    cluster, _ = _cluster(stack_name, None)
+    state = _start(cluster, console, quiet=False)
+    console.print(_table(state))
+    try:
+        result = run_demo(cluster, console.print, duration)
+    finally:
+        cluster.down()
+    console.print(result.line, highlight=False, soft_wrap=True)
+    sys.exit(0 if result.ok else 1)

@@ -1,0 +1,366 @@
+"""`denv local up`: the whole data plane of a stack on this machine.
+
+Simulated replicas (or the recipe's own command), one real `denv-agent --simulate` per node and a
+real HAProxy, all on 127.0.0.1. Run state lives in `.denv/<stack>/`, with `state.json` for
+scripts: the endpoint, the admin socket, and each replica's id, address, port, agent port and pid.
+Everything started is recorded there by pid so that `denv local down` stops exactly that.
+"""
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from denv_iac.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.balancer.files import relocate_maps, write_config
+from denv_iac.balancer.runtime import HaproxyProcess
+from denv_iac.dataplane import balancer_pools
+from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.placement import PlacedReplica, place_replicas
+from denv_iac.spec.model import StackSpec
+from denv_iac.spec.reader import StackError
+
+HOST = "127.0.0.1"
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ReplicaState:
+    id: str
+    pool: str
+    site: str
+    node: str
+    gpu: int
+    address: str
+    port: int
+    agent_port: int
+    pid: int
+
+
+@dataclass
+class AgentState:
+    node: str
+    agent_port: int
+    http_port: int
+    pid: int
+    config: str
+
+
+@dataclass
+class RunState:
+    stack: str
+    endpoint: str
+    admin_socket: str
+    prometheus: str
+    haproxy_pid: int
+    control_token: str
+    replicas: list[ReplicaState] = field(default_factory=list)
+    agents: list[AgentState] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunState":
+        raw = json.loads(text)
+        raw["replicas"] = [ReplicaState(**r) for r in raw["replicas"]]
+        raw["agents"] = [AgentState(**a) for a in raw["agents"]]
+        return cls(**raw)
+
+    def agent_of(self, node: str) -> AgentState:
+        return next(a for a in self.agents if a.node == node)
+
+
+def run_dir(project: Path, stack: str) -> Path:
+    return project / ".denv" / stack
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def check_local_only(stack: StackSpec) -> None:
+    remote = [s.name for s in stack.sites if s.kind != "local"]
+    if remote:
+        raise StackError(
+            [
+                f"--stack: {stack.name} has sites that are not local ({', '.join(remote)}); "
+                "`denv local up` runs local sites only: use a stack like stacks/Pulumi.local.yaml"
+            ]
+        )
+
+
+def agent_config_toml(
+    node: str,
+    gpus: int,
+    state: AgentState,
+    token: str,
+    state_file: Path,
+    replicas: list[ReplicaState],
+    health_path: dict[str, str],
+) -> str:
+    lines = [
+        f'node = "{node}"',
+        f'state_file = "{state_file}"',
+        f'control_token = "{token}"',
+        "",
+        "[listen]",
+        f'agent_check = "{HOST}:{state.agent_port}"',
+        f'http = "{HOST}:{state.http_port}"',
+        "",
+        "[intervals]",
+        "gpu_poll_s = 0.1",
+        "health_s = 0.25",
+        "health_timeout_s = 0.5",
+        "",
+        "[simulate]",
+        f"gpus = {gpus}",
+    ]
+    for replica in replicas:
+        lines += [
+            "",
+            "[[replicas]]",
+            f'id = "{replica.id}"',
+            f'health_url = "http://{HOST}:{replica.port}{health_path[replica.pool]}"',
+            f"gpu = {replica.gpu}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class LocalCluster:
+    """Starts and stops one stack's local data plane."""
+
+    def __init__(self, stack: StackSpec, directory: Path, port: int | None = None) -> None:
+        check_local_only(stack)
+        self.stack = stack
+        self.directory = directory
+        self.port = port or stack.balancer.port
+        self.placement = place_replicas(stack)
+        self._replicas: dict[str, ReplicaProcess] = {}
+        self._agents: list[subprocess.Popen[bytes]] = []
+        self._haproxy: HaproxyProcess | None = None
+        self.state: RunState | None = None
+
+    def up(self, progress: Progress = lambda _: None) -> RunState:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "logs").mkdir(exist_ok=True)
+        if endpoint_in_use(self.port):
+            raise StackError(
+                [
+                    f"--port: 127.0.0.1:{self.port} is taken; stop what uses it, run "
+                    "`denv local down`, or pass --port"
+                ]
+            )
+        try:
+            replicas = self._start_replicas(progress)
+            agents = self._start_agents(replicas, progress)
+            self.state = self._start_haproxy(replicas, agents, progress)
+        except BaseException:
+            self.down()
+            raise
+        (self.directory / "state.json").write_text(self.state.to_json())
+        return self.state
+
+    def _start_replicas(self, progress: Progress) -> list[ReplicaState]:
+        recipes = {r.name: r for r in self.stack.recipes}
+        for replica in self.placement.replicas:
+            sim = recipes[replica.pool].simulate
+            config = ReplicaSimConfig(replica.id, HOST, 0, sim.ttft_ms, sim.itl_ms, sim.tokens)
+            process = ReplicaProcess(config, self.directory / "logs" / f"{replica.id}.log")
+            process.spawn()
+            self._replicas[replica.id] = process
+        agent_ports = {node: free_port() for node in self._nodes()}
+        states = []
+        for replica in self.placement.replicas:
+            process = self._replicas[replica.id]
+            port = process.wait_ready()
+            assert process.pid is not None
+            states.append(
+                ReplicaState(
+                    replica.id,
+                    replica.pool,
+                    replica.site,
+                    replica.node,
+                    replica.gpu,
+                    HOST,
+                    port,
+                    agent_ports[replica.node],
+                    process.pid,
+                )
+            )
+            progress(f"replica {replica.id} ready on {HOST}:{port}")
+        return states
+
+    def _nodes(self) -> list[str]:
+        return [f"{n.site}/{n.name}" for n in self.placement.nodes]
+
+    def _start_agents(self, replicas: list[ReplicaState], progress: Progress) -> list[AgentState]:
+        token = secrets.token_hex(16)
+        self._token = token
+        health = {r.name: r.health_path for r in self.stack.recipes}
+        agents = []
+        for node in self.placement.nodes:
+            key = f"{node.site}/{node.name}"
+            mine = [r for r in replicas if f"{r.site}/{r.node}" == key]
+            if not mine:
+                continue
+            path = self.directory / f"agent-{node.site}-{node.name}.toml"
+            state = AgentState(key, mine[0].agent_port, free_port(), 0, str(path))
+            path.write_text(
+                agent_config_toml(
+                    key,
+                    node.gpu_count,
+                    state,
+                    token,
+                    self.directory / f"agent-{node.site}-{node.name}.state.json",
+                    mine,
+                    health,
+                )
+            )
+            path.chmod(0o600)
+            log = (self.directory / "logs" / f"agent-{node.site}-{node.name}.log").open("ab")
+            process = subprocess.Popen(
+                [sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            log.close()
+            self._agents.append(process)
+            state.pid = process.pid
+            agents.append(state)
+        for state in agents:
+            wait_for_port(state.agent_port, what=f"agent of {state.node}")
+            progress(f"agent of {state.node} answering on {HOST}:{state.agent_port}")
+        return agents
+
+    def _start_haproxy(
+        self, replicas: list[ReplicaState], agents: list[AgentState], progress: Progress
+    ) -> RunState:
+        by_id = {r.id: r for r in replicas}
+
+        def locate(replica: PlacedReplica) -> tuple[str, int, int]:
+            state = by_id[replica.id]
+            return state.address, state.port, state.agent_port
+
+        pools = balancer_pools(self.stack, self.placement, locate)
+        socket_path = self.directory / "haproxy.sock"
+        prometheus = free_port()
+        settings = BalancerSettings(
+            bind_address=HOST,
+            port=self.port,
+            api_key_digests=self.stack.balancer.api_key_digests,
+            stats_socket=str(socket_path),
+            prometheus_port=prometheus,
+            state_file=str(self.directory / "haproxy.state"),
+        )
+        maps = str(self.directory / "haproxy")
+        rendered = relocate_maps(render_haproxy_config(pools, settings, maps), maps)
+        config_path = write_config(rendered, Path(maps))
+        self._haproxy = HaproxyProcess(
+            config_path, socket_path, self.directory / "logs" / "haproxy.log"
+        )
+        self._haproxy.start()
+        assert self._haproxy.pid is not None
+        progress(f"balancer on http://{HOST}:{self.port}")
+        return RunState(
+            self.stack.name,
+            f"http://{HOST}:{self.port}",
+            str(socket_path),
+            f"http://{HOST}:{prometheus}/metrics",
+            self._haproxy.pid,
+            self._token,
+            replicas,
+            agents,
+        )
+
+    def restart_replica(self, replica_id: str) -> None:
+        """Start a replica again on its old port, as a supervisor would after a crash."""
+        assert self.state is not None
+        state = next(r for r in self.state.replicas if r.id == replica_id)
+        old = self._replicas[replica_id]
+        old.stop()
+        config = ReplicaSimConfig(
+            replica_id, HOST, state.port, old.config.ttft_ms, old.config.itl_ms, old.config.tokens
+        )
+        process = ReplicaProcess(config, old.log_path)
+        process.spawn()
+        process.wait_ready()
+        assert process.pid is not None
+        state.pid = process.pid
+        self._replicas[replica_id] = process
+        (self.directory / "state.json").write_text(self.state.to_json())
+
+    def down(self) -> None:
+        if self._haproxy is not None:
+            self._haproxy.stop()
+        for process in self._agents:
+            if process.poll() is None:
+                process.terminate()
+        for process in self._agents:
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for replica in self._replicas.values():
+            replica.stop()
+        state_file = self.directory / "state.json"
+        if state_file.exists():
+            state_file.unlink()
+
+
+def endpoint_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((HOST, port)) == 0
+
+
+def wait_for_port(port: int, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if endpoint_in_use(port):
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"{what} did not open {HOST}:{port} within {timeout_s:.0f} s")
+
+
+def ours(pid: int, marker: str) -> bool:
+    """Whether `pid` still runs one of our commands (a recycled pid must not be signalled)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return marker in cmdline
+
+
+def stop_recorded(directory: Path) -> int:
+    """`denv local down`: stop what state.json records; returns how many processes it stopped."""
+    state_file = directory / "state.json"
+    if not state_file.exists():
+        return 0
+    state = RunState.from_json(state_file.read_text())
+    targets = [(state.haproxy_pid, "haproxy", True)]
+    targets += [(a.pid, "denv_agent", False) for a in state.agents]
+    targets += [(r.pid, "replica_sim", False) for r in state.replicas]
+    stopped = 0
+    for pid, marker, group in targets:
+        if ours(pid, marker):
+            if group:
+                os.killpg(pid, signal.SIGTERM)
+            else:
+                os.kill(pid, signal.SIGTERM)
+            stopped += 1
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(ours(p, m) for p, m, _ in targets):
+        time.sleep(0.05)
+    state_file.unlink()
+    return stopped
