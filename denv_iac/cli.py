@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from denv_iac.bench_cli import bench
 from denv_iac.local.cli import local
 from denv_iac.plan import make_plan
 from denv_iac.plan_view import render_plan
@@ -88,3 +89,4 @@ def digest() -> None:
 
 
 main.add_command(local)
+main.add_command(bench)

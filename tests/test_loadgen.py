@@ -1,6 +1,7 @@
 """The load client against a real simulated replica: TTFT measured, aborts seen as aborts."""
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -49,3 +50,20 @@ def test_refused_connection_is_a_connect_error() -> None:
 )
 def test_percentile(values: list[float], q: float, expected: float | None) -> None:
     assert percentile(values, q) == expected
+
+
+def test_bench_command_reports_json(replica: ReplicaProcess) -> None:
+    from click.testing import CliRunner
+
+    from denv_iac.cli import main
+
+    url = f"http://127.0.0.1:{replica.port}"
+    result = CliRunner().invoke(
+        main,
+        ["bench", url, "--pool", "voice", "--requests", "6", "--concurrency", "2", "--json", "-"],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["ok"] == 6 and summary["replicas"] == {}  # direct: no balancer header
+    bad = CliRunner().invoke(main, ["bench", "127.0.0.1:1", "--pool", "voice"])
+    assert bad.exit_code == 2 and "is not an http(s) URL" in bad.output
