@@ -69,7 +69,9 @@ class LoadReport:
             "ttft_p99_ms": self.ttft_ms(99),
             "itl_mean_ms": round(statistics.fmean(gaps), 2) if gaps else None,
             "tokens_per_s": round(tokens / self.wall_s, 1) if self.wall_s else 0.0,
-            "replicas": dict(sorted(Counter(r.replica for r in self.results if r.ok).items())),
+            "replicas": dict(
+                sorted(Counter(r.replica for r in self.results if r.ok and r.replica).items())
+            ),
         }
 
 
