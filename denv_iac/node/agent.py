@@ -1,0 +1,113 @@
+"""The node agent: its own virtual environment, its config file and its systemd unit."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import shlex
+
+from denv_iac.node.driver import service_steps
+from denv_iac.node.facts import AGENT_VENV, NodeFacts
+from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.steps import UNIT_DIR, FileContent, Step, text_file, unit_path
+
+UNIT = "denv-agent.service"
+CONFIG = "/etc/denv/agent.json"
+COMMAND_LINK = "/usr/local/bin/denv-agent"  # what repair and operators call: `denv-agent drain`
+AGENT_BIN = f"{AGENT_VENV}/bin/denv-agent"
+DIST_DIR = "/opt/denv/dist"
+
+
+def config(spec: NodeDeploySpec) -> FileContent:
+    values = {
+        **spec.agent.config,
+        "node_id": spec.node_id,
+        "port": spec.agent_port,
+        "balancer_addresses": list(spec.balancer_addresses),
+        "replicas": [
+            {
+                "id": r.id,
+                "port": r.port,
+                "health_path": r.health_path,
+                "gpu": r.gpu,
+                "mig_profile": r.mig_profile,
+                "mig_instance": r.mig_instance,
+                "unit": r.unit,
+            }
+            for r in spec.replicas
+        ],
+    }
+    return text_file(CONFIG, json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def unit() -> FileContent:
+    return text_file(
+        unit_path(UNIT),
+        f"""[Unit]
+Description=denv node agent (GPU and replica health for the balancer)
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+ExecStart={AGENT_BIN} serve --config {CONFIG}
+Restart=always
+RestartSec=1
+
+[Install]
+WantedBy=multi-user.target
+""",
+    )
+
+
+def files(spec: NodeDeploySpec) -> list[FileContent]:
+    return [config(spec), unit()]
+
+
+def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    steps: list[Step] = []
+    if AGENT_VENV not in facts.dirs:
+        steps.append(Step("agent", f"create {AGENT_VENV}", (f"python3 -m venv {AGENT_VENV}",)))
+    installed = facts.agent_version == spec.agent.version
+    if not installed:
+        steps += _install(spec)
+    if facts.links.get(COMMAND_LINK) != AGENT_BIN:
+        steps.append(
+            Step(
+                "agent",
+                f"put denv-agent on PATH ({COMMAND_LINK})",
+                (f"ln -sfn {AGENT_BIN} {COMMAND_LINK}",),
+            )
+        )
+    changed = not installed
+    unit_changed = False
+    for content in files(spec):
+        if facts.files.get(content.path) != content.sha256:
+            changed = True
+            unit_changed |= content.path.startswith(UNIT_DIR)
+            steps.append(Step("agent", f"write {content.path}", file=content))
+    if facts.systemd and unit_changed:
+        steps.append(Step("agent", "reload systemd units", ("systemctl daemon-reload",)))
+    steps += service_steps(facts, "agent", UNIT, "agent", changed=changed, unit_dir=UNIT_DIR)
+    return steps
+
+
+def _install(spec: NodeDeploySpec) -> list[Step]:
+    pip = " ".join(
+        [f"{AGENT_VENV}/bin/pip", "install", "-q", *map(shlex.quote, spec.agent.pip_args)]
+    )
+    if spec.agent.wheel is None:
+        requirement = shlex.quote(f"denv-agent=={spec.agent.version}")
+        return [
+            Step("agent", f"install denv-agent {spec.agent.version}", (f"{pip} {requirement}",))
+        ]
+    name = posixpath.basename(spec.agent.wheel)
+    with open(spec.agent.wheel, "rb") as wheel:
+        content = FileContent(posixpath.join(DIST_DIR, name), wheel.read())
+    return [
+        Step(
+            "agent",
+            f"install denv-agent {spec.agent.version} from {name}",
+            (f"{pip} --force-reinstall {shlex.quote(content.path)}",),
+            file=content,
+        )
+    ]

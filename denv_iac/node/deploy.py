@@ -1,0 +1,239 @@
+"""The pyinfra layer: connect to a node, read its facts, run planned steps as operations."""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import shlex
+import time
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+from pyinfra.api.command import FileUploadCommand, StringCommand
+from pyinfra.api.config import Config
+from pyinfra.api.exceptions import ConnectError, PyinfraError
+from pyinfra.api.host import Host
+from pyinfra.api.inventory import Inventory
+from pyinfra.api.operation import add_op, operation
+from pyinfra.api.operations import run_ops
+from pyinfra.api.state import BaseStateCallback, State
+from pyinfra.operations import server
+
+from denv_iac.node.facts import FactQuery, NodeFacts, NodeProbe
+from denv_iac.node.plan import fact_query, plan_node
+from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.steps import Step
+
+# Called with (index from 1, total, step, status) where status is "run", "ok" or "failed".
+Progress = Callable[[int, int, Step, str], None]
+
+
+class NodeUnreachable(RuntimeError):
+    """Could not connect to the node; the message says where and why (never a key's content)."""
+
+
+class StepFailed(RuntimeError):
+    """A step's command failed on the node; later steps were not run."""
+
+    def __init__(self, step: Step, output: str) -> None:
+        super().__init__(f"{step.area}: {step.title} failed" + (f": {output}" if output else ""))
+        self.step = step
+        self.output = output
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a node is: `@local`, `@chroot/<path>`, or `[user@]host[:port]` over SSH."""
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+    key: Path | None = None
+    sudo: bool = False
+
+    @property
+    def is_ssh(self) -> bool:
+        return not self.host.startswith("@")
+
+    def inventory(self) -> tuple[str, dict[str, Any]]:
+        if not self.is_ssh:
+            return self.host, {}
+        name, user = self.host, self.user
+        if "@" in name:
+            user, name = name.split("@", 1)
+        port = self.port
+        if ":" in name and name.count(":") == 1:
+            name, port_text = name.split(":")
+            port = int(port_text)
+        data: dict[str, Any] = {"ssh_hostname": name}
+        if user:
+            data["ssh_user"] = user
+        if port:
+            data["ssh_port"] = port
+        if self.key is not None:
+            data["ssh_key"] = str(self.key)
+        return name, data
+
+
+def check_target(target: Target) -> list[str]:
+    """Problems with a target before connecting, one line each naming the option and fix."""
+    problems = []
+    if target.host.startswith("@chroot/"):
+        root = Path(target.host.removeprefix("@chroot"))
+        if not (root / "bin/sh").exists():
+            problems.append(f"HOST {target.host}: {root} is not a root file system (no /bin/sh)")
+    elif target.host.startswith("@") and target.host != "@local":
+        problems.append(f"HOST {target.host}: use @local, @chroot/<path> or [user@]host[:port]")
+    if target.key is not None:
+        try:
+            with target.key.open("rb"):
+                pass
+        except OSError as error:
+            problems.append(f"--key {target.key}: cannot read it ({error.strerror})")
+    if target.host.count(":") == 1 and not target.host.rsplit(":", 1)[1].isdigit():
+        problems.append(f"HOST {target.host}: the port after ':' must be a number")
+    return problems
+
+
+class _Reporter(BaseStateCallback):
+    def __init__(self, steps: dict[str, tuple[int, Step]], total: int, progress: Progress) -> None:
+        self.steps, self.total, self.progress = steps, total, progress
+
+    def _report(self, state: State, op_hash: str, status: str) -> None:
+        for name in state.get_op_meta(op_hash).names:
+            if name in self.steps:
+                index, step = self.steps[name]
+                self.progress(index, self.total, step, status)
+
+    def operation_start(self, state: State, op_hash: str) -> None:  # type: ignore[override]
+        self._report(state, op_hash, "run")
+
+    def operation_host_success(  # type: ignore[override]
+        self, state: State, host: Host, op_hash: str, retry_count: int = 0
+    ) -> None:
+        self._report(state, op_hash, "ok")
+
+    def operation_host_error(  # type: ignore[override]
+        self, state: State, host: Host, op_hash: str, retry_count: int = 0, max_retries: int = 0
+    ) -> None:
+        self._report(state, op_hash, "failed")
+
+
+@operation()
+def apply_step(step: Step) -> Generator[Any, Any, None]:
+    """Write the step's file, run its commands, reboot last if it asks to."""
+    if step.file is not None:
+        path = shlex.quote(step.file.path)
+        yield f"mkdir -p {shlex.quote(posixpath.dirname(step.file.path))}"
+        yield FileUploadCommand(BytesIO(step.file.content), step.file.path)
+        yield f"chmod {step.file.mode} {path}"
+    yield from step.commands
+    if step.reboot:
+        yield from server.reboot._inner(delay=20, interval=5, reboot_timeout=900)
+
+
+class NodeSession:
+    """One connected node: facts, commands and steps go through pyinfra's host."""
+
+    def __init__(self, state: State, host: Host) -> None:
+        self.state, self.host = state, host
+
+    @property
+    def booted(self) -> bool:
+        """Whether the node has a kernel and init of its own (no chroot): it can reboot."""
+        return not self.host.name.startswith("@chroot/")
+
+    def facts(self, query: FactQuery) -> NodeFacts:
+        facts = self.host.get_fact(NodeProbe, query=query, _sudo=self.state.config.SUDO)
+        if not isinstance(facts, NodeFacts):
+            raise NodeUnreachable(f"{self.host.name}: reading facts failed")
+        return facts
+
+    def run(self, command: str) -> tuple[bool, str]:
+        """Run one shell command; (succeeded, stdout and stderr together)."""
+        ok, output = self.host.run_shell_command(
+            StringCommand(command), _sudo=self.state.config.SUDO
+        )
+        text = "\n".join(line.line for line in output.combined_lines).strip()
+        return bool(ok), text
+
+    def reboot(self, timeout_s: int = 900) -> None:
+        """Reboot the node and wait until it answers again (SSH nodes only)."""
+        self.run("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
+        self.host.disconnect()
+        time.sleep(20)  # the old sshd would otherwise still accept connections
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.host.connect(show_errors=False)
+            if self.host.connected:
+                return
+            time.sleep(5)
+        raise NodeUnreachable(
+            f"{self.host.name}: did not come back within {timeout_s} s of a reboot"
+        )
+
+    def apply(self, steps: list[Step], progress: Progress) -> None:
+        """Run the steps as pyinfra operations, in order; raises StepFailed on the first failure."""
+        if not steps:
+            return
+        names: dict[str, tuple[int, Step]] = {}
+        metas = []
+        for index, step in enumerate(steps, 1):
+            name = f"{index:03d} {step.area}: {step.title}"
+            names[name] = (index, step)
+            metas.append((step, add_op(self.state, apply_step, step, name=name)))
+        self.state.add_callback_handler(  # type: ignore[no-untyped-call]
+            _Reporter(names, len(steps), progress)
+        )
+        with suppress(PyinfraError):  # the failed operation is found below, with its output
+            run_ops(self.state)
+        for step, meta in metas:
+            result = meta.get(self.host)
+            if result is not None and result.is_complete() and result.did_error():
+                raise StepFailed(step, (result.stderr or result.stdout).strip()[-2000:])
+            if result is None or not result.is_complete():
+                raise StepFailed(step, "not run")
+
+
+@contextmanager
+def connect(target: Target) -> Iterator[NodeSession]:
+    """A connected session to the node; NodeUnreachable when the connection fails."""
+    # pyinfra logs progress and beta notices itself; the CLI reports steps its own way.
+    logging.getLogger("pyinfra").setLevel(logging.ERROR)
+    name, data = target.inventory()
+    inventory = Inventory(([(name, data)], {}))  # type: ignore[no-untyped-call]
+    state = State(inventory, Config(SUDO=target.sudo))  # type: ignore[no-untyped-call]
+    host = inventory.get_host(name)
+    try:
+        host.connect(show_errors=False, raise_exceptions=True)
+    except ConnectError as error:
+        raise NodeUnreachable(f"cannot connect to {target.host}: {error.args[0]}") from None
+    except OSError as error:
+        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
+    state.activate_host(host)
+    try:
+        yield NodeSession(state, host)
+    finally:
+        host.disconnect()
+
+
+def quiet_progress(index: int, total: int, step: Step, status: str) -> None:
+    del index, total, step, status
+
+
+def prepare_node(
+    target: Target, spec: NodeDeploySpec, dry: bool = False, progress: Progress = quiet_progress
+) -> list[Step]:
+    """Converge the node to `spec`: read facts, plan, run; returns the steps planned.
+
+    With `dry`, facts are read (read-only commands) and nothing is changed.
+    """
+    with connect(target) as session:
+        steps = plan_node(session.facts(fact_query(spec)), spec)
+        if not dry:
+            session.apply(steps, progress)
+        return steps

@@ -1,0 +1,232 @@
+"""The NVIDIA driver: verify a working one of the pinned branch, otherwise install it pinned."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from denv_iac.node.facts import NodeFacts
+from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.steps import (
+    APT_UPDATE,
+    PACKAGE_UNIT_DIR,
+    Step,
+    apt_install,
+    apt_purge,
+    enable_link,
+    wants_link,
+)
+
+# (os-release ID, VERSION_ID) -> the distro name in NVIDIA's repository paths.
+SUPPORTED_OS = {("ubuntu", "22.04"): "ubuntu2204", ("ubuntu", "24.04"): "ubuntu2404"}
+SUPPORTED_OS[("debian", "12")] = "debian12"
+_REPO_ARCH = {"amd64": "x86_64", "arm64": "sbsa"}
+KEYRING_DEB = "cuda-keyring_1.1-1_all.deb"
+# What a driver install leaves behind, from NVIDIA's repository, Ubuntu's archive or Lambda
+# Stack; the container toolkit (libnvidia-container*, nvidia-container-*) is not the driver.
+_DRIVER_PACKAGE = re.compile(
+    r"^(nvidia-open(-\d+)?|cuda-drivers(-\d+)?|nvidia-driver(-.+)?|nvidia-headless(-.+)?"
+    r"|nvidia-utils-.+|nvidia-kernel-.+|nvidia-dkms-.+|nvidia-compute-utils-.+"
+    r"|libnvidia-(compute|decode|encode|extra|fbc1|gl|cfg1|common)-.+|nvidia-firmware-.+"
+    r"|nvidia-fabricmanager(-.+)?|libnvidia-nscq(-.+)?|nvidia-persistenced|nvidia-modprobe"
+    r"|linux-modules-nvidia-.+|linux-objects-nvidia-.+|linux-signatures-nvidia-.+)$"
+)
+# The package whose version the driver carries, most specific first.
+_MAIN_PACKAGES = ("nvidia-open", "cuda-drivers")
+_MAIN_PATTERNS = (
+    re.compile(r"^nvidia-driver-(\d+)(-server)?(-open)?$"),
+    re.compile(r"^nvidia-headless-(\d+)(-server)?(-open)?$"),
+)
+MODULES = ("nvidia_uvm", "nvidia_drm", "nvidia_modeset", "nvidia")
+MISMATCH = "version mismatch"
+PERSISTENCED = "nvidia-persistenced.service"
+FABRICMANAGER = "nvidia-fabricmanager.service"
+
+
+class UnsupportedNode(RuntimeError):
+    """The node cannot take this deploy; the message says why and what would work."""
+
+
+def repo_url(facts: NodeFacts, spec: NodeDeploySpec) -> str:
+    distro = SUPPORTED_OS[(facts.os_id, facts.os_version)]
+    return spec.nvidia_repo.format(distro=distro, arch=_REPO_ARCH.get(facts.arch, facts.arch))
+
+
+def check_supported(facts: NodeFacts) -> None:
+    if (facts.os_id, facts.os_version) not in SUPPORTED_OS:
+        found = f"{facts.os_id or 'unknown'} {facts.os_version}".strip()
+        raise UnsupportedNode(
+            f"{found} is not supported: use Ubuntu 22.04, Ubuntu 24.04 or Debian 12"
+        )
+    if facts.arch not in _REPO_ARCH:
+        raise UnsupportedNode(f"architecture {facts.arch or 'unknown'}: use amd64 or arm64")
+
+
+def main_package(facts: NodeFacts) -> tuple[str, str] | None:
+    """(name, version) of the installed package the driver's version is read from."""
+    for name in _MAIN_PACKAGES:
+        if name in facts.packages:
+            return name, facts.packages[name]
+    for pattern in _MAIN_PATTERNS:
+        for name in sorted(facts.packages):
+            if pattern.match(name):
+                return name, facts.packages[name]
+    return None
+
+
+def installed_driver_packages(facts: NodeFacts) -> list[str]:
+    return sorted(name for name in facts.packages if _DRIVER_PACKAGE.match(name))
+
+
+def package_branch(version: str) -> str:
+    upstream = version.split(":", 1)[-1]
+    return upstream.split(".", 1)[0]
+
+
+def verify_command(spec: NodeDeploySpec) -> str:
+    """Succeeds when NVML answers and reports a driver of the pinned branch."""
+    return (
+        "nvidia-smi --query-gpu=index,uuid,driver_version --format=csv,noheader"
+        f" | awk -F', ' 'BEGIN{{n=0}} {{n++; if ($3 !~ /^{spec.driver_branch}\\./) bad=1}}"
+        f' END{{if (n == 0 || bad) {{print "driver branch is not {spec.driver_branch}";'
+        " exit 1}}'"
+    )
+
+
+def reload_modules_command() -> str:
+    # Clients of the device (persistenced, fabric manager) hold the modules; stop them first.
+    return (
+        f"systemctl stop {FABRICMANAGER} {PERSISTENCED} 2>/dev/null; "
+        f"modprobe -r {' '.join(MODULES)} && modprobe nvidia && modprobe nvidia_uvm"
+    )
+
+
+def _driver_package(spec: NodeDeploySpec) -> str:
+    return "nvidia-open" if spec.open_modules else "cuda-drivers"
+
+
+def keyring_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    """NVIDIA's repository, through its keyring package: the driver and toolkit come from it."""
+    if "cuda-keyring" in facts.packages:
+        return []
+    url = f"{repo_url(facts, spec)}/{KEYRING_DEB}"
+    commands = (
+        f"curl -fsSL -o /tmp/{KEYRING_DEB} {shlex.quote(url)}",
+        f"dpkg -i /tmp/{KEYRING_DEB}",
+        f"rm -f /tmp/{KEYRING_DEB}",
+        APT_UPDATE,
+    )
+    return [Step("repository", "add NVIDIA's repository (cuda-keyring)", commands)]
+
+
+def install_steps(spec: NodeDeploySpec, purge: list[str]) -> list[Step]:
+    """Purge `purge`, then install the pinned branch from NVIDIA's repository."""
+    steps = []
+    if purge:
+        steps.append(
+            Step("driver", f"purge {len(purge)} other driver packages", (apt_purge(*purge),))
+        )
+    pinning = f"nvidia-driver-pinning-{spec.driver_branch}"
+    package = _driver_package(spec)
+    steps.append(
+        Step(
+            "driver",
+            f"pin branch {spec.driver_branch} and install {package}",
+            (apt_install(pinning), apt_install(package)),
+            uses_apt=True,
+        )
+    )
+    return steps
+
+
+def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    main = main_package(facts)
+    packaged_branch = package_branch(main[1]) if main else ""
+    steps: list[Step] = []
+    if facts.smi_ok and facts.driver_branch == spec.driver_branch:
+        pass  # a working driver of the branch asked for: verified, never reinstalled
+    elif packaged_branch == spec.driver_branch and facts.smi_present:
+        # Installed right, running wrong: a half-done upgrade or modules never loaded.
+        steps.append(_load_step(facts, "reload the kernel modules", reload_modules_command()))
+    else:
+        keep = f"nvidia-driver-pinning-{spec.driver_branch}"
+        purge = [name for name in installed_driver_packages(facts) if name != keep]
+        steps += install_steps(spec, purge)
+        if facts.smi_ok and facts.systemd:
+            # Another branch's modules are loaded and in use: only a reboot swaps them.
+            steps.append(Step("driver", "reboot into the new driver", reboot=True))
+        else:
+            steps.append(_load_step(facts, "load the kernel modules", "modprobe nvidia"))
+    if steps:
+        steps.append(
+            Step(
+                "driver",
+                f"verify branch {spec.driver_branch} through NVML",
+                (verify_command(spec),),
+            )
+        )
+    steps += _fabric_manager(facts, spec)
+    steps += service_steps(facts, "driver", PERSISTENCED, "persistence daemon")
+    return steps
+
+
+def _load_step(facts: NodeFacts, title: str, command: str) -> Step:
+    if facts.systemd:
+        return Step("driver", title, (command,))
+    # A chroot or container shares the host's kernel: its modules are not ours to load.
+    return Step("driver", f"{title}: skipped, no booted kernel of its own")
+
+
+def _fabric_manager(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    if not facts.nvswitches:
+        return []
+    branch = spec.driver_branch
+    names = (f"nvidia-fabricmanager-{branch}", f"libnvidia-nscq-{branch}")
+    main = main_package(facts)
+    ok = main is not None and package_branch(main[1]) == branch and facts.smi_ok
+    if ok and main is not None:
+        version = main[1]
+        if all(facts.packages.get(name) == version for name in names):
+            return service_steps(facts, "driver", FABRICMANAGER, "fabric manager")
+        install = apt_install(*(f"{name}={version}" for name in names))
+        title = f"install fabric manager and NSCQ {version} (NVSwitch board)"
+    else:
+        install = fabric_manager_command(spec)
+        title = "install fabric manager and NSCQ at the driver's version (NVSwitch board)"
+    return [
+        Step("driver", title, (install,), uses_apt=True),
+        *service_steps(facts, "driver", FABRICMANAGER, "fabric manager", changed=True),
+    ]
+
+
+def fabric_manager_command(spec: NodeDeploySpec) -> str:
+    """Install fabric manager and NSCQ at exactly the installed driver package's version."""
+    names = (f"nvidia-fabricmanager-{spec.driver_branch}", f"libnvidia-nscq-{spec.driver_branch}")
+    pinned = " ".join(f'{name}="$v"' for name in names)
+    query = f"dpkg-query -W -f='${{Version}}' {_driver_package(spec)}"
+    return f"v=$({query}) && {apt_install()}{pinned}"
+
+
+def service_steps(
+    facts: NodeFacts,
+    area: str,
+    unit: str,
+    what: str,
+    changed: bool = False,
+    unit_dir: str = PACKAGE_UNIT_DIR,
+) -> list[Step]:
+    """Enable (and, under systemd, start) a unit; `changed`: restart it, a step just changed it."""
+    enabled = wants_link(unit) in facts.links
+    if facts.systemd:
+        if changed:
+            commands = (f"systemctl enable {unit}", f"systemctl restart {unit}")
+            return [Step(area, f"restart the {what}", commands)]
+        if enabled and unit in facts.active_units:
+            return []
+        return [Step(area, f"enable and start the {what}", (f"systemctl enable --now {unit}",))]
+    if enabled:
+        return []
+    # Without systemd running (a chroot, an image being built) enabling is all there is to do.
+    return [
+        Step(area, f"enable the {what} (not started: no systemd)", (enable_link(unit, unit_dir),))
+    ]

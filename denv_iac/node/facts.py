@@ -1,0 +1,240 @@
+"""What a node is: read in one round trip by a shell probe, parsed into plain data."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pyinfra.api.facts import FactBase
+
+AGENT_VENV = "/opt/denv/agent"
+DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
+# PCI class codes: 0x0300 VGA and 0x0302 3D controllers are GPUs; NVSwitches show up as bridges.
+_GPU_CLASSES = ("0x0300", "0x0302")
+_NVSWITCH_CLASS = "0x0680"
+_MIG_LINE = re.compile(r"^\s+MIG\s+(\S+)\s+Device\s+\d+:\s+\(UUID:\s*([^)]+)\)")
+_GPU_LINE = re.compile(r"^GPU\s+(\d+):")
+_AGENT_DIST = re.compile(r"/denv_agent-([^/]+)\.dist-info$")
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    profile: str
+    uuid: str
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    bus_id: str
+    mig_enabled: bool = False
+    mig_devices: tuple[MigDevice, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """The node as read; fields not read (no nvidia-smi, no systemd) keep their empty defaults."""
+
+    os_id: str = ""
+    os_version: str = ""
+    kernel: str = ""
+    arch: str = ""
+    systemd: bool = False  # PID 1 is systemd: services can be started (not so in a chroot)
+    pci_gpus: tuple[str, ...] = ()
+    nvswitches: int = 0
+    packages: Mapping[str, str] = field(default_factory=dict)  # installed name -> version
+    smi_present: bool = False
+    smi_ok: bool = False
+    smi_error: str = ""
+    driver_version: str = ""
+    gpus: tuple[GpuInfo, ...] = ()
+    files: Mapping[str, str] = field(default_factory=dict)  # path -> sha256
+    links: Mapping[str, str] = field(default_factory=dict)  # path -> target
+    dirs: frozenset[str] = frozenset()
+    active_units: frozenset[str] = frozenset()
+    replica_units: frozenset[str] = frozenset()  # denv-replica-*.service files present
+    runtime_configured: bool = False  # the container engine knows the nvidia runtime
+    agent_version: str | None = None
+
+    @property
+    def driver_branch(self) -> str:
+        return self.driver_version.split(".", 1)[0] if self.driver_version else ""
+
+    def gpu(self, index: int) -> GpuInfo | None:
+        return next((gpu for gpu in self.gpus if gpu.index == index), None)
+
+
+@dataclass(frozen=True)
+class FactQuery:
+    """The paths and units a plan compares against; everything else the probe always reads."""
+
+    files: tuple[str, ...] = ()
+    links: tuple[str, ...] = ()
+    dirs: tuple[str, ...] = ()
+    units: tuple[str, ...] = ()
+
+
+def probe_script(query: FactQuery) -> str:
+    """A POSIX shell script printing one tab-separated `kind value...` line per fact."""
+
+    def words(items: Iterable[str]) -> str:
+        return " ".join(shlex.quote(item) for item in items) or "''"
+
+    return f"""
+T=$(printf '\\t')
+if [ -r /etc/os-release ]; then . /etc/os-release; fi
+printf 'os\\t%s\\t%s\\n' "${{ID:-}}" "${{VERSION_ID:-}}"
+printf 'kernel\\t%s\\n' "$(uname -r)"
+printf 'arch\\t%s\\n' "$(dpkg --print-architecture 2>/dev/null)"
+if [ -d /run/systemd/system ]; then echo systemd; fi
+for d in /sys/bus/pci/devices/*; do
+  if [ "$(cat "$d/vendor" 2>/dev/null)" = 0x10de ]; then
+    printf 'pci\\t%s\\t%s\\n' "${{d##*/}}" "$(cat "$d/class")"
+  fi
+done
+dpkg-query -W -f='pkg\\t${{db:Status-Abbrev}}\\t${{Package}}\\t${{Version}}\\n' 2>/dev/null
+if command -v nvidia-smi >/dev/null 2>&1; then
+  q=index,uuid,name,pci.bus_id,driver_version,mig.mode.current
+  out=$(nvidia-smi --query-gpu=$q --format=csv,noheader 2>&1)
+  rc=$?
+  printf 'smi_rc\\t%s\\n' "$rc"
+  printf '%s\\n' "$out" | sed "s/^/smi$T/"
+  if [ "$rc" -eq 0 ]; then nvidia-smi -L 2>/dev/null | sed "s/^/smil$T/"; fi
+fi
+for f in {words(query.files)}; do
+  if [ -f "$f" ]; then printf 'file\\t%s\\t%s\\n' "$f" "$(sha256sum < "$f" | cut -d' ' -f1)"; fi
+done
+for l in {words(query.links)}; do
+  if [ -L "$l" ]; then printf 'link\\t%s\\t%s\\n' "$l" "$(readlink "$l")"; fi
+done
+for d in {words(query.dirs)}; do if [ -d "$d" ]; then printf 'dir\\t%s\\n' "$d"; fi; done
+for u in /etc/systemd/system/denv-replica-*.service; do
+  if [ -f "$u" ]; then printf 'replica_unit\\t%s\\n' "${{u##*/}}"; fi
+done
+if [ -d /run/systemd/system ]; then
+  for u in {words(query.units)}; do
+    if systemctl is-active --quiet "$u"; then printf 'active\\t%s\\n' "$u"; fi
+  done
+fi
+if grep -qs '"nvidia"' {DOCKER_DAEMON_JSON}; then echo runtime; fi
+for m in {AGENT_VENV}/lib/python3*/site-packages/denv_agent-*.dist-info; do
+  if [ -d "$m" ]; then printf 'agent\\t%s\\n' "$m"; fi
+done
+true
+"""
+
+
+def parse_facts(lines: Iterable[str]) -> NodeFacts:
+    """NodeFacts from the probe's output lines."""
+    values: dict[str, str] = {}
+    flags: set[str] = set()
+    pci: list[tuple[str, str]] = []
+    packages: dict[str, str] = {}
+    smi_lines: list[str] = []
+    smil_lines: list[str] = []
+    files: dict[str, str] = {}
+    links: dict[str, str] = {}
+    dirs: set[str] = set()
+    active: set[str] = set()
+    replica_units: set[str] = set()
+    for line in lines:
+        kind, _, rest = line.rstrip("\n").partition("\t")
+        parts = rest.split("\t")
+        if kind in ("systemd", "runtime"):
+            flags.add(kind)
+        elif kind == "os" and len(parts) == 2:
+            values["os_id"], values["os_version"] = parts
+        elif kind in ("kernel", "arch", "smi_rc", "agent"):
+            values[kind] = rest
+        elif kind == "pci" and len(parts) == 2:
+            pci.append((parts[0], parts[1]))
+        elif kind == "pkg" and len(parts) == 3 and parts[0].startswith("ii"):
+            packages[parts[1]] = parts[2]
+        elif kind == "smi":
+            smi_lines.append(rest)
+        elif kind == "smil":
+            smil_lines.append(rest)
+        elif kind == "file" and len(parts) == 2:
+            files[parts[0]] = parts[1]
+        elif kind == "link" and len(parts) == 2:
+            links[parts[0]] = parts[1]
+        elif kind == "dir":
+            dirs.add(rest)
+        elif kind == "active":
+            active.add(rest)
+        elif kind == "replica_unit":
+            replica_units.add(rest)
+    smi_ok = values.get("smi_rc") == "0"
+    gpus = _parse_gpus(smi_lines, smil_lines) if smi_ok else ()
+    agent = _AGENT_DIST.search(values.get("agent", ""))
+    return NodeFacts(
+        os_id=values.get("os_id", ""),
+        os_version=values.get("os_version", ""),
+        kernel=values.get("kernel", ""),
+        arch=values.get("arch", ""),
+        systemd="systemd" in flags,
+        pci_gpus=tuple(addr for addr, cls in pci if cls[:6] in _GPU_CLASSES),
+        nvswitches=sum(1 for _, cls in pci if cls[:6] == _NVSWITCH_CLASS),
+        packages=packages,
+        smi_present="smi_rc" in values,
+        smi_ok=smi_ok,
+        smi_error="" if smi_ok else " ".join(smi_lines).strip(),
+        driver_version=next((g[4] for g in map(_csv, smi_lines) if len(g) == 6), "")
+        if smi_ok
+        else "",
+        gpus=gpus,
+        files=files,
+        links=links,
+        dirs=frozenset(dirs),
+        active_units=frozenset(active),
+        replica_units=frozenset(replica_units),
+        runtime_configured="runtime" in flags,
+        agent_version=agent.group(1) if agent else None,
+    )
+
+
+def _csv(line: str) -> list[str]:
+    return [cell.strip() for cell in line.split(",")]
+
+
+def _parse_gpus(smi_lines: list[str], smil_lines: list[str]) -> tuple[GpuInfo, ...]:
+    mig: dict[int, list[MigDevice]] = {}
+    current: int | None = None
+    for line in smil_lines:
+        gpu_match = _GPU_LINE.match(line)
+        if gpu_match:
+            current = int(gpu_match.group(1))
+            continue
+        mig_match = _MIG_LINE.match(line)
+        if mig_match and current is not None:
+            mig.setdefault(current, []).append(MigDevice(mig_match.group(1), mig_match.group(2)))
+    gpus = []
+    for cells in map(_csv, smi_lines):
+        if len(cells) != 6 or not cells[0].isdigit():
+            continue
+        index = int(cells[0])
+        gpus.append(
+            GpuInfo(
+                index=index,
+                uuid=cells[1],
+                name=cells[2],
+                bus_id=cells[3],
+                mig_enabled=cells[5] == "Enabled",
+                mig_devices=tuple(mig.get(index, ())),
+            )
+        )
+    return tuple(sorted(gpus, key=lambda gpu: gpu.index))
+
+
+class NodeProbe(FactBase[NodeFacts]):
+    """pyinfra fact: the whole node, read by probe_script in one command."""
+
+    def command(self, query: FactQuery) -> str:
+        return probe_script(query)
+
+    def process(self, output: Iterable[str]) -> NodeFacts:
+        return parse_facts(output)

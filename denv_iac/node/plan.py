@@ -1,0 +1,61 @@
+"""plan_node: from a node's facts and its spec, the steps that converge it. Pure."""
+
+from __future__ import annotations
+
+from denv_iac.node import agent, driver, firewall, mig, replicas, runtime
+from denv_iac.node.driver import FABRICMANAGER, PERSISTENCED, UnsupportedNode, check_supported
+from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
+from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.steps import APT_UPDATE, Step, apt_install, wants_link
+
+# Tools the deploy itself runs on the node: curl (the keyring), venv (the agent), nft, ss.
+BASE_PACKAGES = ("ca-certificates", "curl", "python3", "python3-venv", "nftables", "iproute2")
+
+
+def fact_query(spec: NodeDeploySpec) -> FactQuery:
+    """Every path and unit plan_node compares against, for the probe to read."""
+    files = [*agent.files(spec), *replicas.files(spec), *firewall.files(spec)]
+    units = [
+        PERSISTENCED,
+        FABRICMANAGER,
+        runtime.ENGINE_UNIT,
+        agent.UNIT,
+        firewall.UNIT,
+        *(r.unit for r in spec.replicas),
+    ]
+    return FactQuery(
+        files=tuple(content.path for content in files),
+        links=(agent.COMMAND_LINK, *(wants_link(u) for u in units)),
+        dirs=(AGENT_VENV, *spec.cache.paths()),
+        units=tuple(units),
+    )
+
+
+def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    """The steps, in order, that bring the node to `spec`; [] when it is there already.
+
+    Raises UnsupportedNode for an operating system outside Ubuntu 22.04/24.04 and Debian 12,
+    or a node without an NVIDIA GPU.
+    """
+    check_supported(facts)
+    if not facts.pci_gpus and not facts.gpus:
+        raise UnsupportedNode("no NVIDIA GPU on the PCI bus: join GPU machines only")
+    missing = [p for p in BASE_PACKAGES if p not in facts.packages]
+    steps = []
+    if missing:
+        steps.append(
+            Step("base", f"install {' '.join(missing)}", (apt_install(*missing),), uses_apt=True)
+        )
+    steps += driver.keyring_steps(facts, spec)
+    steps += driver.plan(facts, spec)
+    steps += mig.plan(facts, spec)
+    steps += runtime.plan(facts, spec)
+    steps += agent.plan(facts, spec)
+    steps += replicas.plan(facts, spec)
+    steps += firewall.plan(facts, spec)
+    if any(step.uses_apt for step in steps):
+        steps.insert(0, Step("base", "refresh the package index", (APT_UPDATE,)))
+    return steps
+
+
+__all__ = ["UnsupportedNode", "fact_query", "plan_node"]

@@ -1,0 +1,178 @@
+"""Replica units: one container per replica on its GPU or MIG instance, caches mounted."""
+
+from __future__ import annotations
+
+import shlex
+
+from denv_iac.node.facts import NodeFacts
+from denv_iac.node.spec import NodeDeploySpec, ReplicaSpec
+from denv_iac.node.steps import (
+    FileContent,
+    Step,
+    enable_link,
+    systemd_quote,
+    text_file,
+    unit_path,
+    wants_link,
+)
+
+LAUNCHER = "/opt/denv/bin/denv-replica-run"
+ENV_DIR = "/etc/denv/replicas"
+
+# The UUID is looked up when the unit starts, not when it is written: MIG instances get new
+# UUIDs each time they are created (after a reset, a reboot or a layout change).
+_LAUNCHER_SCRIPT = r"""#!/bin/sh
+# denv-replica-run GPU_INDEX MIG_PROFILE|- MIG_INSTANCE ENGINE run ARGS...
+# Runs ENGINE run with NVIDIA_VISIBLE_DEVICES set to the UUID of that GPU or MIG instance.
+set -eu
+gpu=$1 profile=$2 instance=$3
+shift 3
+uuid=$(nvidia-smi -L | awk -v gpu="$gpu" -v profile="$profile" -v instance="$instance" '
+  /^GPU / { current = $2; sub(":", "", current); seen = 0
+            if (current == gpu && profile == "-") { found = $0 } }
+  /^ +MIG / { if (current == gpu && $2 == profile) { if (seen == instance) found = $0; seen++ } }
+  END { if (found != "") { sub(/.*UUID: */, "", found); sub(/\).*/, "", found); print found } }')
+if [ -z "$uuid" ]; then
+  echo "denv-replica-run: GPU $gpu share $profile#$instance not found by nvidia-smi -L" >&2
+  exit 1
+fi
+engine=$1 verb=$2
+shift 2
+exec "$engine" "$verb" -e "NVIDIA_VISIBLE_DEVICES=$uuid" "$@"
+"""
+
+
+def env_file(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
+    values = {**replica.env, **spec.cache.env()}
+    text = "".join(f"{name}={value}\n" for name, value in sorted(values.items()))
+    return FileContent(f"{ENV_DIR}/{replica.id}.env", text.encode(), "0600")  # may hold tokens
+
+
+def unit(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
+    name = f"denv-{replica.id}"
+    mounts = [arg for path in spec.cache.paths() for arg in ("-v", f"{path}:{path}")]
+    argv = [
+        LAUNCHER,
+        str(replica.gpu),
+        replica.mig_profile or "-",
+        str(replica.mig_instance),
+        "/usr/bin/docker",
+        "run",
+        "--rm",
+        "--name",
+        name,
+        "--runtime=nvidia",
+        "--network=host",
+        "--env-file",
+        env_file(spec, replica).path,
+        *mounts,
+        replica.image,
+        *replica.command,
+    ]
+    return text_file(
+        unit_path(replica.unit),
+        f"""[Unit]
+Description=denv replica {replica.id}
+After=docker.service denv-agent.service
+Requires=docker.service
+
+[Service]
+ExecStartPre=-/usr/bin/docker rm -f {name}
+ExecStart={" ".join(map(systemd_quote, argv))}
+ExecStop=/usr/bin/docker stop -t 30 {name}
+Restart=always
+RestartSec=2
+TimeoutStartSec=0
+
+[Install]
+WantedBy=multi-user.target
+""",
+    )
+
+
+def files(spec: NodeDeploySpec) -> list[FileContent]:
+    result = [FileContent(LAUNCHER, _LAUNCHER_SCRIPT.encode(), "0755")]
+    for replica in spec.replicas:
+        result += [env_file(spec, replica), unit(spec, replica)]
+    return result
+
+
+def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    steps: list[Step] = []
+    missing = [path for path in spec.cache.paths() if path not in facts.dirs]
+    if missing:
+        quoted = " ".join(map(shlex.quote, missing))
+        steps.append(
+            Step(
+                "replicas",
+                "create the weights and compile cache dirs",
+                (f"mkdir -p -m 0755 {quoted}",),
+            )
+        )
+    steps += _stale(facts, spec)
+    launcher = files(spec)[0]
+    launcher_changed = facts.files.get(LAUNCHER) != launcher.sha256
+    if launcher_changed:
+        steps.append(Step("replicas", f"write {LAUNCHER}", file=launcher))
+    for replica in spec.replicas:
+        steps += _replica(facts, spec, replica, launcher_changed)
+    return steps
+
+
+def _replica(
+    facts: NodeFacts, spec: NodeDeploySpec, replica: ReplicaSpec, launcher_changed: bool
+) -> list[Step]:
+    steps = []
+    changed = launcher_changed
+    for content in (env_file(spec, replica), unit(spec, replica)):
+        if facts.files.get(content.path) != content.sha256:
+            changed = True
+            steps.append(Step("replicas", f"{replica.id}: write {content.path}", file=content))
+    enabled = wants_link(replica.unit) in facts.links
+    if not facts.systemd:
+        if not enabled:
+            steps.append(
+                Step(
+                    "replicas",
+                    f"{replica.id}: enable (not started: no systemd)",
+                    (enable_link(replica.unit),),
+                )
+            )
+        return steps
+    if changed:
+        steps.append(
+            Step(
+                "replicas",
+                f"{replica.id}: (re)start",
+                (
+                    "systemctl daemon-reload",
+                    f"systemctl enable {replica.unit}",
+                    f"systemctl restart {replica.unit}",
+                ),
+            )
+        )
+    elif not enabled or replica.unit not in facts.active_units:
+        steps.append(
+            Step("replicas", f"{replica.id}: start", (f"systemctl enable --now {replica.unit}",))
+        )
+    return steps
+
+
+def _stale(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    """Units of replicas placed elsewhere now: stop them and remove their files."""
+    wanted = {replica.unit for replica in spec.replicas}
+    steps = []
+    for name in sorted(facts.replica_units - wanted):
+        replica_id = name.removeprefix("denv-replica-").removesuffix(".service")
+        stop = (f"systemctl disable --now {name}",) if facts.systemd else ()
+        steps.append(
+            Step(
+                "replicas",
+                f"{replica_id}: remove (no longer placed here)",
+                (
+                    *stop,
+                    f"rm -f {unit_path(name)} {wants_link(name)} {ENV_DIR}/{replica_id}.env",
+                ),
+            )
+        )
+    return steps

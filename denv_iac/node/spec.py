@@ -1,0 +1,230 @@
+"""What one node should run: the input of the node deploys, plain validated data."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# systemd unit names and container names both accept these; replica ids become part of both.
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb$")
+# The variables model servers read for their caches; the deploy sets them, a replica cannot.
+CACHE_ENV = ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
+
+
+class NodeSpecError(ValueError):
+    """A node spec that cannot be deployed; one line per problem, each naming field and fix."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+@dataclass(frozen=True)
+class MigSlice:
+    """`instances` MIG instances of `profile` (e.g. 1g.10gb) on GPU `gpu` (nvidia-smi index)."""
+
+    gpu: int
+    profile: str
+    instances: int = 1
+
+
+@dataclass(frozen=True)
+class CacheDirs:
+    """Host folders for weights and compiled kernels, mounted at the same path into replicas."""
+
+    hf_home: str = "/var/lib/denv/cache/huggingface"
+    vllm_cache: str = "/var/lib/denv/cache/vllm"
+    inductor_cache: str = "/var/lib/denv/cache/torchinductor"
+
+    def env(self) -> dict[str, str]:
+        return dict(zip(CACHE_ENV, self.paths(), strict=True))
+
+    def paths(self) -> tuple[str, str, str]:
+        return (self.hf_home, self.vllm_cache, self.inductor_cache)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """The node agent: which release to install and the extra values of its config file."""
+
+    version: str = "0.1.0"
+    # A local wheel to upload and install instead of fetching `denv-agent==version` from the index.
+    wheel: str | None = None
+    pip_args: tuple[str, ...] = ()
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One model server on a whole GPU (`mig_profile` None) or on one MIG instance of it."""
+
+    id: str
+    image: str
+    port: int
+    gpu: int
+    command: tuple[str, ...] = ()
+    mig_profile: str | None = None
+    mig_instance: int = 0  # which instance of that profile on that GPU, in nvidia-smi -L order
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+
+    @property
+    def unit(self) -> str:
+        return f"denv-replica-{self.id}.service"
+
+
+@dataclass(frozen=True)
+class NodeDeploySpec:
+    """Everything `prepare_node` needs; the Pulumi layer builds it from placement."""
+
+    node_id: str
+    driver_branch: str = "580"
+    open_modules: bool = True
+    mig: tuple[MigSlice, ...] = ()
+    cache: CacheDirs = field(default_factory=CacheDirs)
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    replicas: tuple[ReplicaSpec, ...] = ()
+    balancer_addresses: tuple[str, ...] = ()
+    agent_port: int = 9100
+    # Base URL of NVIDIA's CUDA repository (holding cuda-keyring_1.1-1_all.deb); {distro} and
+    # {arch} are filled in from the node. A mirror for nodes without access to NVIDIA's CDN.
+    nvidia_repo: str = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/{arch}"
+    drain_timeout_s: int = 120
+    ready_timeout_s: int = 900
+
+    def __post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            raise NodeSpecError(problems)
+
+    def mig_layout(self) -> dict[int, list[str]]:
+        """Per GPU index, the MIG profiles to create, one entry per instance."""
+        layout: dict[int, list[str]] = {}
+        for mig_slice in self.mig:
+            layout.setdefault(mig_slice.gpu, []).extend([mig_slice.profile] * mig_slice.instances)
+        return layout
+
+
+def _problems(spec: NodeDeploySpec) -> list[str]:
+    problems: list[str] = []
+    if not _ID.match(spec.node_id):
+        problems.append(f"node_id {spec.node_id!r}: use letters, digits, '.', '_' or '-'")
+    if not spec.driver_branch.isdigit():
+        problems.append(f"driver_branch {spec.driver_branch!r}: give the branch number, e.g. '580'")
+    for mig_slice in spec.mig:
+        if mig_slice.gpu < 0:
+            problems.append(f"mig gpu {mig_slice.gpu}: use an nvidia-smi index, 0 or more")
+        if not _MIG_PROFILE.match(mig_slice.profile):
+            problems.append(f"mig profile {mig_slice.profile!r}: use a MIG profile such as 1g.10gb")
+        if mig_slice.instances < 1:
+            problems.append(f"mig {mig_slice.profile} instances: give 1 or more")
+    for path in spec.cache.paths():
+        if not path.startswith("/"):
+            problems.append(f"cache dir {path!r}: give an absolute path")
+    if spec.agent.wheel is not None and not Path(spec.agent.wheel).is_file():
+        problems.append(f"agent wheel {spec.agent.wheel!r}: no such file; build it or drop wheel")
+    problems += _replica_problems(spec)
+    for address in spec.balancer_addresses:
+        try:
+            ipaddress.ip_network(address, strict=False)
+        except ValueError:
+            problems.append(f"balancer_addresses {address!r}: give an IP address or CIDR")
+    if not 1 <= spec.agent_port <= 65535:
+        problems.append(f"agent_port {spec.agent_port}: give a TCP port, 1-65535")
+    if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1:
+        problems.append(
+            "drain_timeout_s / ready_timeout_s: give seconds, drain 0 or more, ready 1+"
+        )
+    return problems
+
+
+def _replica_problems(spec: NodeDeploySpec) -> list[str]:
+    problems: list[str] = []
+    layout = spec.mig_layout()
+    ports: dict[int, str] = {spec.agent_port: "the agent"}
+    seen: set[str] = set()
+    for replica in spec.replicas:
+        where = f"replica {replica.id!r}"
+        if not _ID.match(replica.id):
+            problems.append(f"{where}: id must use letters, digits, '.', '_' or '-'")
+        if replica.id in seen:
+            problems.append(f"{where}: id used twice; give each replica its own id")
+        seen.add(replica.id)
+        if not replica.image or any(c.isspace() for c in replica.image):
+            problems.append(f"{where} image: give a container image reference")
+        if not 1 <= replica.port <= 65535:
+            problems.append(f"{where} port {replica.port}: give a TCP port, 1-65535")
+        elif replica.port in ports:
+            problems.append(f"{where} port {replica.port}: already used by {ports[replica.port]}")
+        ports.setdefault(replica.port, where)
+        problems += _share_problems(where, replica, layout)
+        for name, value in replica.env.items():
+            if not _ENV_NAME.match(name) or "\n" in value:
+                problems.append(f"{where} env {name!r}: use NAME=value without newlines")
+            elif name in CACHE_ENV or name == "NVIDIA_VISIBLE_DEVICES":
+                problems.append(f"{where} env {name}: set by the deploy; remove it")
+        if not replica.health_path.startswith("/"):
+            problems.append(f"{where} health_path: start it with '/'")
+    return problems
+
+
+def _share_problems(where: str, replica: ReplicaSpec, layout: dict[int, list[str]]) -> list[str]:
+    if replica.mig_profile is None:
+        if replica.gpu in layout:
+            return [
+                f"{where} gpu {replica.gpu}: MIG is on there; give mig_profile and mig_instance"
+            ]
+        return [] if replica.gpu >= 0 else [f"{where} gpu {replica.gpu}: use an index, 0 or more"]
+    count = layout.get(replica.gpu, []).count(replica.mig_profile)
+    if replica.mig_instance >= count or replica.mig_instance < 0:
+        return [
+            f"{where} mig {replica.mig_profile}#{replica.mig_instance}: GPU {replica.gpu} "
+            f"has {count} such instance(s) in the mig layout; add them or pick another"
+        ]
+    return []
+
+
+def spec_from_json(data: Mapping[str, Any]) -> NodeDeploySpec:
+    """Build a spec from its JSON form (the field names above); raises NodeSpecError."""
+    try:
+        replicas = tuple(
+            ReplicaSpec(**{**r, "command": tuple(r.get("command", ())), "env": r.get("env", {})})
+            for r in data.get("replicas", ())
+        )
+        agent_data = data.get("agent", {})
+        agent = AgentSettings(**{**agent_data, "pip_args": tuple(agent_data.get("pip_args", ()))})
+        fields = {
+            **data,
+            "mig": tuple(MigSlice(**m) for m in data.get("mig", ())),
+            "cache": CacheDirs(**data.get("cache", {})),
+            "agent": agent,
+            "replicas": replicas,
+            "balancer_addresses": tuple(data.get("balancer_addresses", ())),
+        }
+        return NodeDeploySpec(**fields)
+    except TypeError as error:
+        # The dataclass constructors name the unknown or missing field in their message.
+        message = str(error).split("__init__() ", 1)[-1]
+        raise NodeSpecError([f"spec: {message}; see docs/node.md for the fields"]) from None
+
+
+def load_spec(path: Path) -> NodeDeploySpec:
+    """Read a spec file (JSON); raises NodeSpecError naming the file on unreadable input."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise NodeSpecError([f"--spec {path}: cannot read it ({error.strerror})"]) from None
+    except json.JSONDecodeError as error:
+        raise NodeSpecError(
+            [f"--spec {path}: not JSON (line {error.lineno}: {error.msg})"]
+        ) from None
+    if not isinstance(data, dict):
+        raise NodeSpecError([f"--spec {path}: give a JSON object with node_id and the fields"])
+    return spec_from_json(data)

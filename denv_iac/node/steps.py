@@ -1,0 +1,88 @@
+"""The unit of a node plan: what to change and why, decided from facts, run by pyinfra later."""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+import shlex
+from dataclasses import dataclass
+
+UNIT_DIR = "/etc/systemd/system"
+PACKAGE_UNIT_DIR = "/lib/systemd/system"
+WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+# Keep the node's own edits of conffiles and never stop on a debconf question.
+APT = (
+    "DEBIAN_FRONTEND=noninteractive apt-get -y -q "
+    "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold"
+)
+APT_UPDATE = "DEBIAN_FRONTEND=noninteractive apt-get -q update"
+
+
+@dataclass(frozen=True)
+class FileContent:
+    """A file to put on the node; compared with the node's copy by SHA-256."""
+
+    path: str
+    content: bytes
+    mode: str = "0644"
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.content).hexdigest()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One change: the file is written first, then the commands run; a reboot comes last."""
+
+    area: str
+    title: str
+    commands: tuple[str, ...] = ()
+    file: FileContent | None = None
+    reboot: bool = False
+    uses_apt: bool = False  # needs a fresh package index; plan_node puts an apt update first
+
+    def describe(self) -> list[str]:
+        lines = [f"{self.area}: {self.title}"]
+        if self.file is not None:
+            lines.append(f"    write {self.file.path} (mode {self.file.mode})")
+        lines += [f"    $ {command}" for command in self.commands]
+        if self.reboot:
+            lines.append("    reboot, then reconnect")
+        return lines
+
+
+def text_file(path: str, text: str, mode: str = "0644") -> FileContent:
+    return FileContent(path, text.encode(), mode)
+
+
+def apt_install(*packages: str) -> str:
+    return f"{APT} install --no-install-recommends " + " ".join(map(shlex.quote, packages))
+
+
+def apt_purge(*packages: str) -> str:
+    return f"{APT} purge " + " ".join(map(shlex.quote, packages))
+
+
+def enable_link(unit: str, unit_dir: str = UNIT_DIR) -> str:
+    """What `systemctl enable` does for a WantedBy=multi-user.target unit, without systemd."""
+    return (
+        f"mkdir -p {WANTS_DIR} && "
+        f"ln -sfn {posixpath.join(unit_dir, unit)} {posixpath.join(WANTS_DIR, unit)}"
+    )
+
+
+def wants_link(unit: str) -> str:
+    return posixpath.join(WANTS_DIR, unit)
+
+
+def unit_path(unit: str) -> str:
+    return posixpath.join(UNIT_DIR, unit)
+
+
+def systemd_quote(argument: str) -> str:
+    """One ExecStart= argument, quoted the way systemd splits and expands command lines."""
+    escaped = argument.replace("%", "%%").replace("$", "$$")
+    if escaped and not any(c in escaped for c in " \t\"'\\;"):
+        return escaped
+    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
