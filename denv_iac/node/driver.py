@@ -84,11 +84,13 @@ def package_branch(version: str) -> str:
 
 
 def verify_command(spec: NodeDeploySpec) -> str:
-    """Succeeds when NVML answers and reports a driver of the pinned branch."""
+    """Succeeds when NVML answers and reports a driver of the pinned branch; else says why."""
+    branch = spec.driver_branch
     return (
-        "nvidia-smi --query-gpu=index,uuid,driver_version --format=csv,noheader"
-        f" | awk -F', ' 'BEGIN{{n=0}} {{n++; if ($3 !~ /^{spec.driver_branch}\\./) bad=1}}"
-        f' END{{if (n == 0 || bad) {{print "driver branch is not {spec.driver_branch}";'
+        "out=$(nvidia-smi --query-gpu=index,uuid,driver_version --format=csv,noheader 2>&1)"
+        ' || { echo "$out"; exit 1; }; '
+        f"printf '%s\\n' \"$out\" | awk -F', ' '{{n++; if ($3 !~ /^{branch}\\./) bad=$3}}"
+        f' END{{if (n == 0 || bad != "") {{print "driver " bad " is not branch {branch}";'
         " exit 1}}'"
     )
 

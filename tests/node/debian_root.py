@@ -32,7 +32,7 @@ def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
                     if not key.startswith("#")
                 )
                 if SUITE in fields.get("suites", "").split():
-                    return fields["uris"].split()[0]
+                    return str(fields["uris"].split()[0])
         else:
             for line in text.splitlines():
                 parts = re.sub(r"\[[^]]*\]", "", line).split()
