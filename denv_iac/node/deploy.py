@@ -212,6 +212,8 @@ def connect(target: Target) -> Iterator[NodeSession]:
         host.connect(show_errors=False, raise_exceptions=True)
     except ConnectError as error:
         raise NodeUnreachable(f"cannot connect to {target.host}: {error.args[0]}") from None
+    except PyinfraError as error:  # a key paramiko cannot load; the message names the file only
+        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
     except OSError as error:
         raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
     state.activate_host(host)

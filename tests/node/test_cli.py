@@ -1,0 +1,60 @@
+"""`denv node`: clear one-line errors, exit 2 for bad input, never a traceback or a key."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from denv_iac.node.cli import node
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(node, list(args))
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+    return result.exit_code, result.output
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_unreachable_host_is_one_clear_line() -> None:
+    port = closed_port()
+    code, output = run("join", f"127.0.0.1:{port}", "--site", "s1")
+    assert code == 1
+    assert output.startswith(f"error: cannot connect to 127.0.0.1:{port}: ")
+    assert output.count("\n") == 1
+
+
+def test_unreadable_and_invalid_keys_are_named_never_shown(tmp_path: Path) -> None:
+    code, output = run("drain", "box.example", "--key", str(tmp_path / "missing"))
+    assert (code, output) == (
+        2,
+        f"error: --key {tmp_path / 'missing'}: cannot read it (No such file or directory)\n",
+    )
+    key = tmp_path / "id_bad"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nc2VjcmV0LWtleS1ieXRlcw==\n")
+    code, output = run("join", f"127.0.0.1:{closed_port()}", "--site", "s1", "--key", str(key))
+    assert code == 1 and "c2VjcmV0" not in output and str(key) in output
+
+
+def test_bad_spec_input_exits_2(tmp_path: Path) -> None:
+    assert run("join", "@local", "--site", "s1", "--balancer", "lb.example") == (
+        2,
+        "error: balancer_addresses 'lb.example': give an IP address or CIDR\n",
+    )
+    assert run("join", "@chroot/nonexistent-root", "--site", "s1") == (
+        2,
+        "error: HOST @chroot/nonexistent-root: /nonexistent-root is not a root file system"
+        " (no /bin/sh)\n",
+    )
+    code, output = run("repair", "@local", "--level", "reboot")
+    assert code == 2 and output == (
+        "error: --level reboot: @local is not a machine of its own; use SSH\n"
+    )
+    code, output = run("repair", "@local", "--level", "wipe")
+    assert code == 2 and "'wipe' is not one of 'reset', 'reload', 'reinstall', 'reboot'" in output
