@@ -143,9 +143,9 @@ class NodeSession:
         self.state, self.host = state, host
 
     @property
-    def booted(self) -> bool:
-        """Whether the node has a kernel and init of its own (no chroot): it can reboot."""
-        return not self.host.name.startswith("@chroot/")
+    def can_reboot(self) -> bool:
+        """Only SSH nodes: a chroot has no kernel of its own, and @local is the controller."""
+        return not self.host.name.startswith("@")
 
     def facts(self, query: FactQuery) -> NodeFacts:
         facts = self.host.get_fact(NodeProbe, query=query, _sudo=self.state.config.SUDO)

@@ -138,7 +138,7 @@ class _Repair:
             output.append("modules not reloaded: no booted kernel of its own (chroot)")
         else:
             ok, text = session.run(driver.reload_modules_command())
-            if not ok and self.level is RepairLevel.REINSTALL and session.booted:
+            if not ok and self.level is RepairLevel.REINSTALL and session.can_reboot:
                 session.reboot()  # the old modules are in use; a reboot swaps them
                 text = "modules busy: rebooted"
             elif not ok:
