@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from denv_iac.console import wide_console
 from denv_iac.loadgen import run_load
 
 
@@ -75,7 +75,7 @@ def bench(
     table.add_column("value", justify="right")
     for key, value in summary.items():
         table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
-    Console().print(table)
+    wide_console().print(table)
     if json_file:
         Path(json_file).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     if summary["ok"] == 0:

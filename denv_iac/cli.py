@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from denv_iac.bench_cli import bench
+from denv_iac.console import wide_console
 from denv_iac.local.cli import local
+from denv_iac.node.cli import node
 from denv_iac.plan import make_plan
 from denv_iac.plan_view import render_plan
 from denv_iac.spec.reader import StackError
@@ -20,12 +21,6 @@ STACKS_DIR = click.option(
     type=click.Path(file_okay=False, path_type=Path),
     help="Folder holding Pulumi.<stack>.yaml (default: stacks/ of the project here).",
 )
-
-
-def wide_console() -> Console:
-    """A console that never truncates ids when output goes to a file or a CI log."""
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
 
 
 def fail(problems: list[str]) -> None:
@@ -90,3 +85,4 @@ def digest() -> None:
 
 main.add_command(local)
 main.add_command(bench)
+main.add_command(node)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-shot set-up for a fresh machine: uv, the locked virtual environment, and the system packages
-# the data plane and node-deploy tests run for real (HAProxy, debootstrap, nftables, iproute2).
+# the data plane and node-deploy tests run for real (HAProxy; debootstrap, dpkg-dev and nftables
+# for the node deploys into a real Debian root).
 # Safe to re-run: every step checks first and does nothing when nothing is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(haproxy)
+APT_PACKAGES=(haproxy debootstrap dpkg-dev nftables)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from denv_iac.balancer.runtime import server_stats
+from denv_iac.console import wide_console
 from denv_iac.local.demo import run_demo
 from denv_iac.local.runner import LocalCluster, RunState, run_dir, stop_recorded
 from denv_iac.spec.reader import StackError
@@ -91,7 +92,7 @@ def local() -> None:
 @click.option("--quiet", is_flag=True, help="Print only the endpoint.")
 def up(stack_name: str, port: int | None, detach: bool, quiet: bool) -> None:
     """Start the data plane and print the endpoint; Ctrl-C stops everything."""
-    console = Console(stderr=quiet)
+    console = wide_console(stderr=quiet)
     cluster, _ = _cluster(stack_name, port)
     state = _start(cluster, console, quiet)
     if quiet:
@@ -136,7 +137,7 @@ def down(stack_name: str) -> None:
 )
 def demo(stack_name: str, duration: float) -> None:
     """Traffic through the endpoint while replicas die and a GPU fails; counts what was lost."""
-    console = Console()
+    console = wide_console()
     cluster, _ = _cluster(stack_name, None)
     state = _start(cluster, console, quiet=False)
     console.print(_table(state))
@@ -191,7 +192,7 @@ def status(stack_name: str, as_json: bool) -> None:
             table.add_column(column)
         for r in replicas:
             table.add_row(r.id, r.state, str(r.weight), str(r.streams), r.reason)
-        console = Console()
+        console = wide_console()
         console.print(table)
         for p in pools:
             mark = "ok" if p.ok else "BELOW MIN_WARM"

@@ -193,7 +193,7 @@ class LocalCluster:
                     replica.gpu,
                     HOST,
                     port,
-                    agent_ports[replica.node],
+                    agent_ports[f"{replica.site}/{replica.node}"],
                     process.pid,
                 )
             )
