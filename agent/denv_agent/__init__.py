@@ -1,3 +1,3 @@
-"""denv-agent: GPU and replica health for the balancer."""
+"""denv-agent: per-node GPU and replica health for HAProxy agent-check, /healthz and /metrics."""
 
 __version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from denv_agent.cli import main
+
+raise SystemExit(main())

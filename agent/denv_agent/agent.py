@@ -1,0 +1,166 @@
+"""One agent: monitors feed a snapshot; the agent-check and HTTP servers answer from it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from denv_agent.agentcheck import AgentCheckServer
+from denv_agent.config import AgentConfig
+from denv_agent.gpu_monitor import GpuMonitor
+from denv_agent.healthz import document
+from denv_agent.http_api import ControlError, ControlHandler, HttpApi
+from denv_agent.metrics import Metrics
+from denv_agent.nvml_api import Nvml
+from denv_agent.nvml_double import FakeNvml
+from denv_agent.replica_health import ReplicaMonitor
+from denv_agent.state import Drains, DrainStore
+from denv_agent.verdict import Snapshot, compose
+
+log = logging.getLogger("denv_agent")
+
+
+class Agent:
+    def __init__(
+        self, config: AgentConfig, nvml: Nvml, *, simulator: FakeNvml | None = None
+    ) -> None:
+        """`simulator`, when given, is also served at POST /control/simulate for fault injection."""
+        self.config = config
+        self.simulator = simulator
+        self.store = DrainStore(config.state_file)
+        self.drains = self.store.load()
+        self.metrics = Metrics(lambda: self.snapshot)
+        self.gpus = GpuMonitor(nvml, config, self.publish)
+        self.replicas = ReplicaMonitor(
+            config.replicas, config.intervals, self.publish, self.metrics.observe_ttft
+        )
+        self._publish_lock = threading.Lock()
+        self._control_lock = threading.Lock()
+        self.snapshot: Snapshot = compose(
+            config, self.gpus.view(), self.replicas.view(), self.drains
+        )
+        self.agent_check: AgentCheckServer | None = None
+        self.http: HttpApi | None = None
+
+    def start(self) -> None:
+        """Bind both ports (raising OSError if one is taken), then start polling."""
+        config = self.config
+        self.agent_check = AgentCheckServer(
+            config.listen.agent_check,
+            lambda: self.snapshot.replies,
+            config.intervals.agent_check_read_timeout_s,
+        )
+        try:
+            self.http = HttpApi(
+                config.listen.http,
+                config.control_token,
+                self.healthz,
+                self.metrics.render,
+                self._control_routes(),
+            )
+        except OSError:
+            self.agent_check.stop()
+            raise
+        self.agent_check.start()
+        self.http.start()
+        self.gpus.start()
+        self.replicas.start()
+
+    def stop(self) -> None:
+        if self.agent_check:
+            self.agent_check.stop()
+        if self.http:
+            self.http.stop()
+        self.replicas.stop()
+        self.gpus.stop()
+
+    def publish(self) -> None:
+        """Recompute every verdict from the monitors' latest readings and swap the snapshot."""
+        with self._publish_lock:
+            old = self.snapshot
+            self.snapshot = compose(
+                self.config, self.gpus.view(), self.replicas.view(), self.drains
+            )
+        for rid, verdict in self.snapshot.verdicts.items():
+            before = old.verdicts.get(rid)
+            if before is None or (before.state, before.weight_pct) != (
+                verdict.state,
+                verdict.weight_pct,
+            ):
+                log.info("%s: %s", rid, verdict.reply)
+
+    def healthz(self) -> dict[str, Any]:
+        return document(self.config.node, self.snapshot, simulated=self.simulator is not None)
+
+    def drain(self, replica: str | None = None) -> Drains:
+        """Drain one replica, or the whole node; persisted before it takes effect."""
+        with self._control_lock:
+            d = self.drains
+            if replica is None:
+                return self._save(Drains(node=True, replicas=d.replicas, unreadable=d.unreadable))
+            self._known(replica)
+            return self._save(Drains(d.node, d.replicas | {replica}, d.unreadable))
+
+    def undrain(self, replica: str | None = None) -> Drains:
+        """Undrain one replica, or clear every drain on the node."""
+        with self._control_lock:
+            if replica is None:
+                return self._save(Drains())
+            self._known(replica)
+            d = self.drains
+            return self._save(Drains(d.node, d.replicas - {replica}, d.unreadable))
+
+    def clear_faults(self, gpu: int | None = None) -> None:
+        self.gpus.faults.clear(gpu)
+        log.info("faults cleared on %s", "the node" if gpu is None else f"gpu {gpu}")
+        self.publish()
+
+    def _known(self, replica: str) -> None:
+        if all(r.id != replica for r in self.config.replicas):
+            raise ControlError(404, f"unknown replica {replica!r}")
+
+    def _save(self, drains: Drains) -> Drains:
+        try:
+            self.store.save(drains)
+        except OSError as e:
+            raise ControlError(500, f"state file not written ({e}); nothing changed") from e
+        self.drains = drains
+        log.info("drains now: node %s, replicas %s", drains.node, sorted(drains.replicas) or "none")
+        self.publish()
+        return drains
+
+    def _control_routes(self) -> dict[str, ControlHandler]:
+        routes: dict[str, ControlHandler] = {
+            "drain": lambda body: _drains_doc(self.drain(_optional(body, "replica", str))),
+            "undrain": lambda body: _drains_doc(self.undrain(_optional(body, "replica", str))),
+            "clear": self._control_clear,
+        }
+        simulator = self.simulator
+        if simulator is not None:
+            routes["simulate"] = lambda body: _simulate(simulator, body)
+        return routes
+
+    def _control_clear(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.clear_faults(_optional(body, "gpu", int))
+        return {"ok": True}
+
+
+def _simulate(simulator: FakeNvml, body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        simulator.apply(body)
+    except ValueError as e:
+        raise ControlError(400, str(e)) from None
+    log.info("simulated fault: %s", body)
+    return {"ok": True}
+
+
+def _optional(body: dict[str, Any], key: str, kind: type[Any]) -> Any:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ControlError(400, f"{key} must be a {kind.__name__}")
+    return value
+
+
+def _drains_doc(drains: Drains) -> dict[str, Any]:
+    return {"ok": True, "drains": {"node": drains.node, "replicas": sorted(drains.replicas)}}

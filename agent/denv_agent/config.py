@@ -1,0 +1,454 @@
+"""The agent's TOML config: parsed once, validated field by field, frozen."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from denv_agent.nvml_api import CLOCKS_EVENT_REASONS
+from denv_agent.xid import CONFIGURABLE_CLASSES, XidClass, XidTable, parse_xids
+
+DEFAULT_THROTTLE_REASONS = frozenset({"hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"})
+# Replica ids travel as HAProxy's agent-send string, so they must be short and printable.
+_REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_MIN_TOKEN_CHARS = 16
+
+
+class ConfigError(Exception):
+    """One line naming the field, the problem and the fix."""
+
+    def __init__(self, field_name: str, problem: str, fix: str) -> None:
+        super().__init__(f"agent config: {field_name}: {problem}; {fix}")
+
+
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Listen:
+    agent_check: Address = ("0.0.0.0", 9300)
+    # Local by default: the control endpoint lives here and operators reach it over SSH.
+    http: Address = ("127.0.0.1", 9301)
+
+
+@dataclass(frozen=True)
+class Intervals:
+    gpu_poll_s: float = 1.0
+    health_s: float = 1.0
+    health_timeout_s: float = 1.0
+    probe_s: float = 10.0
+    probe_timeout_s: float = 5.0
+    nvml_stall_s: float = 30.0
+    agent_check_read_timeout_s: float = 0.25
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    fail_after: int = 3
+    temperature_c: int = 85
+    hot_weight_pct: int = 50
+    throttle_weight_pct: int = 50
+    slow_weight_pct: int = 50
+    throttle_reasons: frozenset[str] = DEFAULT_THROTTLE_REASONS
+
+
+@dataclass(frozen=True)
+class Probe:
+    url: str
+    model: str
+    ttft_budget_ms: float
+    interval_s: float
+
+
+@dataclass(frozen=True)
+class Replica:
+    id: str
+    health_url: str
+    gpu: int | None
+    mig_uuid: str | None
+    probe: Probe | None
+
+
+@dataclass(frozen=True)
+class Simulate:
+    gpus: int | None = None
+    gpu_name: str = "NVIDIA H100 80GB HBM3"
+    slow_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: str
+    state_file: Path
+    control_token: str = field(repr=False)
+    replicas: tuple[Replica, ...]
+    listen: Listen = Listen()
+    intervals: Intervals = Intervals()
+    thresholds: Thresholds = Thresholds()
+    xids: XidTable = field(default_factory=XidTable.default)
+    simulate: Simulate = Simulate()
+
+
+class _Table:
+    """Typed reads from one TOML table that remember the field path, for error messages."""
+
+    def __init__(self, data: Mapping[str, object], path: str) -> None:
+        self.data = data
+        self.path = path
+        self.seen: set[str] = set()
+
+    def name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str) -> object:
+        self.seen.add(key)
+        return self.data.get(key)
+
+    def string(self, key: str, example: str) -> str:
+        value = self.optional_string(key, example)
+        if value is None:
+            raise ConfigError(self.name(key), "missing", f"add {key} = {example}")
+        return value
+
+    def optional_string(self, key: str, example: str) -> str | None:
+        value = self.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(
+                self.name(key), "must be a non-empty string", f"write {key} = {example}"
+            )
+        return value
+
+    def number(self, key: str, default: float, *, zero_ok: bool = False) -> float:
+        value = self.get(key)
+        if value is None:
+            return default
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or value < 0
+            or (value == 0 and not zero_ok)
+        ):
+            bound = "0 or more" if zero_ok else "over 0"
+            raise ConfigError(
+                self.name(key), f"{value!r} is not a number {bound}", f"write {key} = {default}"
+            )
+        return float(value)
+
+    def integer(self, key: str, default: int, low: int, high: int) -> int:
+        value = self.optional_integer(key, low, high, example=default)
+        return default if value is None else value
+
+    def optional_integer(self, key: str, low: int, high: int, *, example: int = 0) -> int | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(
+                self.name(key),
+                f"{value!r} is not a whole number from {low} to {high}",
+                f"write {key} = {example}",
+            )
+        return value
+
+    def table(self, key: str) -> _Table:
+        value = self.get(key)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(self.name(key), "must be a table", f"write it as [{self.name(key)}]")
+        return _Table(value, self.name(key))
+
+    def done(self) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            known = ", ".join(sorted(self.seen))
+            raise ConfigError(self.name(unknown[0]), "unknown field", f"remove it (known: {known})")
+
+
+def load(path: Path) -> AgentConfig:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            str(path), "not found", "pass --config with the agent's config file"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            str(path), f"cannot read: {e}", "check the file and its permissions"
+        ) from None
+    return parse(text, base=path.parent)
+
+
+def parse(text: str, base: Path = Path()) -> AgentConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("file", f"not valid TOML ({e})", "fix the syntax at that line") from None
+    top = _Table(data, "")
+    node = top.string("node", '"node-a"')
+    state_file = top.string("state_file", '"/var/lib/denv-agent/state.json"')
+    token = _control_token(top, base)
+    intervals = _intervals(top.table("intervals"))
+    config = AgentConfig(
+        node=node,
+        state_file=base / state_file,
+        control_token=token,
+        listen=_listen(top.table("listen")),
+        intervals=intervals,
+        thresholds=_thresholds(top.table("thresholds")),
+        xids=_xids(top.table("xid")),
+        simulate=_simulate(top.table("simulate")),
+        replicas=_replicas(top, intervals),
+    )
+    top.done()
+    return config
+
+
+def _control_token(top: _Table, base: Path) -> str:
+    token = top.optional_string("control_token", '"<at least 16 random characters>"')
+    token_file = top.optional_string("control_token_file", '"/etc/denv/agent.token"')
+    if token is not None and token_file is not None:
+        raise ConfigError(
+            "control_token", "set twice", "keep either control_token or control_token_file"
+        )
+    if token_file is not None:
+        try:
+            token = (base / token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror.lower() if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError(
+                "control_token_file", f"cannot read {token_file}: {reason}", "write the token there"
+            ) from None
+    if token is None:
+        raise ConfigError(
+            "control_token", "missing", 'add control_token = "..." or control_token_file = "..."'
+        )
+    if len(token) < _MIN_TOKEN_CHARS:
+        raise ConfigError(
+            "control_token",
+            f"too short ({len(token)} characters)",
+            f"use at least {_MIN_TOKEN_CHARS} random characters",
+        )
+    return token
+
+
+def _address(table: _Table, key: str, default: Address) -> Address:
+    value = table.get(key)
+    if value is None:
+        return default
+    example = f'"{default[0]}:{default[1]}"'
+    if isinstance(value, str):
+        host, sep, port = value.rpartition(":")
+        host = host.strip("[]")
+        if sep and host and port.isdigit() and int(port) <= 65535:
+            return host, int(port)
+    raise ConfigError(table.name(key), f"{value!r} is not host:port", f"write {key} = {example}")
+
+
+def _listen(table: _Table) -> Listen:
+    listen = Listen(
+        agent_check=_address(table, "agent_check", Listen.agent_check),
+        http=_address(table, "http", Listen.http),
+    )
+    table.done()
+    return listen
+
+
+def _intervals(table: _Table) -> Intervals:
+    d = Intervals()
+    intervals = Intervals(
+        gpu_poll_s=table.number("gpu_poll_s", d.gpu_poll_s),
+        health_s=table.number("health_s", d.health_s),
+        health_timeout_s=table.number("health_timeout_s", d.health_timeout_s),
+        probe_s=table.number("probe_s", d.probe_s),
+        probe_timeout_s=table.number("probe_timeout_s", d.probe_timeout_s),
+        nvml_stall_s=table.number("nvml_stall_s", d.nvml_stall_s),
+        agent_check_read_timeout_s=table.number(
+            "agent_check_read_timeout_s", d.agent_check_read_timeout_s
+        ),
+    )
+    table.done()
+    return intervals
+
+
+def _thresholds(table: _Table) -> Thresholds:
+    d = Thresholds()
+    reasons = table.get("throttle_reasons")
+    if reasons is None:
+        reasons = sorted(d.throttle_reasons)
+    if not isinstance(reasons, list) or not all(r in CLOCKS_EVENT_REASONS for r in reasons):
+        names = ", ".join(f'"{name}"' for name in CLOCKS_EVENT_REASONS)
+        raise ConfigError(
+            table.name("throttle_reasons"),
+            f"{reasons!r} is not a list of clock event reasons",
+            f"choose from {names}",
+        )
+    thresholds = Thresholds(
+        fail_after=table.integer("fail_after", d.fail_after, 1, 1000),
+        temperature_c=table.integer("temperature_c", d.temperature_c, 1, 200),
+        hot_weight_pct=table.integer("hot_weight_pct", d.hot_weight_pct, 1, 100),
+        throttle_weight_pct=table.integer("throttle_weight_pct", d.throttle_weight_pct, 1, 100),
+        slow_weight_pct=table.integer("slow_weight_pct", d.slow_weight_pct, 1, 100),
+        throttle_reasons=frozenset(reasons),
+    )
+    table.done()
+    return thresholds
+
+
+def _xids(table: _Table) -> XidTable:
+    overrides: dict[XidClass, list[int]] = {}
+    listed: dict[int, str] = {}
+    for klass in CONFIGURABLE_CLASSES:
+        value = table.get(klass.value)
+        if value is None:
+            continue
+        name = table.name(klass.value)
+        if not isinstance(value, list):
+            raise ConfigError(name, "must be a list", f"write {klass.value} = [63, 92]")
+        try:
+            xids = parse_xids(value)
+        except ValueError as e:
+            raise ConfigError(
+                name, str(e), 'list XIDs as numbers or ranges like "143-150"'
+            ) from None
+        for xid in xids:
+            if xid in listed:
+                raise ConfigError(
+                    name, f"xid {xid} is also in {listed[xid]}", "list it in one class"
+                )
+            listed[xid] = name
+        overrides[klass] = xids
+    table.done()
+    return XidTable.with_overrides(overrides)
+
+
+def _simulate(table: _Table) -> Simulate:
+    d = Simulate()
+    simulate = Simulate(
+        gpus=table.optional_integer("gpus", 1, 64, example=8),
+        gpu_name=table.optional_string("gpu_name", f'"{d.gpu_name}"') or d.gpu_name,
+        slow_s=table.number("slow_s", d.slow_s, zero_ok=True),
+    )
+    table.done()
+    return simulate
+
+
+def _is_http_url(url: str) -> bool:
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - reading it validates the port
+    except ValueError:
+        return False
+    return parts.scheme == "http" and bool(parts.hostname)
+
+
+def _http_url(table: _Table, key: str, example: str) -> str | None:
+    url = table.optional_string(key, f'"{example}"')
+    if url is not None and not _is_http_url(url):
+        raise ConfigError(
+            table.name(key), f"{url!r} is not an http:// URL", f'write {key} = "{example}"'
+        )
+    return url
+
+
+def _replicas(top: _Table, intervals: Intervals) -> tuple[Replica, ...]:
+    example = '[[replicas]] with id = "voice.local.node-a.0"'
+    items = top.get("replicas")
+    if items is None:
+        raise ConfigError("replicas", "missing", f"add {example}")
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        raise ConfigError("replicas", "must be a non-empty array of tables", f"write {example}")
+    replicas: list[Replica] = []
+    for n, item in enumerate(items):
+        replica = _replica(_Table(item, f"replicas[{n}]"), intervals)
+        if any(r.id == replica.id for r in replicas):
+            raise ConfigError(
+                f"replicas[{n}].id", f"{replica.id!r} is used twice", "give each an id"
+            )
+        replicas.append(replica)
+    return tuple(replicas)
+
+
+def _replica(table: _Table, intervals: Intervals) -> Replica:
+    rid = table.string("id", '"voice.local.node-a.0"')
+    if not _REPLICA_ID.fullmatch(rid):
+        raise ConfigError(
+            table.name("id"),
+            f"{rid!r} is not a replica id",
+            "use letters, digits and . _ : - (at most 128 characters)",
+        )
+    health_example = "http://127.0.0.1:8001/health"
+    health_url = _http_url(table, "health_url", health_example)
+    if health_url is None:
+        raise ConfigError(
+            table.name("health_url"), "missing", f'add health_url = "{health_example}"'
+        )
+    gpu = table.optional_integer("gpu", 0, 255)
+    mig_uuid = table.optional_string("mig_uuid", '"MIG-..."')
+    if gpu is None and mig_uuid is None:
+        raise ConfigError(table.name("gpu"), "missing", 'add gpu = 0 (or mig_uuid = "MIG-...")')
+    replica = Replica(
+        id=rid,
+        health_url=health_url,
+        gpu=gpu,
+        mig_uuid=mig_uuid,
+        probe=_probe(table, health_url, intervals),
+    )
+    table.done()
+    return replica
+
+
+def _probe(table: _Table, health_url: str, intervals: Intervals) -> Probe | None:
+    """The first-token probe is on when the replica has a TTFT budget."""
+    budget = table.get("ttft_budget_ms")
+    if budget is None:
+        for key in ("probe_url", "probe_model", "probe_interval_s"):
+            if table.get(key) is not None:
+                raise ConfigError(
+                    table.name(key), "set without ttft_budget_ms", "add ttft_budget_ms"
+                )
+        return None
+    budget_ms = table.number("ttft_budget_ms", 300.0)
+    model = table.string("probe_model", '"voice" (the model name the server serves)')
+    default_url = f"http://{urlsplit(health_url).netloc}/v1/chat/completions"
+    url = _http_url(table, "probe_url", default_url) or default_url
+    return Probe(
+        url=url,
+        model=model,
+        ttft_budget_ms=budget_ms,
+        interval_s=table.number("probe_interval_s", intervals.probe_s),
+    )
+
+
+def to_toml(data: Mapping[str, object]) -> str:
+    """TOML text for a config given as plain data: top-level keys, tables, arrays of tables."""
+    lines: list[str] = []
+    sections: list[tuple[str, Mapping[str, object]]] = []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            sections.append((f"[{key}]", value))
+        elif isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+            sections.extend((f"[[{key}]]", item) for item in value)
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for header, table in sections:
+        lines += ["", header, *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str | Path):
+        # JSON string escapes are all valid in a TOML basic string.
+        return json.dumps(str(value))
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,133 @@
+"""The agent's HTTP side: /healthz, /metrics and the token-guarded /control/* endpoints."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+log = logging.getLogger("denv_agent.http")
+
+MAX_BODY = 64 * 1024
+ControlHandler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class ControlError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class HttpApi:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        token: str,
+        healthz: Callable[[], dict[str, Any]],
+        metrics: Callable[[], bytes],
+        control: Mapping[str, ControlHandler],
+    ) -> None:
+        class Handler(_Handler):
+            api = self
+
+        self.token = token.encode()
+        self.healthz = healthz
+        self.metrics = metrics
+        self.control = control
+        server_class = _Server6 if ":" in address[0] else _Server
+        self._server = server_class(address, Handler)
+        self.address: tuple[str, int] = self._server.socket.getsockname()[:2]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            name="http",
+            kwargs={"poll_interval": 0.1},
+            daemon=True,
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+    def authorized(self, header: str | None) -> bool:
+        scheme, _, presented = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            presented.strip().encode(), self.token
+        )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    api: HttpApi
+    server_version = "denv-agent"
+    # A slow or silent client holds one thread for at most this long.
+    timeout = 5
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.client_address[0], *args)
+
+    def do_GET(self) -> None:
+        if self.path == "/healthz":
+            self._json(200, self.api.healthz())
+        elif self.path == "/metrics":
+            self._send(200, self.api.metrics(), CONTENT_TYPE_LATEST)
+        else:
+            self._json(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        name = self.path.removeprefix("/control/")
+        handler = self.api.control.get(name) if self.path.startswith("/control/") else None
+        if handler is None:
+            self._json(404, {"error": "not found"})
+            return
+        if not self.api.authorized(self.headers.get("Authorization")):
+            self._json(401, {"error": "missing or wrong control token"})
+            return
+        try:
+            self._json(200, handler(self._body()))
+        except ControlError as e:
+            self._json(e.status, {"error": str(e)})
+
+    def _body(self) -> dict[str, Any]:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise ControlError(400, "bad Content-Length") from None
+        if length > MAX_BODY:
+            raise ControlError(413, f"body over {MAX_BODY} bytes")
+        raw = self.rfile.read(length) if length > 0 else b"{}"
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise ControlError(400, "body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ControlError(400, "body must be a JSON object")
+        return body
+
+    def _json(self, status: int, doc: Mapping[str, Any]) -> None:
+        self._send(status, json.dumps(doc, indent=1).encode() + b"\n", "application/json")
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)

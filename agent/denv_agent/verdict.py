@@ -1,0 +1,137 @@
+"""From every health source to one verdict per replica, and the snapshot the servers answer from."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from denv_agent import conditions
+from denv_agent.conditions import Condition, Effect
+from denv_agent.config import AgentConfig, Replica
+from denv_agent.gpu_health import gpu_conditions
+from denv_agent.gpu_monitor import GpuView
+from denv_agent.replica_health import ReplicaReading, replica_conditions
+from denv_agent.state import Drains
+
+_MAX_REASON = 100
+_UNSAFE = re.compile(r"[^\x20-\x7e]|#")
+
+
+def clean_reason(reason: str) -> str:
+    """A reason HAProxy can show: one short printable line, no `#`."""
+    text = " ".join(_UNSAFE.sub(" ", reason).split()).lower()
+    return text[:_MAX_REASON].rstrip()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: str  # "up", "drain" or "down"
+    weight_pct: int
+    reasons: tuple[str, ...]
+    gpu: int | None = None
+
+    @property
+    def reply(self) -> str:
+        if self.state == "up":
+            return f"up {self.weight_pct}%"
+        return f"{self.state} #{clean_reason(self.reasons[0])}"
+
+
+def decide(found: Iterable[Condition], gpu: int | None = None) -> Verdict:
+    """down > drain > up; `up` takes the lowest weight asked for, and never 0%."""
+    ordered = sorted(found, key=lambda c: -c.effect)
+    reasons = tuple(dict.fromkeys(c.reason for c in ordered))
+    strongest = ordered[0].effect if ordered else Effect.NOTE
+    if strongest is Effect.DOWN:
+        return Verdict("down", 0, reasons, gpu)
+    if strongest is Effect.DRAIN:
+        return Verdict("drain", 0, reasons, gpu)
+    weights = [c.weight_pct for c in ordered if c.effect is Effect.WEIGHT]
+    return Verdict("up", max(1, min(weights, default=100)), reasons, gpu)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    verdicts: Mapping[str, Verdict]
+    replies: Mapping[str, bytes]
+    gpus: GpuView
+    replicas: Mapping[str, ReplicaReading]
+    drains: Drains
+    node_reasons: tuple[str, ...] = ()
+    gpu_reasons: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    taken_at: float = field(default_factory=time.monotonic)
+
+
+def compose(
+    config: AgentConfig,
+    gpus: GpuView,
+    replicas: Mapping[str, ReplicaReading],
+    drains: Drains,
+) -> Snapshot:
+    thresholds = config.thresholds
+    node = _node_conditions(gpus, drains)
+    per_gpu: dict[int, list[Condition]] = {}
+    for index in sorted(set(gpus.readings) | set(gpus.faults.gpus) | set(gpus.stalled_s)):
+        reading = gpus.readings.get(index)
+        found = gpu_conditions(reading, thresholds) if reading else []
+        found.extend(gpus.faults.gpus.get(index, ()))
+        if index in gpus.stalled_s:
+            found.append(conditions.note(f"nvml poll stalled {gpus.stalled_s[index]:.0f}s"))
+        per_gpu[index] = found
+    verdicts: dict[str, Verdict] = {}
+    for replica in config.replicas:
+        gpu, found = _placement(replica, gpus)
+        found = node + found + per_gpu.get(gpu, []) if gpu is not None else node + found
+        found += replica_conditions(replicas.get(replica.id, ReplicaReading()), replica, thresholds)
+        if replica.id in drains.replicas:
+            found.append(conditions.drain("operator"))
+        verdicts[replica.id] = decide(found, gpu)
+    return Snapshot(
+        verdicts=verdicts,
+        replies={rid: f"{v.reply}\n".encode() for rid, v in verdicts.items()},
+        gpus=gpus,
+        replicas=replicas,
+        drains=drains,
+        node_reasons=tuple(c.reason for c in node),
+        gpu_reasons={i: tuple(dict.fromkeys(c.reason for c in f)) for i, f in per_gpu.items()},
+    )
+
+
+def _node_conditions(gpus: GpuView, drains: Drains) -> list[Condition]:
+    found: list[Condition] = []
+    if gpus.nvml.state == "unavailable":
+        found.append(conditions.down("nvml unavailable"))
+    found.extend(gpus.faults.node)
+    if drains.unreadable:
+        found.append(conditions.drain(drains.unreadable))
+    elif drains.node:
+        found.append(conditions.drain("operator"))
+    return found
+
+
+def _placement(replica: Replica, gpus: GpuView) -> tuple[int | None, list[Condition]]:
+    """The GPU a replica runs on, and what is wrong with that placement (GPU or MIG layout)."""
+    if gpus.nvml.state != "ok":
+        return replica.gpu, []
+    gpu = replica.gpu
+    if replica.mig_uuid is not None:
+        homes = [i for i, r in gpus.readings.items() if replica.mig_uuid in r.mig_devices]
+        gpu = homes[0] if homes else gpu
+    if gpu is not None and gpu >= gpus.nvml.gpu_count:
+        return gpu, [conditions.down(f"gpu {gpu} not found")]
+    reading = gpus.readings.get(gpu) if gpu is not None else None
+    found: list[Condition] = []
+    if reading is not None and reading.mig_current is not None:
+        if reading.mig_current != (replica.mig_uuid is not None):
+            mode = "enabled" if reading.mig_current else "disabled"
+            found.append(conditions.down(f"mig {mode} on gpu {gpu}, not as configured"))
+        elif reading.mig_pending is not None and reading.mig_pending != reading.mig_current:
+            found.append(conditions.drain(f"mig mode change pending on gpu {gpu}"))
+    if replica.mig_uuid is not None and not any(c.effect is Effect.DOWN for c in found):
+        all_polled = len(gpus.readings) >= gpus.nvml.gpu_count
+        polled = reading is not None if gpu is not None else all_polled
+        if polled and replica.mig_uuid not in (reading.mig_devices if reading else ()):
+            found.append(conditions.down("mig instance missing"))
+    return gpu, found

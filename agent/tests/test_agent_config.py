@@ -1,0 +1,229 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from denv_agent import cli
+from denv_agent.config import ConfigError, load, parse, to_toml
+from denv_agent.xid import XidClass
+
+from agent.tests.agent_testkit import TOKEN, config_data
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _parse(tmp_path: Path, **changes: object) -> None:
+    data = config_data(
+        tmp_path,
+        [{"id": "voice.local.node-a.0", "health_url": "http://127.0.0.1:8001/health", "gpu": 0}],
+    )
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    parse(to_toml(data))
+
+
+def test_readme_example_parses_with_the_documented_values(tmp_path: Path) -> None:
+    example = re.search(r"```toml\n(.*?)```", README.read_text(), re.S)
+    assert example is not None
+    config = parse(example[1], base=tmp_path)
+    assert config.node == "node-a"
+    assert config.state_file == Path("/var/lib/denv-agent/state.json")
+    assert [r.id for r in config.replicas] == ["voice.local.node-a.0", "side.local.node-a.1.0"]
+    voice, side = config.replicas
+    assert voice.probe is not None and voice.probe.ttft_budget_ms == 300
+    assert voice.probe.url == "http://127.0.0.1:8001/v1/chat/completions"
+    assert side.mig_uuid and side.probe is None
+    assert config.listen.agent_check == ("0.0.0.0", 9300)
+    assert config.xids.classify(109) is XidClass.RESET_PENDING
+
+
+def test_defaults_fill_every_optional_table(tmp_path: Path) -> None:
+    text = to_toml(
+        {
+            "node": "n",
+            "state_file": "state.json",
+            "control_token": TOKEN,
+            "replicas": [{"id": "a.b.c.0", "health_url": "http://127.0.0.1:9/h", "gpu": 0}],
+        }
+    )
+    config = parse(text, base=tmp_path)
+    assert config.state_file == tmp_path / "state.json"
+    assert config.listen.http == ("127.0.0.1", 9301)
+    assert config.intervals.gpu_poll_s == 1.0
+    assert config.thresholds.fail_after == 3
+    assert config.xids.classify(79) is XidClass.NODE_FATAL
+    assert config.replicas[0].probe is None
+
+
+MISSING_HEALTH = (
+    'agent config: replicas[1].health_url: missing; add health_url = "http://127.0.0.1:8001/health"'
+)
+
+
+def test_missing_health_url_names_the_field_and_the_fix(tmp_path: Path) -> None:
+    data = config_data(
+        tmp_path,
+        [
+            {"id": "voice.local.node-a.0", "health_url": "http://127.0.0.1:8001/health", "gpu": 0},
+            {"id": "voice.local.node-a.1", "gpu": 1},
+        ],
+    )
+    with pytest.raises(ConfigError) as error:
+        parse(to_toml(data))
+    assert str(error.value) == MISSING_HEALTH
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"node": None}, "agent config: node: missing; add node ="),
+        ({"state_file": None}, "agent config: state_file: missing"),
+        ({"control_token": None}, "agent config: control_token: missing"),
+        ({"control_token": "short"}, "agent config: control_token: too short (5 characters)"),
+        ({"control_token_file": "t"}, "agent config: control_token: set twice"),
+        ({"listen": {"http": "nowhere"}}, "agent config: listen.http: 'nowhere' is not host:port"),
+        (
+            {"intervals": {"health_s": 0}},
+            "agent config: intervals.health_s: 0 is not a number over 0",
+        ),
+        (
+            {"intervals": {"helth_s": 1}},
+            "agent config: intervals.helth_s: unknown field; remove it",
+        ),
+        (
+            {"thresholds": {"hot_weight_pct": 0}},
+            "thresholds.hot_weight_pct: 0 is not a whole number",
+        ),
+        ({"thresholds": {"fail_after": True}}, "thresholds.fail_after: True is not a whole number"),
+        (
+            {"thresholds": {"throttle_reasons": ["hot"]}},
+            "thresholds.throttle_reasons: ['hot'] is not",
+        ),
+        (
+            {"xid": {"application": [13], "gpu_fatal": [13]}},
+            "xid.gpu_fatal: xid 13 is also in xid.app",
+        ),
+        ({"xid": {"node_fatal": ["1-x"]}}, "agent config: xid.node_fatal: '1-x' is not an XID"),
+        ({"xid": {"fatal": [1]}}, "agent config: xid.fatal: unknown field"),
+        ({"simulate": {"gpus": 0}}, "agent config: simulate.gpus: 0 is not a whole number from 1"),
+        ({"replicas": []}, "agent config: replicas: must be a non-empty array of tables"),
+        ({"surprise": 1}, "agent config: surprise: unknown field"),
+    ],
+)
+def test_bad_fields_give_one_line_naming_the_field(
+    tmp_path: Path, changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        _parse(tmp_path, **changes)
+    assert str(error.value).startswith("agent config: ")
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+    assert "; " in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("replica", "message"),
+    [
+        ({"health_url": "http://x/h"}, "replicas[0].id: missing"),
+        ({"id": "bad id", "health_url": "http://x/h", "gpu": 0}, "replicas[0].id: 'bad id' is not"),
+        (
+            {"id": "a", "health_url": "ftp://x/h", "gpu": 0},
+            "replicas[0].health_url: 'ftp://x/h' is not",
+        ),
+        ({"id": "a", "health_url": "http://x:99999/h", "gpu": 0}, "replicas[0].health_url:"),
+        ({"id": "a", "health_url": "http://x/h"}, "replicas[0].gpu: missing; add gpu = 0"),
+        ({"id": "a", "health_url": "http://x/h", "gpu": 0, "ttft_budget_ms": 300}, "probe_model"),
+        ({"id": "a", "health_url": "http://x/h", "gpu": 0, "probe_model": "m"}, "set without ttft"),
+    ],
+)
+def test_bad_replicas_name_the_replica_field(
+    tmp_path: Path, replica: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(to_toml(config_data(tmp_path, [replica])))
+
+
+def test_duplicate_replica_ids_are_refused(tmp_path: Path) -> None:
+    same = {"id": "a", "health_url": "http://x/h", "gpu": 0}
+    with pytest.raises(ConfigError, match=r"replicas\[1\].id: 'a' is used twice"):
+        parse(to_toml(config_data(tmp_path, [same, same])))
+
+
+def test_token_file_and_state_file_are_relative_to_the_config(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text(f"{TOKEN}\n")
+    data = config_data(tmp_path, [{"id": "a", "health_url": "http://x/h", "gpu": 0}])
+    del data["control_token"]
+    data["control_token_file"] = "token"
+    data["state_file"] = "run/state.json"
+    path = tmp_path / "agent.toml"
+    path.write_text(to_toml(data))
+    config = load(path)
+    assert config.control_token == TOKEN
+    assert config.state_file == tmp_path / "run" / "state.json"
+
+
+def test_unreadable_token_file_says_which(tmp_path: Path) -> None:
+    data = config_data(tmp_path, [{"id": "a", "health_url": "http://x/h", "gpu": 0}])
+    del data["control_token"]
+    data["control_token_file"] = "absent"
+    path = tmp_path / "agent.toml"
+    path.write_text(to_toml(data))
+    with pytest.raises(ConfigError, match="control_token_file: cannot read absent: no such file"):
+        load(path)
+
+
+def test_xid_overrides_move_an_xid_to_another_class(tmp_path: Path) -> None:
+    data = config_data(
+        tmp_path,
+        [{"id": "a", "health_url": "http://x/h", "gpu": 0}],
+        xid={"reset_pending": [109], "node_fatal": ["140-141"]},
+    )
+    xids = parse(to_toml(data)).xids
+    assert xids.classify(109) is XidClass.RESET_PENDING
+    assert xids.classify(140) is XidClass.NODE_FATAL
+    assert xids.classify(141) is XidClass.NODE_FATAL
+    assert xids.classify(79) is XidClass.NODE_FATAL
+    assert xids.classify(63) is XidClass.RESET_PENDING
+
+
+def test_cli_config_error_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        to_toml(
+            config_data(
+                tmp_path,
+                [
+                    {
+                        "id": "voice.local.node-a.0",
+                        "health_url": "http://127.0.0.1:8001/health",
+                        "gpu": 0,
+                    },
+                    {"id": "voice.local.node-a.1", "gpu": 1},
+                ],
+            )
+        )
+    )
+    assert cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == MISSING_HEALTH + "\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "not found; pass --config"), ("node = [", "not valid TOML")],
+)
+def test_cli_unreadable_config_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, message: str
+) -> None:
+    path = tmp_path / "agent.toml"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
