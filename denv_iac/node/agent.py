@@ -12,32 +12,46 @@ from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import UNIT_DIR, FileContent, Step, text_file, unit_path
 
 UNIT = "denv-agent.service"
-CONFIG = "/etc/denv/agent.json"
+CONFIG = "/etc/denv/agent.toml"  # the agent's default, so `denv-agent drain` needs no flag
+TOKEN = "/etc/denv/agent.token"
+STATE_FILE = "/var/lib/denv-agent/state.json"  # operator drains survive restarts here
 COMMAND_LINK = "/usr/local/bin/denv-agent"  # what repair and operators call: `denv-agent drain`
 AGENT_BIN = f"{AGENT_VENV}/bin/denv-agent"
 DIST_DIR = "/opt/denv/dist"
 
 
 def config(spec: NodeDeploySpec) -> FileContent:
-    values = {
-        **spec.agent.config,
-        "node_id": spec.node_id,
-        "port": spec.agent_port,
-        "balancer_addresses": list(spec.balancer_addresses),
-        "replicas": [
-            {
-                "id": r.id,
-                "port": r.port,
-                "health_path": r.health_path,
-                "gpu": r.gpu,
-                "mig_profile": r.mig_profile,
-                "mig_instance": r.mig_instance,
-                "unit": r.unit,
-            }
-            for r in spec.replicas
-        ],
-    }
-    return text_file(CONFIG, json.dumps(values, indent=2, sort_keys=True) + "\n")
+    """The agent's TOML config (the format `denv-agent --config` reads; see agent/README.md)."""
+    lines = [
+        f"node = {_toml(spec.node_id)}",
+        f"state_file = {_toml(STATE_FILE)}",
+        f"control_token_file = {_toml(TOKEN)}",
+        "",
+        "[listen]",
+        # HAProxy polls agent-check from the balancers (the host firewall admits only them);
+        # the control endpoint stays local, reached over SSH.
+        f'agent_check = "0.0.0.0:{spec.agent_port}"',
+        f'http = "127.0.0.1:{spec.agent_port + 1}"',
+    ]
+    for table, values in sorted(spec.agent.config.items()):
+        if isinstance(values, dict):
+            lines += ["", f"[{table}]", *(f"{k} = {_toml(v)}" for k, v in sorted(values.items()))]
+    for replica in spec.replicas:
+        lines += [
+            "",
+            "[[replicas]]",
+            f"id = {_toml(replica.id)}",
+            f"health_url = {_toml(f'http://127.0.0.1:{replica.port}{replica.health_path}')}",
+            f"gpu = {replica.gpu}",
+        ]
+    return text_file(CONFIG, "\n".join(lines) + "\n")
+
+
+def _toml(value: object) -> str:
+    """A TOML scalar: JSON's string and number syntax is valid TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)
 
 
 def unit() -> FileContent:
@@ -49,7 +63,7 @@ After=network-online.target
 Wants=network-online.target
 
 [Service]
-ExecStart={AGENT_BIN} serve --config {CONFIG}
+ExecStart={AGENT_BIN} --config {CONFIG}
 Restart=always
 RestartSec=1
 
@@ -76,6 +90,18 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
                 "agent",
                 f"put denv-agent on PATH ({COMMAND_LINK})",
                 (f"ln -sfn {AGENT_BIN} {COMMAND_LINK}",),
+            )
+        )
+    if TOKEN not in facts.files:
+        # Random per node and never leaves it: the control endpoint is local to the node.
+        steps.append(
+            Step(
+                "agent",
+                f"create the control token {TOKEN}",
+                (
+                    f"umask 077 && mkdir -p /etc/denv /var/lib/denv-agent && od -An -N24 -tx1 "
+                    f"/dev/urandom | tr -d ' \\n' > {TOKEN}",
+                ),
             )
         )
     changed = not installed

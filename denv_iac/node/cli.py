@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,8 +84,7 @@ def _spec(
             )
     except NodeSpecError as error:
         _fail(error.problems)
-    agent = dataclasses.replace(spec.agent, config={"site": site, **spec.agent.config})
-    return dataclasses.replace(spec, agent=agent)
+    return spec
 
 
 def _progress(index: int, total: int, step: Step, status: str) -> None:

@@ -24,7 +24,7 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
         *(r.unit for r in spec.replicas),
     ]
     return FactQuery(
-        files=tuple(content.path for content in files),
+        files=(*(content.path for content in files), agent.TOKEN),
         links=(agent.COMMAND_LINK, *(wants_link(u) for u in units)),
         dirs=(AGENT_VENV, *spec.cache.paths()),
         units=tuple(units),

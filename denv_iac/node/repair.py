@@ -18,7 +18,8 @@ from denv_iac.node.plan import fact_query
 from denv_iac.node.spec import NodeDeploySpec
 
 DRAIN = "denv-agent drain"
-UNDRAIN = "denv-agent undrain"
+# A repaired GPU's faults are sticky in the agent until cleared; only then does undrain count.
+UNDRAIN = "denv-agent clear-faults && denv-agent undrain"
 
 
 class RepairLevel(StrEnum):

@@ -52,7 +52,8 @@ class CacheDirs:
 
 @dataclass(frozen=True)
 class AgentSettings:
-    """The node agent: which release to install and the extra values of its config file."""
+    """The node agent: which release to install, and extra tables of its TOML config
+    (e.g. {"intervals": {"health_s": 0.5}, "thresholds": {"fail_after": 2}})."""
 
     version: str = "0.1.0"
     # A local wheel to upload and install instead of fetching `denv-agent==version` from the index.

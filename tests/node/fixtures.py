@@ -76,6 +76,7 @@ def converged(
     """
     query = fact_query(spec)
     files = {c.path: c.sha256 for c in (*agent.files(spec), *replicas.files(spec))}
+    files[agent.TOKEN] = "token-present"
     files.update({c.path: c.sha256 for c in firewall.files(spec)})
     layout = spec.mig_layout()
     version = facts.driver_version if facts.driver_branch == spec.driver_branch else "580.95.05"

@@ -125,6 +125,8 @@ def main() -> None:
     if command in ("drain", "undrain"):
         state.write_text("drain\\n" if command == "drain" else "up\\n")
         print(command + "ed")
+    elif command == "clear-faults":
+        print("cleared")
     else:
         sys.exit("stand-in denv-agent: " + command)
 '''

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,7 +68,9 @@ def spec(root: Path) -> NodeDeploySpec:
     return NodeDeploySpec(
         node_id="joined.box-1",
         mig=(MigSlice(1, "1g.10gb", 2),),
-        agent=AgentSettings(wheel=str(wheel), pip_args=("--no-index",), config={"site": "joined"}),
+        agent=AgentSettings(
+            wheel=str(wheel), pip_args=("--no-index",), config={"thresholds": {"fail_after": 2}}
+        ),
         replicas=(
             ReplicaSpec("voice.joined.box-1.0", "ghcr.io/acme/voice:1.4", 8000, 0, env={"A": "1"}),
             ReplicaSpec(
@@ -100,7 +103,11 @@ def spec_file(root: Path, spec: NodeDeploySpec) -> Path:
     data = {
         "node_id": spec.node_id,
         "mig": [{"gpu": 1, "profile": "1g.10gb", "instances": 2}],
-        "agent": {"wheel": spec.agent.wheel, "pip_args": ["--no-index"]},
+        "agent": {
+            "wheel": spec.agent.wheel,
+            "pip_args": ["--no-index"],
+            "config": dict(spec.agent.config),
+        },
         "replicas": [
             {
                 "id": r.id,
@@ -154,8 +161,12 @@ def test_2_join_installs_the_pinned_branch_and_writes_everything(
     assert installed["libnvidia-nscq-580"] == installed["nvidia-open"]
     assert "nvidia-container-toolkit" in installed and "docker.io" in installed
     assert "nvidia" in json.loads((root / "etc/docker/daemon.json").read_text())["runtimes"]
-    config = json.loads((root / "etc/denv/agent.json").read_text())
-    assert config["node_id"] == "joined.box-1" and config["port"] == 9100
+    config = tomllib.loads((root / "etc/denv/agent.toml").read_text())
+    assert config["node"] == "joined.box-1"
+    assert config["listen"]["agent_check"] == "0.0.0.0:9100"
+    assert config["thresholds"] == {"fail_after": 2}
+    assert [r["id"] for r in config["replicas"]] == [r.id for r in spec.replicas]
+    assert (root / "etc/denv/agent.token").stat().st_mode & 0o777 == 0o600
     wants = root / "etc/systemd/system/multi-user.target.wants"
     for unit in (
         "denv-agent.service",

@@ -23,7 +23,7 @@ H100_MIG = [
     "smil\tGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-9a1c)",
     "smil\t  MIG 3g.40gb     Device  0: (UUID: MIG-aaaa)",
     "smil\t  MIG 1g.10gb     Device  1: (UUID: MIG-bbbb)",
-    "file\t/etc/denv/agent.json\tabc123",
+    "file\t/etc/denv/agent.toml\tabc123",
     "link\t/usr/local/bin/denv-agent\t/opt/denv/agent/bin/denv-agent",
     "dir\t/opt/denv/agent",
     "active\tdocker.service",
@@ -48,7 +48,7 @@ def test_parse_a_working_h100_node_with_mig_on_one_gpu() -> None:
     assert gpu1 is not None and gpu1.mig_enabled and gpu1.uuid == "GPU-9a1c"
     assert gpu1.mig_devices == (MigDevice("3g.40gb", "MIG-aaaa"), MigDevice("1g.10gb", "MIG-bbbb"))
     assert facts.gpu(0) is not None and not facts.gpu(0).mig_enabled  # type: ignore[union-attr]
-    assert facts.files == {"/etc/denv/agent.json": "abc123"}
+    assert facts.files == {"/etc/denv/agent.toml": "abc123"}
     assert facts.links["/usr/local/bin/denv-agent"] == "/opt/denv/agent/bin/denv-agent"
     assert facts.active_units == {"docker.service"} and facts.runtime_configured
     assert facts.replica_units == {"denv-replica-a.service"} and facts.agent_version == "0.1.0"

@@ -12,6 +12,7 @@ from denv_iac.node import (
     ReplicaSpec,
     Step,
     UnsupportedNode,
+    agent,
     plan_node,
 )
 from denv_iac.node.mig import MigLayoutError
@@ -82,7 +83,9 @@ def test_second_run_on_a_converged_node_changes_nothing() -> None:
     first = plan_node(facts, spec())
     after = converged(facts, spec(), FRESH)
     written = {step.file.path for step in first if step.file is not None}
-    assert written == set(after.files)  # the plan writes exactly the files compared later
+    # The plan writes exactly the files compared later; the token is made on the node itself.
+    assert written | {agent.TOKEN} == set(after.files)
+    assert f"agent: create the control token {agent.TOKEN}" in titles(first)
     assert plan_node(after, spec()) == []
 
 
