@@ -25,7 +25,7 @@ unit: setup
 test: lint typecheck unit
 
 demo: setup
-	$(BIN)/denv plan --stack $(STACK)
+	$(BIN)/denv local demo --stack $(STACK)
 
 bench: setup
 	$(BIN)/python -m benchmarks

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+from denv_agent.control import inject_fault
 
 from denv_iac.loadgen import LoadReport, run_load
 from denv_iac.local.runner import LocalCluster, RunState
@@ -42,13 +43,7 @@ class DemoResult:
 
 def inject_xid(state: RunState, node: str, gpu: int, xid: int) -> None:
     agent = state.agent_of(node)
-    response = httpx.post(
-        f"http://127.0.0.1:{agent.http_port}/control/simulate",
-        json={"gpu": gpu, "xid": xid},
-        headers={"Authorization": f"Bearer {state.control_token}"},
-        timeout=5,
-    )
-    response.raise_for_status()
+    inject_fault(f"http://127.0.0.1:{agent.http_port}", state.control_token, gpu=gpu, xid=xid)
 
 
 def kill_replica(state: RunState, replica_id: str) -> None:

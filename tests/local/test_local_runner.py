@@ -1,0 +1,136 @@
+"""The local runner brings up a real data plane for a local stack and leaves nothing behind."""
+
+import json
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from denv_iac.cli import main
+from denv_iac.local.demo import run_demo
+from denv_iac.local.runner import LocalCluster, RunState, ours, stop_recorded
+from denv_iac.spec.reader import StackError, read_stack
+from tests.stacks import local_site, valid_config
+
+if shutil.which("haproxy") is None:
+    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+
+CONFIG = {
+    "denv:sites": [local_site("local", nodes=2, gpus=2)],
+    "denv:recipes": [
+        {
+            "name": "voice",
+            "min_warm": 1,
+            "spare": 1,
+            "sites": ["local"],
+            "simulate": {"ttft_ms": 20, "itl_ms": 2, "tokens": 4},
+        },
+        {
+            "name": "side",
+            "gpu": "1g.10gb",
+            "min_warm": 1,
+            "spare": 1,
+            "sites": ["local"],
+            "simulate": {"ttft_ms": 10, "itl_ms": 2, "tokens": 4},
+        },
+    ],
+    "denv:balancer": {"sites": ["local"]},
+}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").read_text().find("zombie") < 0
+
+
+def free_endpoint_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_endpoint_port())
+    running.up()
+    yield running
+    running.down()
+
+
+def test_state_file_describes_what_runs(cluster: LocalCluster) -> None:
+    state = RunState.from_json((cluster.directory / "state.json").read_text())
+    assert [r.id for r in state.replicas] == [
+        "voice.local.n0.0",
+        "voice.local.n1.0",
+        "side.local.n0.1.0",
+        "side.local.n1.1.0",
+    ]
+    assert all(alive(r.pid) and r.address == "127.0.0.1" for r in state.replicas)
+    assert {r.agent_port for r in state.replicas} == {a.agent_port for a in state.agents}
+    assert Path(state.admin_socket).exists()
+    response = httpx.post(
+        f"{state.endpoint}/v1/chat/completions", json={"model": "side", "max_tokens": 2}, timeout=5
+    )
+    assert response.status_code == 200
+    assert response.headers["x-denv-replica"].startswith("side.local.")
+
+
+def test_down_leaves_no_process(tmp_path: Path) -> None:
+    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_endpoint_port())
+    state = running.up()
+    pids = [state.haproxy_pid] + [a.pid for a in state.agents] + [r.pid for r in state.replicas]
+    running.down()
+    assert not any(alive(pid) for pid in pids)
+    assert not (tmp_path / "run" / "state.json").exists()
+
+
+def test_stop_recorded_stops_only_its_own_processes(cluster: LocalCluster) -> None:
+    state = cluster.state
+    assert state is not None
+    assert ours(state.haproxy_pid, "haproxy") and not ours(os.getpid(), "replica_sim")
+    assert stop_recorded(cluster.directory) == 1 + len(state.agents) + len(state.replicas)
+    assert not any(alive(r.pid) for r in state.replicas)
+
+
+def test_remote_sites_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(StackError, match="runs local sites only"):
+        LocalCluster(read_stack("t", valid_config()), tmp_path)
+
+
+def test_demo_loses_nothing_and_replays_nothing(cluster: LocalCluster) -> None:
+    lines: list[str] = []
+    result = run_demo(cluster, lines.append, duration_s=9)
+    assert result.requests > 100
+    assert result.lost == 0 and result.replayed == 0, lines
+    assert any("XID 79" in line for line in lines)
+
+
+def test_status_command_reads_a_running_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "Pulumi.yaml").write_text("name: t\nruntime: python\n")
+    (tmp_path / "stacks" / "Pulumi.t.yaml").write_text(yaml.safe_dump({"config": CONFIG}))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(main, ["local", "status", "--stack", "t"]).exit_code == 2
+    port = str(free_endpoint_port())
+    up = runner.invoke(main, ["local", "up", "--stack", "t", "--port", port, "--detach", "--quiet"])
+    try:
+        assert up.exit_code == 0, up.output
+        status = runner.invoke(main, ["local", "status", "--stack", "t", "--json"])
+        assert status.exit_code == 0, status.output
+        pools = {p["pool"]: p for p in json.loads(status.output)["pools"]}
+        assert pools["voice"]["healthy"] == 2 and pools["voice"]["ok"]
+    finally:
+        down = runner.invoke(main, ["local", "down", "--stack", "t"])
+    assert "stopped 7 processes" in down.output
