@@ -95,14 +95,14 @@ def _run(config: AgentConfig, *, simulate: bool, log_level: str) -> int:
         print(f"denv-agent: cannot listen: {e}; check listen.* in the config", file=sys.stderr)
         return 1
     assert agent.agent_check is not None and agent.http is not None
-    log.info(
-        READY.format(node=config.node, check=agent.agent_check.address, http=agent.http.address)
-    )
+    ready = READY.format(node=config.node, check=agent.agent_check.address, http=agent.http.address)
+    # Printed whatever the log level: tools that start the agent wait for this line.
+    print(f"denv-agent {ready}", file=sys.stderr, flush=True)
     if simulator is not None:
         log.info("simulating %d gpu(s); faults: POST /control/simulate", len(simulator.gpus))
     stop.wait()
     log.info("stopping")
-    agent.stop()
     if simulator is not None:
-        simulator.close()
+        simulator.close()  # wake pollers parked in a simulated slow call
+    agent.stop()
     return 0

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -33,6 +33,7 @@ class AgentProcess:
         *,
         simulate: bool = False,
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 20.0,
     ) -> None:
         args = [sys.executable, "-m", "denv_agent", "--config", str(config), *extra_args]
@@ -48,6 +49,7 @@ class AgentProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            env=None if env is None else dict(env),
         )
         # Keep reading the log: a full pipe would block the agent.
         self._reader = threading.Thread(target=self._read_log, name="agent-log", daemon=True)

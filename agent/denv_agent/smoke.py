@@ -118,14 +118,14 @@ def _healthz(url: str) -> dict[str, Any]:
 
 
 def _settled(doc: dict[str, Any], gpus: int) -> bool:
-    """NVML answered, every GPU was polled once and its XID registration has an outcome."""
-    listed = doc["gpus"]
-    return doc["nvml"]["state"] != "initializing" and (
-        doc["nvml"]["state"] == "unavailable"
-        or (
-            len(listed) == gpus
-            and all("polled_age_s" in g and g["xid_events"] != "pending" for g in listed)
-        )
+    """Every replica checked once; NVML failed, or polled every GPU and registered for XIDs."""
+    if not all(r["health"] and r["health"]["checks"] for r in doc["replicas"]):
+        return False
+    state, listed = doc["nvml"]["state"], doc["gpus"]
+    return state == "unavailable" or (
+        state == "ok"
+        and len(listed) == gpus
+        and all("polled_age_s" in g and g["xid_events"] != "pending" for g in listed)
     )
 
 

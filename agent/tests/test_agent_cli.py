@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def test_simulated_agent_process_end_to_end(
         tmp_path,
         config_data(tmp_path, [replica(0, server.health_url), replica(1, server.health_url)]),
     )
-    with AgentProcess(path, simulate=True) as agent:
+    env = {**os.environ, "DENV_AGENT_TEST_MARK": "1"}
+    with AgentProcess(path, simulate=True, env=env) as agent:
+        assert b"\0DENV_AGENT_TEST_MARK=1\0" in Path(f"/proc/{agent.pid}/environ").read_bytes()
 
         def check(rid: str = R0) -> bytes:
             return ask(agent.agent_check, f"{rid}\n".encode())
