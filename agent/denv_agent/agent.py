@@ -79,15 +79,11 @@ class Agent:
         """Recompute every verdict from the monitors' latest readings and swap the snapshot."""
         with self._publish_lock:
             old = self.snapshot
-            self.snapshot = compose(
-                self.config, self.gpus.view(), self.replicas.view(), self.drains
-            )
-        for rid, verdict in self.snapshot.verdicts.items():
-            before = old.verdicts.get(rid)
-            if before is None or (before.state, before.weight_pct) != (
-                verdict.state,
-                verdict.weight_pct,
-            ):
+            new = compose(self.config, self.gpus.view(), self.replicas.view(), self.drains)
+            self.snapshot = new
+        for rid, verdict in new.verdicts.items():
+            before = old.verdicts[rid]
+            if (before.state, before.weight_pct) != (verdict.state, verdict.weight_pct):
                 log.info("%s: %s", rid, verdict.reply)
 
     def healthz(self) -> dict[str, Any]:

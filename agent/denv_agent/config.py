@@ -181,14 +181,15 @@ def load(path: Path) -> AgentConfig:
         raise ConfigError(
             str(path), f"cannot read: {e}", "check the file and its permissions"
         ) from None
-    return parse(text, base=path.parent)
+    return parse(text, base=path.parent, source=str(path))
 
 
-def parse(text: str, base: Path = Path()) -> AgentConfig:
+def parse(text: str, base: Path = Path(), source: str = "config") -> AgentConfig:
+    """`base` anchors relative paths; `source` names the text in a syntax error."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError("file", f"not valid TOML ({e})", "fix the syntax at that line") from None
+        raise ConfigError(source, f"not valid TOML ({e})", "fix the syntax there") from None
     top = _Table(data, "")
     node = top.string("node", '"node-a"')
     state_file = top.string("state_file", '"/var/lib/denv-agent/state.json"')

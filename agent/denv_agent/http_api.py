@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -85,16 +86,18 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.client_address[0], *args)
 
     def do_GET(self) -> None:
-        if self.path == "/healthz":
+        path = urlsplit(self.path).path
+        if path == "/healthz":
             self._json(200, self.api.healthz())
-        elif self.path == "/metrics":
+        elif path == "/metrics":
             self._send(200, self.api.metrics(), CONTENT_TYPE_LATEST)
         else:
             self._json(404, {"error": "not found"})
 
     def do_POST(self) -> None:
-        name = self.path.removeprefix("/control/")
-        handler = self.api.control.get(name) if self.path.startswith("/control/") else None
+        path = urlsplit(self.path).path
+        name = path.removeprefix("/control/")
+        handler = self.api.control.get(name) if name != path else None
         if handler is None:
             self._json(404, {"error": "not found"})
             return

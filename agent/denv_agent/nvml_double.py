@@ -45,6 +45,18 @@ class SimulatedGpu:
     lost: bool = False
 
 
+# What a repair puts back to healthy; the identity, memory size and MIG layout stay.
+_FAULT_FIELDS = (
+    "temperature_c",
+    "ecc_uncorrectable",
+    "remap_pending",
+    "remap_failure",
+    "clocks_event_reasons",
+    "recovery_action",
+    "lost",
+)
+
+
 @dataclass(frozen=True, eq=False)
 class _Handle:
     gpu: int
@@ -174,6 +186,8 @@ class FakeNvml:
         """Make `call` (on one GPU, or on any) raise the NVML error with this code or class name."""
         if call != "*" and not callable(getattr(self, call, None)):
             raise ValueError(f"unknown call {call!r}")
+        if gpu is not None:
+            self._gpu(gpu)
         key = (call, gpu)
         if error is None:
             self._failures.pop(key, None)
@@ -184,14 +198,10 @@ class FakeNvml:
         self._failures[key] = code
 
     def repair(self, gpu: int) -> None:
-        """Back to a healthy GPU, as after a successful reset; the MIG layout is kept."""
-        sim = self._gpu(gpu)
-        healthy = SimulatedGpu()
-        for name in ("temperature_c", "ecc_uncorrectable", "remap_pending", "remap_failure"):
+        """Back to a healthy GPU, as after a successful reset."""
+        sim, healthy = self._gpu(gpu), SimulatedGpu()
+        for name in _FAULT_FIELDS:
             setattr(sim, name, getattr(healthy, name))
-        sim.clocks_event_reasons = 0
-        sim.recovery_action = 0
-        sim.lost = False
         for key in [key for key in self._failures if key[1] == gpu]:
             del self._failures[key]
 
@@ -220,6 +230,8 @@ class FakeNvml:
             if not isinstance(call, str) or not isinstance(error, str | int | type(None)):
                 raise ValueError("error needs an NVMLError_* name and call a function name")
             self.fail_call(call, error, gpu)
+        elif call != "*":
+            raise ValueError("call needs an error")
         for key, value in command.items():
             self._apply_one(gpu, sim, key, value)
 

@@ -298,6 +298,7 @@ def test_healthz_and_metrics_describe_the_node(agent: Agent) -> None:
     ):
         assert name in metrics, name
     assert http_get(agent, "/nothing")[0] == 404
+    assert http_get(agent, "/healthz?pretty=1")[0] == 200
 
 
 def test_nvml_unavailable_is_said_once_and_every_replica_is_down(

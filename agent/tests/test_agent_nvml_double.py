@@ -164,6 +164,8 @@ def test_apply_scripts_every_fault() -> None:
         ({"gpu": 0, "melt": True}, "unknown fault 'melt'"),
         ({"gpu": 0, "recovery_action": "pray"}, "recovery_action must be one of"),
         ({"slow_s": -1}, "slow_s must be a number"),
+        ({"gpu": 0, "call": "nvmlDeviceGetName"}, "call needs an error"),
+        ({"gpu": 3, "error": "NVMLError_Timeout"}, "no simulated gpu 3"),
     ],
 )
 def test_apply_refuses_bad_commands(command: dict[str, object], message: str) -> None:
