@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 STACK  ?= local
 PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks)
 
-.PHONY: setup test lint typecheck unit demo bench lock clean
+.PHONY: setup test lint typecheck unit demo bench reliability lock clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks
+
+# Fault scenarios under load (concurrency 64, 20 s each); writes benchmarks/results/reliability.json.
+reliability: setup
+	$(BIN)/python -m benchmarks.reliability
 
 # Re-pin after editing dependencies in pyproject.toml (needs uv on PATH).
 lock:

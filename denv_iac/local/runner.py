@@ -263,9 +263,8 @@ class LocalCluster:
             prometheus_port=prometheus,
             state_file=str(self.directory / "haproxy.state"),
         )
-        maps = str(self.directory / "haproxy")
-        rendered = relocate_maps(render_haproxy_config(pools, settings, maps), maps)
-        config_path = write_config(rendered, Path(maps))
+        self._pools, self._settings = pools, settings
+        config_path = self._write_balancer_config()
         self._haproxy = HaproxyProcess(
             config_path, socket_path, self.directory / "logs" / "haproxy.log"
         )
@@ -282,6 +281,22 @@ class LocalCluster:
             replicas,
             agents,
         )
+
+    def _write_balancer_config(self) -> Path:
+        maps = str(self.directory / "haproxy")
+        rendered = relocate_maps(render_haproxy_config(self._pools, self._settings, maps), maps)
+        return write_config(rendered, Path(maps))
+
+    @property
+    def balancer_settings(self) -> BalancerSettings:
+        return self._settings
+
+    def reload_balancer(self, settings: BalancerSettings) -> None:
+        """Render the config again with new settings and reload HAProxy without a gap."""
+        assert self._haproxy is not None
+        self._settings = settings
+        self._write_balancer_config()
+        self._haproxy.reload()
 
     def restart_replica(self, replica_id: str) -> None:
         """Start a replica again on its old port, as a supervisor would after a crash."""

@@ -1,0 +1,238 @@
+"""`make reliability`: fault scenarios under load on the local data plane, counted.
+
+Each scenario starts a fresh local stack (two nodes, a voice pool on both), puts closed-loop
+streaming load on it, injects one fault a third of the way in, and counts: requests, lost
+(failed although an allowed healthy replica existed), aborted (streams cut because their replica
+died), replayed (a request seen by two replicas, or an aborted one seen by a live replica: the
+replicas' own request logs are the proof), p99 TTFT and detection (fault to the last new request
+the faulty replica was given). Traffic stays on 127.0.0.1.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from denv_agent.control import ControlFailed, drain, inject_fault, undrain
+
+from denv_iac.loadgen import LoadReport, run_load
+from denv_iac.local.demo import kill_replica, seen_by_replicas
+from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.spec.reader import read_stack
+
+RESULTS = Path(__file__).parent / "results" / "reliability.json"
+STACK = {
+    "denv:sites": [
+        {
+            "name": "local",
+            "kind": "local",
+            "nodes": [
+                {"name": "node-a", "gpu": "H100", "gpus": 1},
+                {"name": "node-b", "gpu": "H100", "gpus": 1},
+            ],
+        }
+    ],
+    "denv:recipes": [
+        {
+            "name": "voice",
+            "min_warm": 1,
+            "spare": 1,
+            "sites": ["local"],
+            "simulate": {"ttft_ms": 30, "itl_ms": 5, "tokens": 12},
+        }
+    ],
+    "denv:balancer": {"sites": ["local"]},
+}
+FAULTY = "voice.local.node-a.0"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    scenario: str
+    requests: int
+    lost: int
+    aborted: int
+    replayed: int
+    p99_ttft_ms: float | None
+    detection_ms: float | None
+
+
+Fault = Callable[[LocalCluster, RunState], None]
+
+
+def _agent_url(state: RunState, node: str) -> str:
+    return f"http://127.0.0.1:{state.agent_of(node).http_port}"
+
+
+def replica_dies(cluster: LocalCluster, state: RunState) -> None:
+    kill_replica(state, FAULTY)
+
+
+def gpu_falls_off_the_bus(cluster: LocalCluster, state: RunState) -> None:
+    inject_fault(_agent_url(state, "local/node-a"), state.control_token, gpu=0, xid=79)
+
+
+def agent_partitioned(cluster: LocalCluster, state: RunState) -> None:
+    # A stopped agent still holds its port: HAProxy's agent checks time out, the replica is
+    # fine, and an unreachable agent must not take it out of rotation.
+    os.kill(state.agent_of("local/node-a").pid, signal.SIGSTOP)
+
+
+def node_drained(cluster: LocalCluster, state: RunState) -> None:
+    drain(_agent_url(state, "local/node-a"), state.control_token)
+
+
+def balancer_reloaded(cluster: LocalCluster, state: RunState) -> None:
+    settings = cluster.balancer_settings
+    cluster.reload_balancer(dataclasses.replace(settings, check_inter_ms=750))
+
+
+def every_site_down(cluster: LocalCluster, state: RunState) -> None:
+    for node in ("local/node-a", "local/node-b"):
+        inject_fault(_agent_url(state, node), state.control_token, gpu=0, xid=79)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: Fault
+    faulty: str | None  # the replica the fault takes out, for detection time
+    healthy_left: bool  # whether an allowed healthy replica remains after the fault
+
+
+SCENARIOS = (
+    Scenario("replica dies mid-stream", replica_dies, FAULTY, True),
+    Scenario("gpu xid 79 under load", gpu_falls_off_the_bus, FAULTY, True),
+    Scenario("agent partitioned, replica fine", agent_partitioned, None, True),
+    Scenario("node drained under load", node_drained, FAULTY, True),
+    Scenario("balancer reload with a config change", balancer_reloaded, None, True),
+    Scenario("every listed site down", every_site_down, None, False),
+)
+FAST = ("replica dies mid-stream", "gpu xid 79 under load", "every listed site down")
+
+
+def _cleanup(state: RunState) -> None:
+    agent = state.agent_of("local/node-a")
+    try:
+        os.kill(agent.pid, signal.SIGCONT)
+        undrain(_agent_url(state, "local/node-a"), state.control_token)
+    except (OSError, ControlFailed):  # the agent went with the scenario: nothing to undo
+        pass
+
+
+async def _load_with_fault(
+    cluster: LocalCluster,
+    state: RunState,
+    scenario: Scenario,
+    concurrency: int,
+    duration_s: float,
+) -> tuple[LoadReport, float]:
+    at = duration_s / 3
+    fault_time: list[float] = []
+
+    async def fault() -> None:
+        await asyncio.sleep(at)
+        fault_time.append(time.perf_counter())
+        await asyncio.to_thread(scenario.fault, cluster, state)
+
+    started = time.perf_counter()
+    task = asyncio.create_task(fault())
+    report: LoadReport = await run_load(
+        state.endpoint,
+        "voice",
+        concurrency=concurrency,
+        duration_s=duration_s,
+        session_turns=4,
+        timeout_s=10,
+    )
+    await task
+    return report, fault_time[0] - started
+
+
+def run_scenario(scenario: Scenario, concurrency: int, duration_s: float) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix="denv-reliability-") as tmp:
+        cluster = LocalCluster(read_stack("reliability", STACK), Path(tmp), _free_port())
+        state = cluster.up()
+        try:
+            time.sleep(0.5)  # first agent verdicts in
+            report, fault_s = asyncio.run(
+                _load_with_fault(cluster, state, scenario, concurrency, duration_s)
+            )
+            seen = seen_by_replicas(state)
+        finally:
+            _cleanup(state)
+            cluster.down()
+    return _count(scenario, report, fault_s, seen)
+
+
+def _count(scenario: Scenario, report: LoadReport, fault_s: float, seen: dict[str, int]) -> Outcome:
+    results = report.results
+    aborted = {r.request_id for r in results if r.error == "aborted"}
+    failed = [r for r in results if r.error and r.error != "aborted"]
+    lost = len(failed) if scenario.healthy_left else 0
+    replayed = sum(1 for c in seen.values() if c > 1) + sum(1 for i in aborted if i in seen)
+    detection = None
+    if scenario.faulty is not None:
+        after = [
+            r.started_s for r in results if r.replica == scenario.faulty and r.started_s >= fault_s
+        ]
+        detection = round(((max(after) - fault_s) if after else 0.0) * 1000, 1)
+    if not scenario.healthy_left:
+        late = [r for r in results if r.started_s > fault_s + 1.0]
+        # With nothing healthy left, every later request must be a clean, quick 503.
+        assert all(r.error == "http_503" and r.total_ms < 1000 for r in late), "hung or wrong"
+    return Outcome(
+        scenario.name, len(results), lost, len(aborted), replayed, report.ttft_ms(99), detection
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_all(
+    names: tuple[str, ...] | None,
+    concurrency: int,
+    duration_s: float,
+    say: Callable[[str], None] = print,
+) -> list[Outcome]:
+    outcomes = []
+    for scenario in SCENARIOS:
+        if names is not None and scenario.name not in names:
+            continue
+        outcome = run_scenario(scenario, concurrency, duration_s)
+        say(
+            f"{outcome.scenario:40} requests={outcome.requests:6} lost={outcome.lost} "
+            f"aborted={outcome.aborted} replayed={outcome.replayed} "
+            f"p99_ttft_ms={outcome.p99_ttft_ms} detection_ms={outcome.detection_ms}"
+        )
+        outcomes.append(outcome)
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Fault scenarios under load, counted.")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per scenario")
+    parser.add_argument("--fast", action="store_true", help="only the fast subset")
+    args = parser.parse_args(argv)
+    outcomes = run_all(FAST if args.fast else None, args.concurrency, args.duration)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=2) + "\n")
+    bad = [o for o in outcomes if o.lost or o.replayed]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
