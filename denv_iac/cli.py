@@ -15,6 +15,7 @@ from denv_iac.plan import make_plan
 from denv_iac.plan_view import render_plan
 from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import find_stacks_dir, load_lock, load_stack, write_lock
+from denv_iac.status_cli import status
 
 STACKS_DIR = click.option(
     "--stacks-dir",
@@ -86,3 +87,4 @@ def digest() -> None:
 main.add_command(local)
 main.add_command(bench)
 main.add_command(node)
+main.add_command(status)

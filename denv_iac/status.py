@@ -1,20 +1,36 @@
-"""`denv status`: what is warm where, and healthy, read from the balancer itself."""
+"""`denv status`: what is warm where, and healthy, read from the balancer and the node agents.
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+HAProxy's `show stat` is the truth about rotation (state, weight, active streams); each node
+agent's `/healthz` adds what only the node knows (the full reason, the last probe TTFT). Agents
+are asked best effort with a short timeout: a node whose agent does not answer is reported as
+such, and its replicas keep what HAProxy says.
+"""
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
 
 from denv_iac.spec.model import StackSpec
+
+AGENT_TIMEOUT_S = 1.0
+AGENT_UNREACHABLE = "agent unreachable"
 
 
 @dataclass(frozen=True)
 class ReplicaStatus:
     id: str
     pool: str
+    site: str
+    node: str
     backend: str
     state: str  # UP, DOWN, DRAIN, MAINT, ... as HAProxy reports it
     weight: int
     streams: int
-    reason: str  # the agent's or the health check's last word
+    reason: str  # the agent's or the health check's last word; "" when there is nothing to say
+    probe_ttft_ms: float | None = None  # the agent's last first-token probe, when it runs one
 
     @property
     def healthy(self) -> bool:
@@ -25,34 +41,133 @@ class ReplicaStatus:
 class PoolStatus:
     pool: str
     healthy: int
-    min_warm: int
+    min_warm: int | None  # None when no stack spec says (status read from a bare admin socket)
 
     @property
     def ok(self) -> bool:
-        return self.healthy >= self.min_warm
+        return self.min_warm is None or self.healthy >= self.min_warm
+
+
+@dataclass(frozen=True)
+class AgentEndpoint:
+    node: str  # site/node
+    url: str  # base URL of the agent's HTTP port
+
+
+@dataclass(frozen=True)
+class AgentHealth:
+    node: str
+    url: str
+    reachable: bool
+    error: str  # why it could not be read; "" when reachable
+    replicas: Mapping[str, Mapping[str, Any]]  # /healthz replica documents by replica id
+
+
+def haproxy_reason(row: Mapping[str, str]) -> str:
+    """The agent's word as HAProxy last heard it: `via agent : down (xid 79 ...)` -> `xid 79 ...`.
+
+    A plain `up` says nothing an operator needs, so it becomes "".
+    """
+    text = (row.get("last_agt") or row.get("last_chk") or "").strip()
+    text = text.removeprefix("via agent : ")
+    if text.endswith(")") and "(" in text:
+        return text[text.index("(") + 1 : -1]
+    return "" if text == "up" else text
 
 
 def replica_statuses(rows: Mapping[str, Mapping[str, str]]) -> list[ReplicaStatus]:
-    """From `show stat` rows by server name (replica ids are server names)."""
+    """From `show stat` rows by server name (replica ids `pool.site.node.gpu[.slice]`)."""
     statuses = []
     for name, row in sorted(rows.items()):
-        reason = row.get("last_agt") or row.get("last_chk") or ""
+        pool, site, node = [*name.split("."), "", ""][:3]
         statuses.append(
             ReplicaStatus(
                 id=name,
-                pool=name.split(".", 1)[0],
+                pool=pool,
+                site=site,
+                node=node,
                 backend=row.get("pxname", ""),
                 state=row.get("status", "?"),
                 weight=int(row.get("weight") or 0),
                 streams=int(row.get("scur") or 0),
-                reason=reason.strip(),
+                reason=haproxy_reason(row),
             )
         )
     return statuses
 
 
-def pool_statuses(stack: StackSpec, replicas: list[ReplicaStatus]) -> list[PoolStatus]:
+def with_agent_health(
+    replicas: Sequence[ReplicaStatus], agents: Sequence[AgentHealth]
+) -> list[ReplicaStatus]:
+    """Replicas completed by their node agent's reasons and probe TTFT."""
+    by_node = {agent.node: agent for agent in agents}
+    merged = []
+    for replica in replicas:
+        agent = by_node.get(f"{replica.site}/{replica.node}")
+        if agent is None:
+            merged.append(replica)
+        elif not agent.reachable:
+            reason = "; ".join(r for r in (replica.reason, AGENT_UNREACHABLE) if r)
+            merged.append(replace(replica, reason=reason))
+        else:
+            doc = agent.replicas.get(replica.id, {})
+            health = doc.get("health") or {}
+            reasons = "; ".join(doc.get("reasons") or ())
+            merged.append(
+                replace(
+                    replica,
+                    reason=reasons or replica.reason,
+                    probe_ttft_ms=health.get("ttft_ms"),
+                )
+            )
+    return merged
+
+
+def pool_statuses(stack: StackSpec | None, replicas: Sequence[ReplicaStatus]) -> list[PoolStatus]:
+    """Healthy replicas per pool against its min_warm; without a stack, the pools seen."""
+    if stack is None:
+        wanted: dict[str, int | None] = dict.fromkeys(sorted({r.pool for r in replicas}))
+    else:
+        wanted = {recipe.name: recipe.min_warm for recipe in stack.recipes}
     return [
-        PoolStatus(r.name, sum(1 for s in replicas if s.pool == r.name and s.healthy), r.min_warm)
-        for r in stack.recipes
+        PoolStatus(pool, sum(1 for r in replicas if r.pool == pool and r.healthy), min_warm)
+        for pool, min_warm in wanted.items()
     ]
+
+
+async def _read_agent(client: httpx.AsyncClient, endpoint: AgentEndpoint) -> AgentHealth:
+    try:
+        response = await client.get(f"{endpoint.url}/healthz")
+        response.raise_for_status()
+        doc = response.json()
+        replicas = {r["id"]: r for r in doc.get("replicas", [])}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return AgentHealth(endpoint.node, endpoint.url, False, _describe(error), {})
+    return AgentHealth(endpoint.node, endpoint.url, True, "", replicas)
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, httpx.TimeoutException):
+        return "timed out"
+    if isinstance(error, httpx.ConnectError):
+        return "connection refused"
+    return str(error) or type(error).__name__
+
+
+async def _read_agents(endpoints: Sequence[AgentEndpoint], timeout_s: float) -> list[AgentHealth]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+        return list(await asyncio.gather(*(_read_agent(client, e) for e in endpoints)))
+
+
+def read_agents(
+    endpoints: Sequence[AgentEndpoint], timeout_s: float = AGENT_TIMEOUT_S
+) -> list[AgentHealth]:
+    """Every agent's /healthz at once, so the whole read takes one timeout at most."""
+    if not endpoints:
+        return []
+    # The overall deadline also bounds an agent that accepts but trickles its answer.
+    deadline = timeout_s + 0.5
+    try:
+        return asyncio.run(asyncio.wait_for(_read_agents(endpoints, timeout_s), deadline))
+    except TimeoutError:
+        return [AgentHealth(e.node, e.url, False, "timed out", {}) for e in endpoints]

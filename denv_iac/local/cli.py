@@ -1,23 +1,20 @@
 """`denv local up|down|demo`: the data plane of a local stack on this machine."""
 
-import json
 import signal
 import sys
 import threading
-from dataclasses import asdict
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from denv_iac.balancer.runtime import server_stats
 from denv_iac.console import wide_console
 from denv_iac.local.demo import run_demo
 from denv_iac.local.runner import LocalCluster, RunState, run_dir, stop_recorded
 from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import find_stacks_dir, load_stack
-from denv_iac.status import pool_statuses, replica_statuses
+from denv_iac.status_cli import status
 
 STACK = click.option(
     "--stack",
@@ -149,52 +146,5 @@ def demo(stack_name: str, duration: float) -> None:
     sys.exit(0 if result.ok else 1)
 
 
-@local.command()
-@STACK
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def status(stack_name: str, as_json: bool) -> None:
-    """Per replica: state, weight, reason, active streams; per pool: healthy vs min_warm.
-
-    Exits 1 when a pool has fewer healthy replicas than its min_warm.
-    """
-    try:
-        stacks = find_stacks_dir()
-        stack = load_stack(stacks, stack_name)
-        state_file = run_dir(stacks.parent, stack_name) / "state.json"
-        if not state_file.exists():
-            raise StackError(
-                [
-                    f"--stack: {stack_name} is not running; start it with "
-                    f"`denv local up --stack {stack_name} --detach`"
-                ]
-            )
-        state = RunState.from_json(state_file.read_text())
-        rows = server_stats(Path(state.admin_socket))
-    except StackError as error:
-        _fail(error.problems)
-    except OSError as error:
-        _fail([f"admin socket: cannot read the balancer's stats ({error}); is it running?"])
-    replicas = replica_statuses(rows)
-    pools = pool_statuses(stack, replicas)
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "replicas": [asdict(r) for r in replicas],
-                    "pools": [asdict(p) | {"ok": p.ok} for p in pools],
-                },
-                indent=2,
-            )
-        )
-    else:
-        table = Table(title=f"Stack {stack_name} at {state.endpoint}", title_justify="left")
-        for column in ("replica", "state", "weight", "streams", "reason"):
-            table.add_column(column)
-        for r in replicas:
-            table.add_row(r.id, r.state, str(r.weight), str(r.streams), r.reason)
-        console = wide_console()
-        console.print(table)
-        for p in pools:
-            mark = "ok" if p.ok else "BELOW MIN_WARM"
-            console.print(f"pool {p.pool}: {p.healthy} healthy, min_warm {p.min_warm}: {mark}")
-    sys.exit(0 if all(p.ok for p in pools) else 1)
+# `denv local status` is kept as another name for `denv status`.
+local.add_command(status)

@@ -1,0 +1,173 @@
+"""The `denv status` command: one table per pool, by site and replica, and a verdict per pool.
+
+Exit status: 0 when every pool has at least min_warm healthy replicas, 1 when one has fewer,
+2 for bad input (unknown stack, stack not running, unreadable admin socket).
+"""
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from denv_iac.balancer.runtime import server_stats
+from denv_iac.console import wide_console
+from denv_iac.local.runner import HOST, RunState, run_dir
+from denv_iac.spec.model import StackSpec
+from denv_iac.spec.reader import StackError
+from denv_iac.spec.stackfile import find_stacks_dir, load_stack
+from denv_iac.status import (
+    AgentEndpoint,
+    AgentHealth,
+    PoolStatus,
+    ReplicaStatus,
+    pool_statuses,
+    read_agents,
+    replica_statuses,
+    with_agent_health,
+)
+
+DEFAULT_STACK = "local"
+
+
+def _fail(line: str) -> NoReturn:
+    click.echo(f"error: {line}", err=True)
+    sys.exit(2)
+
+
+def _run_state(stack_name: str, required: bool) -> RunState | None:
+    state_file = run_dir(find_stacks_dir().parent, stack_name) / "state.json"
+    if state_file.exists():
+        return RunState.from_json(state_file.read_text())
+    if required:
+        raise StackError(
+            [
+                f"--stack: {stack_name} is not running here; start it with "
+                f"`denv local up --stack {stack_name} --detach`, or pass --admin-socket"
+            ]
+        )
+    return None
+
+
+def _sources(
+    stack_name: str | None, admin_socket: Path | None
+) -> tuple[StackSpec | None, RunState | None, Path]:
+    """The stack (for min_warm), the local run state (for agents) and the socket to read."""
+    if admin_socket is None:
+        stack_name = stack_name or DEFAULT_STACK
+    if stack_name is None:
+        assert admin_socket is not None
+        return None, None, admin_socket
+    try:
+        stack = load_stack(find_stacks_dir(), stack_name)
+        state = _run_state(stack_name, required=admin_socket is None)
+    except StackError as error:
+        _fail(error.problems[0])
+    if admin_socket is not None:
+        return stack, state, admin_socket
+    assert state is not None
+    return stack, state, Path(state.admin_socket)
+
+
+def _agent_endpoints(state: RunState | None) -> list[AgentEndpoint]:
+    if state is None:
+        return []
+    return [AgentEndpoint(a.node, f"http://{HOST}:{a.http_port}") for a in state.agents]
+
+
+def _pool_line(pool: PoolStatus) -> str:
+    if pool.min_warm is None:
+        return f"pool {pool.pool}: {pool.healthy} healthy, min_warm unknown (pass --stack)"
+    mark = "ok" if pool.ok else "BELOW MIN_WARM"
+    return f"pool {pool.pool}: {pool.healthy} healthy, min_warm {pool.min_warm}: {mark}"
+
+
+def _pool_table(pool: PoolStatus, replicas: list[ReplicaStatus]) -> Table:
+    table = Table(title=f"pool {pool.pool}", title_justify="left")
+    for column, justify in (
+        ("site", "left"),
+        ("replica", "left"),
+        ("state", "left"),
+        ("weight", "right"),
+        ("streams", "right"),
+        ("probe TTFT ms", "right"),
+        ("reason", "left"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for r in sorted(replicas, key=lambda r: (r.site, r.id)):
+        ttft = "-" if r.probe_ttft_ms is None else f"{r.probe_ttft_ms:.1f}"
+        style = None if r.healthy else "red"
+        table.add_row(
+            r.site, r.id, r.state, str(r.weight), str(r.streams), ttft, r.reason, style=style
+        )
+    return table
+
+
+def _render(
+    console: Console,
+    title: str,
+    pools: list[PoolStatus],
+    replicas: list[ReplicaStatus],
+    agents: list[AgentHealth],
+) -> None:
+    console.print(title, highlight=False)
+    for pool in pools:
+        mine = [r for r in replicas if r.pool == pool.pool]
+        if mine:
+            console.print(_pool_table(pool, mine))
+        else:
+            console.print(_pool_line(pool) + " (no replica in the balancer)", highlight=False)
+    for agent in agents:
+        if not agent.reachable:
+            console.print(f"agent of {agent.node} at {agent.url}: {agent.error}", highlight=False)
+    for pool in pools:
+        console.print(_pool_line(pool), highlight=False)
+
+
+@click.command()
+@click.option(
+    "--stack",
+    "stack_name",
+    help=f"Stack name; with no --admin-socket, its local run (default: {DEFAULT_STACK}).",
+)
+@click.option(
+    "--admin-socket",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Read this HAProxy admin socket instead (with --stack too: judged against its min_warm).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def status(stack_name: str | None, admin_socket: Path | None, as_json: bool) -> None:
+    """Per pool, site and replica: state, weight, reason, active streams, last probe TTFT.
+
+    Exits 1 when a pool has fewer healthy replicas than its min_warm, 2 for bad input.
+    """
+    stack, state, socket_path = _sources(stack_name, admin_socket)
+    try:
+        rows = server_stats(socket_path)
+    except (OSError, KeyError) as error:
+        _fail(f"admin socket {socket_path}: cannot read the balancer's stats ({error})")
+    agents = read_agents(_agent_endpoints(state))
+    replicas = with_agent_health(replica_statuses(rows), agents)
+    pools = pool_statuses(stack, replicas)
+    endpoint = state.endpoint if state is not None else None
+    if as_json:
+        document = {
+            "stack": stack.name if stack is not None else None,
+            "endpoint": endpoint,
+            "pools": [asdict(p) | {"ok": p.ok} for p in pools],
+            "replicas": [asdict(r) | {"healthy": r.healthy} for r in replicas],
+            "agents": [
+                {"node": a.node, "url": a.url, "reachable": a.reachable, "error": a.error}
+                for a in agents
+            ],
+        }
+        click.echo(json.dumps(document, indent=2))
+    else:
+        where = f" at {endpoint}" if endpoint else f" via {socket_path}"
+        title = f"Stack {stack.name}{where}" if stack is not None else f"Balancer{where}"
+        _render(wide_console(), title, pools, replicas, agents)
+    sys.exit(0 if all(p.ok for p in pools) else 1)

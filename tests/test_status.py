@@ -1,0 +1,209 @@
+"""`denv status` against a real local data plane: rotation, reasons, min_warm and bad input."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+from denv_agent.control import inject_fault
+
+from denv_iac.cli import main
+from denv_iac.local.runner import LocalCluster, RunState, free_port, ours, run_dir
+from denv_iac.spec.reader import read_stack
+from denv_iac.status import (
+    AGENT_UNREACHABLE,
+    AgentEndpoint,
+    AgentHealth,
+    haproxy_reason,
+    pool_statuses,
+    read_agents,
+    replica_statuses,
+    with_agent_health,
+)
+from tests.stacks import local_site
+
+# Two nodes, one voice replica each, both needed: losing a node puts the pool below min_warm.
+CONFIG = {
+    "denv:sites": [local_site("local", nodes=2, gpus=1)],
+    "denv:recipes": [
+        {
+            "name": "voice",
+            "min_warm": 2,
+            "spare": 0,
+            "sites": ["local"],
+            "simulate": {"ttft_ms": 20, "itl_ms": 2, "tokens": 4},
+        }
+    ],
+    "denv:balancer": {"sites": ["local"]},
+}
+
+
+def row(status: str, last_agt: str = "") -> dict[str, str]:
+    """A `show stat` row as HAProxy writes it, reduced to the fields status reads."""
+    return {
+        "pxname": "voice.tier10",
+        "status": status,
+        "weight": "100",
+        "scur": "0",
+        "last_agt": last_agt,
+    }
+
+
+def test_reason_is_the_agents_word() -> None:
+    assert haproxy_reason({"last_agt": "via agent : down (xid 79 gpu fell off the bus)"}) == (
+        "xid 79 gpu fell off the bus"
+    )
+    assert haproxy_reason({"last_agt": "via agent : up"}) == ""
+    assert haproxy_reason({"last_chk": "Layer4 connection problem"}) == "Layer4 connection problem"
+
+
+def test_replicas_are_placed_by_their_id() -> None:
+    [replica] = replica_statuses({"voice.aws-use1.n3.0": row("UP")})
+    assert (replica.pool, replica.site, replica.node, replica.healthy) == (
+        "voice",
+        "aws-use1",
+        "n3",
+        True,
+    )
+
+
+def test_unreachable_agent_is_said_and_haproxy_keeps_its_word() -> None:
+    replicas = replica_statuses(
+        {
+            "voice.local.n0.0": row("DOWN (agent)", "via agent : down (gpu lost)"),
+            "voice.local.n1.0": row("UP", "via agent : up"),
+        }
+    )
+    agents = [
+        AgentHealth("local/n0", "http://127.0.0.1:1", False, "connection refused", {}),
+        AgentHealth(
+            "local/n1",
+            "http://127.0.0.1:2",
+            True,
+            "",
+            {"voice.local.n1.0": {"reasons": [], "health": {"ttft_ms": 41.5}}},
+        ),
+    ]
+    down, up = with_agent_health(replicas, agents)
+    assert down.reason == f"gpu lost; {AGENT_UNREACHABLE}" and down.probe_ttft_ms is None
+    assert up.reason == "" and up.probe_ttft_ms == 41.5
+
+
+def test_pools_without_a_stack_are_never_judged() -> None:
+    replicas = replica_statuses({"side.local.n0.1.0": row("DOWN")})
+    [pool] = pool_statuses(None, replicas)
+    assert (pool.pool, pool.healthy, pool.min_warm, pool.ok) == ("side", 0, None, True)
+
+
+def test_a_silent_agent_never_hangs_the_read() -> None:
+    # Connections land in the backlog and are never answered: the read must give up on time.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        [agent] = read_agents([AgentEndpoint("local/n0", url)], timeout_s=0.3)
+    assert time.monotonic() - start < 1.5
+    assert not agent.reachable and agent.error == "timed out"
+
+
+needs_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs HAProxy")
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "Pulumi.yaml").write_text("name: t\nruntime: python\n")
+    (tmp_path / "stacks" / "Pulumi.t.yaml").write_text(yaml.safe_dump({"config": CONFIG}))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def running(project: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(read_stack("t", CONFIG), run_dir(project, "t"), free_port())
+    cluster.up()
+    yield cluster
+    cluster.down()
+
+
+def status(*args: str) -> Result:
+    return CliRunner().invoke(main, ["status", *args])
+
+
+def wait_for_healthy(count: int, timeout_s: float = 5.0) -> Result:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = status("--stack", "t", "--json")
+        pools = json.loads(result.output)["pools"]
+        if pools[0]["healthy"] == count or time.monotonic() > deadline:
+            return result
+        time.sleep(0.1)
+
+
+@needs_haproxy
+def test_bad_input_exits_2_with_one_line(project: Path) -> None:
+    for args, words in (
+        (["--stack", "t"], "t is not running here"),
+        (["--stack", "nope"], "no Pulumi.nope.yaml"),
+        (["--admin-socket", str(project / "missing.sock")], "cannot read the balancer's stats"),
+    ):
+        result = status(*args)
+        assert result.exit_code == 2, result.output
+        assert words in result.output and result.output.count("\n") == 1
+
+
+@needs_haproxy
+def test_status_of_a_running_stack_then_xid_79(running: LocalCluster) -> None:
+    state = running.state
+    assert isinstance(state, RunState)
+    healthy = wait_for_healthy(2)
+    assert healthy.exit_code == 0, healthy.output
+    document = json.loads(healthy.output)
+    assert document["pools"] == [{"pool": "voice", "healthy": 2, "min_warm": 2, "ok": True}]
+    assert {a["node"]: a["reachable"] for a in document["agents"]} == {
+        "local/n0": True,
+        "local/n1": True,
+    }
+
+    node = state.agent_of("local/n0")
+    inject_fault(f"http://127.0.0.1:{node.http_port}", state.control_token, gpu=0, xid=79)
+    degraded = wait_for_healthy(1)
+    assert degraded.exit_code == 1, degraded.output
+    replicas = {r["id"]: r for r in json.loads(degraded.output)["replicas"]}
+    assert replicas["voice.local.n0.0"]["state"].startswith("DOWN")
+    assert "xid 79" in replicas["voice.local.n0.0"]["reason"]
+
+    table = status("--stack", "t")
+    assert table.exit_code == 1
+    assert "xid 79" in table.output
+    assert "pool voice: 1 healthy, min_warm 2: BELOW MIN_WARM" in table.output
+
+    # The same balancer read through its socket alone: no stack, so no verdict on min_warm.
+    bare = status("--admin-socket", state.admin_socket)
+    assert bare.exit_code == 0 and "min_warm unknown" in bare.output
+
+
+@needs_haproxy
+def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
+    state = running.state
+    assert state is not None
+    wait_for_healthy(2)
+    agent = state.agent_of("local/n1")
+    os.kill(agent.pid, signal.SIGTERM)
+    while ours(agent.pid, "denv_agent"):
+        time.sleep(0.02)
+    start = time.monotonic()
+    result = status("--stack", "t", "--json")
+    assert time.monotonic() - start < 3
+    agents = {a["node"]: a for a in json.loads(result.output)["agents"]}
+    assert not agents["local/n1"]["reachable"] and agents["local/n0"]["reachable"]
+    replicas = {r["id"]: r for r in json.loads(result.output)["replicas"]}
+    assert AGENT_UNREACHABLE in replicas["voice.local.n1.0"]["reason"]
