@@ -4,13 +4,47 @@ import asyncio
 import json
 import os
 import sys
+import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from denv_iac.bench_plot import render_svg
 from denv_iac.console import wide_console
-from denv_iac.loadgen import run_load
+from denv_iac.loadgen import LoadReport, run_load
+
+TICK_S = 0.2
+
+
+async def _with_progress(
+    load: Coroutine[Any, Any, LoadReport], what: str, duration_s: float | None
+) -> LoadReport:
+    """Run the load under a progress line on stderr (a bar when the run has a duration)."""
+    columns = [SpinnerColumn(), TextColumn("{task.description}")]
+    if duration_s is not None:
+        columns.append(BarColumn())
+    progress = Progress(*columns, TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    start = time.perf_counter()
+    with progress:
+        task = progress.add_task(what, total=duration_s)
+        job = asyncio.ensure_future(load)
+        while not job.done():
+            await asyncio.wait({job}, timeout=TICK_S)
+            progress.update(task, completed=time.perf_counter() - start)
+    return job.result()
+
+
+def _summary_line(summary: dict[str, object]) -> str:
+    return (
+        f"requests {summary['requests']} ok {summary['ok']} errors {json.dumps(summary['errors'])}"
+        f" ttft_p50_ms {summary['ttft_p50_ms']} ttft_p90_ms {summary['ttft_p90_ms']}"
+        f" ttft_p99_ms {summary['ttft_p99_ms']}"
+    )
 
 
 @click.command()
@@ -37,6 +71,13 @@ from denv_iac.loadgen import run_load
     type=click.Path(dir_okay=False, allow_dash=True),
     help="Write the summary as JSON to FILE ('-' for standard output).",
 )
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write an SVG figure to FILE.svg: TTFT histogram and TTFT per request over time.",
+)
+@click.option("--quiet", is_flag=True, help="No progress line and no table: one summary line.")
 def bench(
     url: str,
     pool: str,
@@ -46,6 +87,8 @@ def bench(
     session_turns: int,
     api_key_env: str,
     json_file: str | None,
+    plot_file: Path | None,
+    quiet: bool,
 ) -> None:
     """Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind."""
     if not url.startswith(("http://", "https://")):
@@ -53,30 +96,38 @@ def bench(
             f"error: URL: {url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080", err=True
         )
         sys.exit(2)
+    if plot_file is not None and plot_file.suffix != ".svg":
+        click.echo(f"error: --plot: {plot_file} must end in .svg; e.g. --plot ttft.svg", err=True)
+        sys.exit(2)
     if duration is None and requests is None:
         duration = 10.0
-    report = asyncio.run(
-        run_load(
-            url.rstrip("/"),
-            pool,
-            concurrency=concurrency,
-            duration_s=duration,
-            requests=requests,
-            session_turns=session_turns,
-            api_key=os.environ.get(api_key_env),
-        )
+    what = f"{url} pool {pool}, concurrency {concurrency}"
+    load = run_load(
+        url.rstrip("/"),
+        pool,
+        concurrency=concurrency,
+        duration_s=duration,
+        requests=requests,
+        session_turns=session_turns,
+        api_key=os.environ.get(api_key_env),
     )
+    to_stdout = json_file == "-"
+    report = asyncio.run(load if quiet or to_stdout else _with_progress(load, what, duration))
     summary = report.summary()
-    if json_file == "-":
+    if plot_file is not None:
+        plot_file.write_text(render_svg(report, what), encoding="utf-8")
+    if to_stdout:
         click.echo(json.dumps(summary, indent=2))
-        return
-    table = Table(title=f"{url} pool {pool}, concurrency {concurrency}", title_justify="left")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
-    wide_console().print(table)
-    if json_file:
+    elif json_file:
         Path(json_file).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if quiet and not to_stdout:
+        click.echo(_summary_line(summary))
+    elif not to_stdout:
+        table = Table(title=what, title_justify="left")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in summary.items():
+            table.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
+        wide_console().print(table)
     if summary["ok"] == 0:
         sys.exit(1)
