@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 STACK  ?= local
 PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks)
 
-.PHONY: setup test lint typecheck unit demo bench reliability lock clean
+.PHONY: setup test lint typecheck unit demo bench reliability soak lock clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,10 @@ bench: setup
 # Fault scenarios under load (concurrency 64, 20 s each); writes benchmarks/results/reliability.json.
 reliability: setup
 	$(BIN)/python -m benchmarks.reliability
+
+# Ten minutes of load with a fault cycle every 20 s; agent and balancer memory must stay flat.
+soak: setup
+	$(BIN)/python -m benchmarks.soak
 
 # Re-pin after editing dependencies in pyproject.toml (needs uv on PATH).
 lock:
