@@ -1,0 +1,160 @@
+"""AWS: GPU nodes as EC2 instances with a cache volume, behind a security group."""
+
+from collections.abc import Mapping, Sequence
+from typing import TypedDict
+
+import pulumi
+import pulumi_aws as aws
+
+from denv_iac.components.naming import aws_tags, child_name, resolved
+from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.placement import PlacedNode
+from denv_iac.spec.model import RecipeSpec, SiteSpec
+
+CACHE_DEVICE = "/dev/sdf"
+ROOT_VOLUME_GB = 200  # the Deep Learning AMI and container images
+
+
+def _cidr_of(address: str) -> str:
+    return f"{address}/128" if ":" in address else f"{address}/32"
+
+
+class SecurityGroupWiring:
+    """A security group, its ingress rows as rules, and open egress (weights, packages)."""
+
+    def __init__(
+        self,
+        parent: pulumi.Resource,
+        name: str,
+        description: str,
+        tags: dict[str, str],
+        rules: Sequence[IngressRule],
+        balancer_addresses: Mapping[str, pulumi.Input[str]],
+        vpc_id: pulumi.Input[str] | None,
+    ) -> None:
+        child = pulumi.ResourceOptions(parent=parent)
+        self.group = aws.ec2.SecurityGroup(
+            child_name(name, "sg"), description=description, vpc_id=vpc_id, tags=tags, opts=child
+        )
+        for rule in rules:
+            if rule.from_balancer:
+                cidr = pulumi.Output.from_input(balancer_addresses[rule.source]).apply(_cidr_of)
+            else:
+                cidr = pulumi.Output.from_input(rule.source)
+            aws.vpc.SecurityGroupIngressRule(
+                child_name(name, "in", rule.name),
+                security_group_id=self.group.id,
+                cidr_ipv4=cidr.apply(lambda c: None if ":" in c else c),
+                cidr_ipv6=cidr.apply(lambda c: c if ":" in c else None),
+                ip_protocol="tcp",
+                from_port=rule.from_port,
+                to_port=rule.to_port,
+                description=rule.description,
+                opts=child,
+            )
+        for family, v4, v6 in (("v4", "0.0.0.0/0", None), ("v6", None, "::/0")):
+            aws.vpc.SecurityGroupEgressRule(
+                child_name(name, "out", family),
+                security_group_id=self.group.id,
+                cidr_ipv4=v4,
+                cidr_ipv6=v6,
+                ip_protocol="-1",
+                description="weights, images and packages",
+                opts=child,
+            )
+
+
+def pinned_ami(parameter: str, parent: pulumi.Resource) -> pulumi.Output[str]:
+    """The AMI id an SSM public parameter names (`name:version` pins a version)."""
+    found = aws.ssm.get_parameter_output(
+        name=parameter, opts=pulumi.InvokeOutputOptions(parent=parent)
+    )
+    return found.insecure_value
+
+
+def vpc_of(subnet_id: str, parent: pulumi.Resource) -> pulumi.Output[str] | None:
+    """The VPC of the site's subnet; None puts the security group in the default VPC."""
+    if not subnet_id:
+        return None
+    subnet = aws.ec2.get_subnet_output(id=subnet_id, opts=pulumi.InvokeOutputOptions(parent=parent))
+    return subnet.vpc_id
+
+
+class AwsSiteArgs(TypedDict):
+    stack: str
+    site: SiteSpec
+    recipes: Sequence[RecipeSpec]
+    nodes: Sequence[PlacedNode]  # the placed nodes of this site
+    public_key: pulumi.Input[str]  # OpenSSH public key of the site's SSH key
+    balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+
+
+class AwsSite(pulumi.ComponentResource):
+    """One EC2 instance per created node, each with a persistent EBS cache volume."""
+
+    node_addresses: pulumi.Output[dict[str, str]]
+    """Public address of each node, by node name."""
+
+    def __init__(
+        self, name: str, args: AwsSiteArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("denv:index:AwsSite", name, None, opts)
+        site, stack = args["site"], args["stack"]
+        child = pulumi.ResourceOptions(parent=self)
+        rules = site_ingress_rules(site, tuple(args["recipes"]), tuple(args["balancer_addresses"]))
+        security = SecurityGroupWiring(
+            self,
+            name,
+            f"denv {stack} {site.name}: GPU nodes",
+            aws_tags(stack, site.name, "gpu-node"),
+            rules,
+            args["balancer_addresses"],
+            vpc_of(site.subnet_id, self),
+        )
+        key = aws.ec2.KeyPair(
+            child_name(name, "key"),
+            public_key=args["public_key"],
+            tags=aws_tags(stack, site.name, "ssh-key"),
+            opts=child,
+        )
+        ami = pinned_ami(site.image, self)
+        addresses: dict[str, pulumi.Output[str]] = {}
+        for node in args["nodes"]:
+            if not node.create:
+                continue
+            node_name = child_name(name, node.name)
+            tags = aws_tags(stack, site.name, "gpu-node", node.name)
+            instance = aws.ec2.Instance(
+                node_name,
+                ami=ami,
+                instance_type=node.offering,
+                key_name=key.key_name,
+                subnet_id=site.subnet_id or None,
+                vpc_security_group_ids=[security.group.id],
+                metadata_options=aws.ec2.InstanceMetadataOptionsArgs(http_tokens="required"),
+                root_block_device=aws.ec2.InstanceRootBlockDeviceArgs(
+                    volume_size=ROOT_VOLUME_GB, volume_type="gp3", encrypted=True
+                ),
+                tags=tags,
+                # A newer AMI behind the parameter must not replace a warm node.
+                opts=pulumi.ResourceOptions(parent=self, ignore_changes=["ami"]),
+            )
+            cache = aws.ebs.Volume(
+                child_name(node_name, "cache"),
+                availability_zone=instance.availability_zone,
+                size=site.cache_size_gb,
+                type="gp3",
+                encrypted=True,
+                tags=tags,
+                opts=child,
+            )
+            aws.ec2.VolumeAttachment(
+                child_name(node_name, "cache-attach"),
+                device_name=CACHE_DEVICE,
+                instance_id=instance.id,
+                volume_id=cache.id,
+                opts=child,
+            )
+            addresses[node.name] = instance.public_ip
+        self.node_addresses = resolved(addresses)
+        self.register_outputs({"node_addresses": self.node_addresses})

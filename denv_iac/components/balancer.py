@@ -1,0 +1,89 @@
+"""GlobalBalancer: the HAProxy config of the one endpoint, from the pools' replica addresses."""
+
+from collections.abc import Mapping, Sequence
+from typing import TypedDict
+
+import pulumi
+
+from denv_iac.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.components.pool import ReplicaEndpoint
+from denv_iac.dataplane import balancer_pools
+from denv_iac.placement import PlacedReplica, Placement
+from denv_iac.spec.model import StackSpec
+
+CONFIG_DIR = "/etc/haproxy/denv"
+TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"
+_DEFAULT_PORT = {"http": 80, "https": 443}
+
+
+def balancer_settings(stack: StackSpec) -> BalancerSettings:
+    spec = stack.balancer
+    return BalancerSettings(
+        port=spec.port,
+        tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
+        api_key_digests=spec.api_key_digests,
+        prometheus_port=spec.prometheus_port,
+    )
+
+
+def endpoint_url(stack: StackSpec, host: str) -> str:
+    spec = stack.balancer
+    scheme = "https" if spec.tls_certificate else "http"
+    name = spec.dns.name if spec.dns else host
+    port = "" if _DEFAULT_PORT[scheme] == spec.port else f":{spec.port}"
+    return f"{scheme}://{name}{port}"
+
+
+class GlobalBalancerArgs(TypedDict):
+    stack: StackSpec
+    placement: Placement
+    pools: Sequence[pulumi.Input[list[ReplicaEndpoint]]]  # WarmPool.replicas of every pool
+    hosts: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+
+
+class GlobalBalancer(pulumi.ComponentResource):
+    """The endpoint: one HAProxy config that every balancer host serves, same on each."""
+
+    haproxy_config: pulumi.Output[str]
+    """haproxy.cfg, rendered once every replica's address is known."""
+    map_files: pulumi.Output[dict[str, str]]
+    """The map files haproxy.cfg reads, by file name, under /etc/haproxy/denv."""
+    endpoint: pulumi.Output[str]
+    """The URL clients call."""
+    host_addresses: pulumi.Output[list[str]]
+    """The balancer hosts' addresses."""
+
+    def __init__(
+        self, name: str, args: GlobalBalancerArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("denv:index:GlobalBalancer", name, None, opts)
+        stack, placement = args["stack"], args["placement"]
+        settings = balancer_settings(stack)
+
+        def render(pools: list[list[ReplicaEndpoint]]) -> dict[str, object]:
+            where = {r["id"]: (r["address"], r["port"], r["agent_port"]) for p in pools for r in p}
+
+            def locate(replica: PlacedReplica) -> tuple[str, int, int]:
+                return where[replica.id]
+
+            rendered = render_haproxy_config(
+                balancer_pools(stack, placement, locate), settings, CONFIG_DIR
+            )
+            return {"cfg": rendered.haproxy_cfg, "files": dict(sorted(rendered.files.items()))}
+
+        rendered = pulumi.Output.all(*args["pools"]).apply(render)
+        self.haproxy_config = rendered.apply(lambda r: str(r["cfg"]))
+        self.map_files = rendered.apply(lambda r: dict(r["files"]))  # type: ignore[call-overload]
+        hosts = [args["hosts"][site] for site in stack.balancer.sites]
+        self.host_addresses = pulumi.Output.all(*hosts).apply(lambda a: [str(h) for h in a])
+        self.endpoint = self.host_addresses.apply(lambda a: endpoint_url(stack, a[0]))
+        self.register_outputs(
+            {
+                "haproxy_config": self.haproxy_config,
+                "map_files": self.map_files,
+                "endpoint": self.endpoint,
+                "host_addresses": self.host_addresses,
+                # Digests only: the keys themselves never reach the stack.
+                "api_key_digests": list(stack.balancer.api_key_digests),
+            }
+        )

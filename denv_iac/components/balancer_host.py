@@ -1,0 +1,120 @@
+"""A machine that runs HAProxy for the endpoint, on one of the balancer's sites."""
+
+from typing import NotRequired, TypedDict
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_hcloud as hcloud
+
+from denv_iac.components.aws import SecurityGroupWiring, pinned_ami, vpc_of
+from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
+from denv_iac.components.security import balancer_ingress_rules
+from denv_iac.spec.model import BalancerSpec, SiteSpec
+
+AWS_INSTANCE_TYPE = "c7i.large"
+AWS_AMI_PARAMETER = (
+    "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
+)
+HCLOUD_SERVER_TYPE = "cpx21"
+HCLOUD_IMAGE = "ubuntu-24.04"
+LOOPBACK = "127.0.0.1"
+HOST_KINDS = ("aws", "hetzner", "joined", "local")
+MACHINE_HOST_KINDS = ("aws", "hetzner")  # a host is created there, reached with the site's key
+
+
+class BalancerHostArgs(TypedDict):
+    stack: str
+    site: SiteSpec
+    balancer: BalancerSpec
+    public_key: NotRequired[pulumi.Input[str]]  # needed on sites that create the machine
+
+
+class BalancerHost(pulumi.ComponentResource):
+    """An AWS instance or hcloud server made for HAProxy, or a joined/local node reused."""
+
+    address: pulumi.Output[str]
+    """The host's public address: replica and agent ports are opened to it."""
+
+    def __init__(
+        self, name: str, args: BalancerHostArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("denv:index:BalancerHost", name, None, opts)
+        site = args["site"]
+        if site.kind == "aws":
+            address = self._aws(name, args)
+        elif site.kind == "hetzner":
+            address = self._hetzner(name, args)
+        elif site.kind in ("joined", "local"):
+            # The balancer shares the site's first machine; joined sites list at least one.
+            first = site.nodes[0].address if site.nodes else ""
+            address = pulumi.Output.from_input(first or LOOPBACK)
+        else:
+            raise ValueError(f"balancer site {site.name}: kind {site.kind} cannot host it yet")
+        self.address = address
+        self.register_outputs({"address": self.address})
+
+    def _aws(self, name: str, args: BalancerHostArgs) -> pulumi.Output[str]:
+        site, stack = args["site"], args["stack"]
+        tags = aws_tags(stack, site.name, "balancer", "balancer")
+        security = SecurityGroupWiring(
+            self,
+            name,
+            f"denv {stack} {site.name}: balancer",
+            aws_tags(stack, site.name, "balancer"),
+            balancer_ingress_rules(args["balancer"], site.admin_cidrs),
+            {},
+            vpc_of(site.subnet_id, self),
+        )
+        key = aws.ec2.KeyPair(
+            child_name(name, "key"),
+            public_key=args["public_key"],
+            tags=aws_tags(stack, site.name, "ssh-key"),
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        instance = aws.ec2.Instance(
+            child_name(name, "vm"),
+            ami=pinned_ami(AWS_AMI_PARAMETER, self),
+            instance_type=AWS_INSTANCE_TYPE,
+            key_name=key.key_name,
+            subnet_id=site.subnet_id or None,
+            vpc_security_group_ids=[security.group.id],
+            metadata_options=aws.ec2.InstanceMetadataOptionsArgs(http_tokens="required"),
+            tags=tags,
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["ami"]),
+        )
+        return instance.public_ip
+
+    def _hetzner(self, name: str, args: BalancerHostArgs) -> pulumi.Output[str]:
+        site, stack = args["site"], args["stack"]
+        labels = hcloud_labels(stack, site.name, "balancer")
+        child = pulumi.ResourceOptions(parent=self)
+        rules = balancer_ingress_rules(args["balancer"], site.admin_cidrs)
+        firewall = hcloud.Firewall(
+            child_name(name, "fw"),
+            labels=labels,
+            rules=[
+                hcloud.FirewallRuleArgs(
+                    direction="in",
+                    protocol="tcp",
+                    port=str(rule.from_port),
+                    source_ips=[rule.source],
+                    description=rule.description,
+                )
+                for rule in rules
+            ],
+            opts=child,
+        )
+        key = hcloud.SshKey(
+            child_name(name, "key"), public_key=args["public_key"], labels=labels, opts=child
+        )
+        server = hcloud.Server(
+            child_name(name, "vm"),
+            server_type=HCLOUD_SERVER_TYPE,
+            image=HCLOUD_IMAGE,
+            location=site.region,
+            ssh_keys=[key.id],
+            firewall_ids=[firewall.id.apply(int)],
+            labels=labels,
+            opts=child,
+        )
+        return server.ipv4_address

@@ -1,0 +1,199 @@
+"""Cluster: sites, warm pools and the balancer of a whole stack, from plain data."""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NotRequired, TypedDict
+
+import pulumi
+
+from denv_iac.components.aws import AwsSite, AwsSiteArgs
+from denv_iac.components.balancer import GlobalBalancer
+from denv_iac.components.balancer_host import (
+    HOST_KINDS,
+    MACHINE_HOST_KINDS,
+    BalancerHost,
+    BalancerHostArgs,
+)
+from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
+from denv_iac.components.naming import child_name
+from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
+from denv_iac.components.secrets import SecretValues, public_key_of, seal_secrets
+from denv_iac.components.security import AGENT_PORT, PORTS_PER_GPU, replica_port
+from denv_iac.placement import Placement, place_replicas
+from denv_iac.spec.model import RecipeSpec, StackSpec
+from denv_iac.spec.reader import StackError, read_stack
+
+BUILT_SITE_KINDS = ("aws", "hetzner", "joined", "local")
+_EXISTING_NODE_SITES = {"hetzner": HetznerSite, "joined": JoinedSite, "local": LocalSite}
+
+
+class ClusterArgs(TypedDict):
+    """The `denv:` keys of a stack's config, as plain data (see docs/stacks.md)."""
+
+    sites: Sequence[Mapping[str, Any]]
+    recipes: Sequence[Mapping[str, Any]]
+    balancer: Mapping[str, Any]
+    previous: NotRequired[Sequence[str]]  # replica ids of the locked placement
+
+
+def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement, SecretValues]:
+    """The stack, its placement and its secrets; StackError with every problem otherwise."""
+    sites, balancer, secrets = seal_secrets(args["sites"], args["balancer"])
+    config = {"denv:sites": sites, "denv:recipes": list(args["recipes"]), "denv:balancer": balancer}
+    stack = read_stack(name, config)
+    problems = [
+        f"sites: {site.name}: kind {site.kind} has no component yet; "
+        f"use one of {', '.join(BUILT_SITE_KINDS)}"
+        for site in stack.sites
+        if site.kind not in BUILT_SITE_KINDS
+    ]
+    problems += [
+        f"balancer.sites: {site}: a {stack.site(site).kind} site cannot host the balancer yet; "
+        f"use one of {', '.join(HOST_KINDS)}"
+        for site in stack.balancer.sites
+        if stack.site(site).kind not in HOST_KINDS
+    ]
+    if problems:
+        raise StackError(problems)
+    placement = place_replicas(stack, args.get("previous", ()))
+    _check_ports(stack, placement)
+    return stack, placement, secrets
+
+
+def _check_ports(stack: StackSpec, placement: Placement) -> None:
+    taken: dict[tuple[str, str, int], str] = {}
+    problems = []
+    recipes = {recipe.name: recipe for recipe in stack.recipes}
+    for replica in placement.replicas:
+        port = replica_port(recipes[replica.pool], replica)
+        where = (replica.site, replica.node, port)
+        if port == AGENT_PORT or where in taken:
+            other = taken.get(where, "the node agent")
+            problems.append(
+                f"recipes: {replica.pool}: replica {replica.id} would take port {port}, used by "
+                f"{other}; give the recipes ports at least {PORTS_PER_GPU * 16} apart"
+            )
+        taken[where] = replica.id
+    if problems:
+        raise StackError(problems)
+
+
+class Cluster(pulumi.ComponentResource):
+    """A whole stack: validated and placed before any resource is registered."""
+
+    endpoint: pulumi.Output[str]
+    """The URL clients call."""
+    haproxy_config: pulumi.Output[str]
+    """The balancer hosts' haproxy.cfg."""
+    replica_ids: pulumi.Output[list[str]]
+    """Every placed replica; lock them with `denv plan --lock` to pin placement."""
+    balancer_addresses: pulumi.Output[list[str]]
+    """The balancer hosts' addresses, in the order of the balancer's sites (for DNS)."""
+
+    def __init__(
+        self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        stack, placement, secrets = validate_cluster(name, args)
+        super().__init__("denv:index:Cluster", name, None, opts)
+        self._name, self._stack, self._secrets = name, stack, secrets
+        hosts = self._balancer_hosts()
+        addresses = self._sites(placement, hosts)
+        pools = [self._pool(recipe, placement, addresses).replicas for recipe in stack.recipes]
+        balancer = GlobalBalancer(
+            child_name(name, "balancer"),
+            {"stack": stack, "placement": placement, "pools": pools, "hosts": hosts},
+            pulumi.ResourceOptions(parent=self),
+        )
+        self.endpoint = balancer.endpoint
+        self.haproxy_config = balancer.haproxy_config
+        self.replica_ids = pulumi.Output.from_input([r.id for r in placement.replicas])
+        self.balancer_addresses = balancer.host_addresses
+        self.register_outputs(
+            {
+                "endpoint": self.endpoint,
+                "haproxy_config": self.haproxy_config,
+                "replica_ids": self.replica_ids,
+                "balancer_addresses": self.balancer_addresses,
+            }
+        )
+
+    def _public_key(self, site: str) -> pulumi.Output[str]:
+        derived = self._secrets[(site, "ssh_private_key")].apply(public_key_of)
+        # The public half is no secret; leaving it marked would hide it in every preview.
+        return pulumi.Output.unsecret(derived)
+
+    def _balancer_hosts(self) -> dict[str, pulumi.Output[str]]:
+        """Balancer site -> host address; made first, since every site's rules name them."""
+        hosts = {}
+        for site_name in self._stack.balancer.sites:
+            site = self._stack.site(site_name)
+            args: BalancerHostArgs = {
+                "stack": self._name,
+                "site": site,
+                "balancer": self._stack.balancer,
+            }
+            if site.kind in MACHINE_HOST_KINDS:
+                args["public_key"] = self._public_key(site_name)
+            host = BalancerHost(
+                child_name(self._name, "balancer", site_name),
+                args,
+                pulumi.ResourceOptions(parent=self),
+            )
+            hosts[site_name] = host.address
+        return hosts
+
+    def _sites(
+        self, placement: Placement, hosts: dict[str, pulumi.Output[str]]
+    ) -> dict[str, pulumi.Output[dict[str, str]]]:
+        """Site name -> its node addresses by node name."""
+        addresses = {}
+        child = pulumi.ResourceOptions(parent=self)
+        for site in self._stack.sites:
+            nodes = [node for node in placement.nodes if node.site == site.name]
+            component_name = child_name(self._name, site.name)
+            if site.kind == "aws":
+                aws_args: AwsSiteArgs = {
+                    "stack": self._name,
+                    "site": site,
+                    "recipes": self._stack.recipes,
+                    "nodes": nodes,
+                    "public_key": self._public_key(site.name),
+                    "balancer_addresses": hosts,
+                }
+                addresses[site.name] = AwsSite(component_name, aws_args, child).node_addresses
+            else:
+                existing = _EXISTING_NODE_SITES[site.kind]
+                addresses[site.name] = existing(
+                    component_name, {"nodes": nodes}, child
+                ).node_addresses
+        return addresses
+
+    def _pool(
+        self,
+        recipe: RecipeSpec,
+        placement: Placement,
+        addresses: dict[str, pulumi.Output[dict[str, str]]],
+    ) -> WarmPool:
+        replicas: list[ReplicaEndpointArgs] = [
+            {
+                "id": r.id,
+                "site": r.site,
+                "node": r.node,
+                "tier": r.tier,
+                "address": addresses[r.site].apply(_node_address(r.node)),
+                "port": replica_port(recipe, r),
+                "agent_port": AGENT_PORT,
+            }
+            for r in placement.replicas_of(recipe.name)
+        ]
+        return WarmPool(
+            child_name(self._name, "pool", recipe.name),
+            {"recipe": recipe.name, "replicas": replicas},
+            pulumi.ResourceOptions(parent=self),
+        )
+
+
+def _node_address(node: str) -> Callable[[dict[str, str]], str]:
+    def pick(addresses: dict[str, str]) -> str:
+        return addresses[node]
+
+    return pick

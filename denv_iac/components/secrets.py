@@ -1,0 +1,113 @@
+"""Secret fields of the stack config: sealed for validation, kept as Pulumi secrets for use.
+
+`read_stack` checks that every secret field holds `{secure: ...}`; the value inside is the
+ciphertext in a stack file and the decrypted material at run time. Components never see it as
+plain data: it is taken out, wrapped with `pulumi.Output.secret`, and validation sees a seal.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pulumi
+from cryptography.hazmat.primitives import serialization
+
+SITE_SECRET_FIELDS = ("ssh_private_key", "api_key", "kubeconfig")
+BALANCER_SECRET_FIELDS = ("tls_certificate",)
+_SEAL = "sealed"
+
+# (site name or "balancer", field) -> the secret's value
+SecretValues = dict[tuple[str, str], pulumi.Output[str]]
+
+
+def _take(owner: str, raw: Mapping[str, Any], fields: tuple[str, ...], found: SecretValues) -> Any:
+    sealed = dict(raw)
+    for field in fields:
+        value = raw.get(field)
+        if isinstance(value, Mapping) and set(value) == {"secure"}:
+            found[(owner, field)] = pulumi.Output.secret(value["secure"])
+            sealed[field] = {"secure": _SEAL}
+    return sealed
+
+
+def seal_secrets(
+    sites: Sequence[Any], balancer: Mapping[str, Any]
+) -> tuple[list[Any], dict[str, Any], SecretValues]:
+    """The config with every `{secure: value}` sealed, and those values as secrets.
+
+    Anything that is not a mapping is passed through untouched for `read_stack` to report.
+    """
+    found: SecretValues = {}
+    sealed_sites = [
+        _take(str(site.get("name", "")), site, SITE_SECRET_FIELDS, found)
+        if isinstance(site, Mapping)
+        else site
+        for site in sites
+    ]
+    sealed_balancer = (
+        _take("balancer", balancer, BALANCER_SECRET_FIELDS, found)
+        if isinstance(balancer, Mapping)
+        else balancer
+    )
+    return sealed_sites, sealed_balancer, found
+
+
+def with_secret_fields(plain: Any, secret: pulumi.Output[Any], fields: tuple[str, ...]) -> Any:
+    """A config mapping whose secret fields are taken from the secret read of the same key.
+
+    A stack program needs the structure at once (it decides how many resources exist), so it
+    reads the key plainly; every secret field is replaced by its value from the secret read,
+    which stays a secret Output. Anything but a mapping is left for `read_stack` to report.
+    """
+    if not isinstance(plain, Mapping):
+        return plain
+    sealed = dict(plain)
+    for field in fields:
+        if field in sealed:
+            sealed[field] = {"secure": secret.apply(_secret_field(field))}
+    return sealed
+
+
+def with_secret_sites(plain: Any, secret: pulumi.Output[Any]) -> Any:
+    """`with_secret_fields` for each site of the `denv:sites` list."""
+    if not isinstance(plain, list):
+        return plain
+    return [
+        with_secret_fields(site, secret.apply(_item(index)), SITE_SECRET_FIELDS)
+        for index, site in enumerate(plain)
+    ]
+
+
+def _item(index: int) -> Any:
+    def pick(items: Any) -> Any:
+        return items[index]
+
+    return pick
+
+
+def _secret_field(field: str) -> Any:
+    def pick(raw: Any) -> str:
+        value = raw[field]
+        # The decrypted value at run time; `{secure: ...}` where config is given as in the file.
+        return str(value["secure"] if isinstance(value, Mapping) else value)
+
+    return pick
+
+
+def public_key_of(private_key: str) -> str:
+    """The OpenSSH public key of a private key (OpenSSH or PEM format, no passphrase)."""
+    data = private_key.encode()
+    try:
+        if b"OPENSSH PRIVATE KEY" in data:
+            key: Any = serialization.load_ssh_private_key(data, password=None)
+        else:
+            key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        # The key itself must never reach an error message.
+        raise ValueError(
+            "ssh_private_key: not an unencrypted OpenSSH or PEM private key; set it with "
+            "'pulumi config set --secret' from the key file"
+        ) from None
+    public = key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    )
+    return str(public.decode())

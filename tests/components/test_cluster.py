@@ -1,0 +1,246 @@
+"""The Cluster and its components under Pulumi's mocks, at `up` and at preview."""
+
+from typing import Any
+
+import pytest
+
+from denv_iac.components import Cluster
+from denv_iac.components.secrets import public_key_of
+from denv_iac.spec.reader import StackError
+from tests.components import stacks
+from tests.components.harness import AMI_ID, Run, plain_strings, run_program
+
+PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+INSTANCE = "aws:ec2/instance:Instance"
+INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+NODE_CREATES = {INSTANCE, "aws:ebs/volume:Volume", "aws:ec2/volumeAttachment:VolumeAttachment"}
+
+
+def _cluster(args: Any, name: str = "prod") -> dict[str, Any]:
+    cluster = Cluster(name, args)
+    return {
+        "balancer_addresses": cluster.balancer_addresses,
+        "endpoint": cluster.endpoint,
+        "haproxy_config": cluster.haproxy_config,
+        "replica_ids": cluster.replica_ids,
+    }
+
+
+def _multicloud(preview: bool, args: Any = None) -> Run:
+    return run_program(lambda: _cluster(args or stacks.multicloud()), preview=preview)
+
+
+@PREVIEW
+def test_multicloud_registers_each_component_once_with_its_children(preview: bool) -> None:
+    run = _multicloud(preview)
+    components = sorted((r.type, r.name) for r in run.registrations if not r.custom)
+    assert components == sorted(
+        [
+            ("denv:index:Cluster", "prod"),
+            ("denv:index:AwsSite", "prod-aws-use1"),
+            ("denv:index:AwsSite", "prod-aws-usw2"),
+            ("denv:index:HetznerSite", "prod-hetzner-fsn"),
+            ("denv:index:JoinedSite", "prod-office"),
+            ("denv:index:WarmPool", "prod-pool-voice"),
+            ("denv:index:WarmPool", "prod-pool-side"),
+            ("denv:index:WarmPool", "prod-pool-assist"),
+            ("denv:index:BalancerHost", "prod-balancer-hetzner-fsn"),
+            ("denv:index:BalancerHost", "prod-balancer-aws-use1"),
+            ("denv:index:GlobalBalancer", "prod-balancer"),
+        ]
+    )
+    urn_of = {r.name: r.urn for r in run.registrations}
+    for registration in run.registrations:
+        if registration.name != "prod":
+            # every resource hangs under the component it is named from
+            parent_name = registration.parent.rsplit("::", 1)[-1]
+            assert registration.name.startswith(parent_name), registration.name
+            assert registration.parent == urn_of[parent_name]
+    # three voice replicas on whole H100s of aws-use1 (its home tier); usw2 stays empty
+    instances = {r.name: r for r in run.of_type(INSTANCE)}
+    assert sorted(instances) == [
+        "prod-aws-use1-node-0",
+        "prod-aws-use1-node-1",
+        "prod-aws-use1-node-2",
+        "prod-balancer-aws-use1-vm",
+    ]
+    node = instances["prod-aws-use1-node-0"]
+    assert node.inputs["instanceType"] == "p5.4xlarge"
+    assert node.inputs["metadataOptions"] == {"httpTokens": "required"}
+    assert node.ignore_changes == ("ami",)
+    assert node.inputs["tags"]["Name"] == "prod-aws-use1-node-0"
+    volume = run.named("prod-aws-use1-node-0-cache").inputs
+    assert (volume["size"], volume["type"], volume["encrypted"]) == (500, "gp3", True)
+    attach = run.named("prod-aws-use1-node-0-cache-attach").inputs
+    assert attach["deviceName"] == "/dev/sdf"
+    assert run.of_type("hcloud:index/firewall:Firewall")[0].name == "prod-balancer-hetzner-fsn-fw"
+    assert [r.name for r in run.of_type("hcloud:index/server:Server")] == [
+        "prod-balancer-hetzner-fsn-vm"
+    ]
+    # the GPU AMI from the pinned Deep Learning AMI parameter, the balancer's from Ubuntu's
+    params = sorted(a["name"] for t, a in run.invokes if t == "aws:ssm/getParameter:getParameter")
+    assert params == sorted(
+        [
+            "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id",
+            *[
+                "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04"
+                "/latest/ami-id"
+            ]
+            * 2,
+        ]
+    )
+    if not preview:
+        assert node.inputs["ami"] == AMI_ID
+
+
+def test_balancer_config_routes_to_every_replica_address_and_port() -> None:
+    run = _multicloud(preview=False)
+    config = run.outputs["haproxy_config"]
+    assert len(run.outputs["replica_ids"]) == 7
+    for replica_id in run.outputs["replica_ids"]:
+        assert f"server {replica_id} " in config
+    assert "203.0.113.21:8000 " in config and "192.0.2.11:8000 " in config
+    assert "agent-port 9100" in config
+    assert "/etc/haproxy/denv/api_keys.map" in config
+    # the endpoint is the first balancer site's host (hetzner-fsn), TLS on 443
+    endpoint = run.outputs["endpoint"]
+    assert endpoint == f"https://{run.outputs['balancer_addresses'][0]}"
+
+
+@PREVIEW
+def test_two_runs_register_identical_inputs(preview: bool) -> None:
+    first, second = _multicloud(preview), _multicloud(preview)
+    assert [r.urn for r in first.registrations] != []
+    assert first.by_urn() == second.by_urn()
+
+
+def test_raising_min_warm_only_adds_the_new_node() -> None:
+    before = _multicloud(preview=False).by_urn()
+    raised = stacks.multicloud()
+    raised["recipes"][0]["min_warm"] = 3
+    after = _multicloud(False, raised).by_urn()
+    assert {urn: after[urn] for urn in before} == before
+    added = sorted(urn.rsplit("::", 1)[-1] for urn in set(after) - set(before))
+    assert added == [
+        "prod-aws-use1-node-3",
+        "prod-aws-use1-node-3-cache",
+        "prod-aws-use1-node-3-cache-attach",
+    ]
+    assert {urn.split("::")[-2].split("$")[-1] for urn in set(after) - set(before)} == NODE_CREATES
+
+
+@PREVIEW
+def test_no_secret_plaintext_in_any_registered_input(preview: bool) -> None:
+    run = _multicloud(preview)
+    for registration in run.registrations:
+        strings = plain_strings(registration.inputs)
+        for secret in stacks.SECRETS:
+            for line in secret.splitlines()[1:-1]:  # the key material, not its armour
+                assert not any(line in s for s in strings), registration.name
+    # the public half is shown, so previews of the key pair stay readable
+    key = run.named("prod-aws-use1-key").inputs
+    if not preview:
+        assert key["publicKey"] == public_key_of(stacks.SSH_KEYS["aws-use1"])
+
+
+def _cidr_rules(run: Run, site: str) -> list[dict[str, Any]]:
+    return [r.inputs for r in run.of_type(INGRESS) if r.name.startswith(f"prod-{site}-in-")]
+
+
+def test_gpu_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins() -> None:
+    run = _multicloud(preview=False)
+    balancers = {f"{address}/32" for address in run.outputs["balancer_addresses"]}
+    assert len(balancers) == 2
+    for site in ("aws-use1", "aws-usw2"):
+        rules = _cidr_rules(run, site)
+        assert {(r["fromPort"], r["toPort"]) for r in rules} == {
+            (22, 22),
+            (9100, 9100),
+            (8000, 8007),
+        }
+        assert all(r["ipProtocol"] == "tcp" and "cidrIpv6" not in r for r in rules)
+        assert {r["cidrIpv4"] for r in rules if r["fromPort"] == 22} == {stacks.ADMIN}
+        # agent and replica ports: each balancer host, and nothing else
+        for ports in ((9100, 9100), (8000, 8007)):
+            sources = [r["cidrIpv4"] for r in rules if (r["fromPort"], r["toPort"]) == ports]
+            assert sorted(sources) == sorted(balancers)
+
+
+def test_balancer_host_takes_the_endpoint_from_anywhere_and_ssh_from_admins() -> None:
+    run = _multicloud(preview=False)
+    rules = {
+        r.name.removeprefix("prod-balancer-aws-use1-in-"): r.inputs
+        for r in run.of_type(INGRESS)
+        if r.name.startswith("prod-balancer-aws-use1-in-")
+    }
+    assert rules["endpoint-v4"]["cidrIpv4"] == "0.0.0.0/0"
+    assert rules["endpoint-v6"]["cidrIpv6"] == "::/0"
+    assert rules["ssh-198-51-100-0-24"]["cidrIpv4"] == stacks.ADMIN
+    assert rules["metrics-198-51-100-0-24"]["fromPort"] == 8405
+
+
+@PREVIEW
+def test_local_stack_has_no_cloud_resources_and_a_loopback_endpoint(preview: bool) -> None:
+    run = run_program(lambda: _cluster(stacks.local(), "dev"), preview=preview)
+    assert all(not r.custom for r in run.registrations)
+    assert run.invokes == []
+    if not preview:
+        assert run.outputs["endpoint"] == "http://127.0.0.1:8080"
+        assert "server voice.local.node-a.0 127.0.0.1:8000 " in run.outputs["haproxy_config"]
+
+
+def _bad(args: Any) -> tuple[list[str], Run]:
+    run = Run()
+    with pytest.raises(StackError) as error:
+        run_program(lambda: _cluster(args), preview=False, run=run)
+    return error.value.problems, run
+
+
+def test_invalid_stack_names_every_problem_and_registers_nothing() -> None:
+    args = stacks.multicloud()
+    del args["sites"][0]["ssh_private_key"]
+    args["sites"][1]["ssh_private_key"] = "plain-text-key"
+    args["recipes"][0]["min_warm"] = 0
+    args["balancer"]["sites"] = ["nowhere"]
+    problems, run = _bad(args)
+    assert len(problems) >= 4
+    text = "\n".join(problems)
+    assert "sites[0].ssh_private_key: missing" in text
+    assert "sites[1].ssh_private_key: must be a Pulumi secret" in text
+    assert "plain-text-key" not in text
+    assert "nowhere" in text
+    assert run.registrations == []
+
+
+def test_site_kinds_without_a_component_are_refused_before_registering() -> None:
+    args = stacks.multicloud()
+    args["sites"].append(
+        {
+            "name": "lambda-use1",
+            "kind": "lambda",
+            "region": "us-east-1",
+            "instance_type": "gpu_1x_h100_pcie",
+            "max_nodes": 2,
+            "api_key": {"secure": "lambda-api-key"},
+            "ssh_private_key": {"secure": "lambda-ssh-key"},
+        }
+    )
+    problems, run = _bad(args)
+    assert problems == [
+        "sites: lambda-use1: kind lambda has no component yet; "
+        "use one of aws, hetzner, joined, local"
+    ]
+    assert run.registrations == []
+
+
+def test_recipes_whose_ports_collide_on_a_node_are_refused() -> None:
+    args = stacks.local()
+    # side's first slice, on GPU 1, would take 7992 + 8 = 8000: voice's port on GPU 0
+    args["recipes"][1]["port"] = 7992
+    problems, run = _bad(args)
+    assert problems == [
+        f"recipes: side: replica side.local.{node}.1.0 would take port 8000, used by "
+        f"voice.local.{node}.0; give the recipes ports at least 128 apart"
+        for node in ("node-a", "node-b")
+    ]
+    assert run.registrations == []
