@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from denv_iac.bench_cli import bench
-from denv_iac.console import wide_console
+from denv_iac.console import fail, wide_console
 from denv_iac.local.cli import local
 from denv_iac.node.cli import node
 from denv_iac.plan import make_plan
@@ -22,13 +22,6 @@ STACKS_DIR = click.option(
     type=click.Path(file_okay=False, path_type=Path),
     help="Folder holding Pulumi.<stack>.yaml (default: stacks/ of the project here).",
 )
-
-
-def fail(problems: list[str]) -> None:
-    """Print each problem on its own line and exit 2: the convention for bad input."""
-    for line in problems:
-        click.echo(f"error: {line}", err=True)
-    sys.exit(2)
 
 
 @click.group()

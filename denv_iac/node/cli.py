@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import click
 
+from denv_iac.console import fail
 from denv_iac.node.deploy import (
     NodeUnreachable,
     StepFailed,
@@ -24,12 +24,6 @@ from denv_iac.node.spec import NodeDeploySpec, NodeSpecError, load_spec
 from denv_iac.node.steps import Step
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _fail(problems: list[str], code: int = 2) -> NoReturn:
-    for line in problems:
-        click.echo(f"error: {line}", err=True)
-    sys.exit(code)
 
 
 def _connection_options(func: F) -> F:
@@ -60,7 +54,7 @@ def _target(host: str, user: str | None, key: Path | None, port: int | None, sud
     target = Target(host=host, user=user, key=key, port=port, sudo=sudo)
     problems = check_target(target)
     if problems:
-        _fail(problems)
+        fail(problems)
     return target
 
 
@@ -83,7 +77,7 @@ def _spec(
                 balancer_addresses=balancers,
             )
     except NodeSpecError as error:
-        _fail(error.problems)
+        fail(error.problems)
     return spec
 
 
@@ -129,9 +123,9 @@ def join(
     try:
         steps = prepare_node(target, spec, dry=dry, progress=_progress)
     except (UnsupportedNode, MigLayoutError) as error:
-        _fail([f"{host}: {error}"])
+        fail([f"{host}: {error}"])
     except (NodeUnreachable, StepFailed) as error:
-        _fail([str(error)], code=1)
+        fail([str(error)], code=1)
     if dry:
         _print_plan(steps)
     else:
@@ -167,12 +161,12 @@ def repair(
     try:
         result = repair_node(target, spec, RepairLevel(level), report=show)
     except RepairRefused as error:
-        _fail([str(error)])
+        fail([str(error)])
     except NodeUnreachable as error:
-        _fail([str(error)], code=1)
+        fail([str(error)], code=1)
     if not result.ok:
         state = "left drained" if result.drained else "not drained"
-        _fail([f"{host}: repair failed at '{result.steps[-1].name}'; node {state}"], code=1)
+        fail([f"{host}: repair failed at '{result.steps[-1].name}'; node {state}"], code=1)
     click.echo(f"{host}: repaired ({level}) and back in rotation")
 
 
@@ -183,9 +177,9 @@ def _agent_command(command: str, done: str) -> Callable[..., None]:
             with connect(target) as session:
                 ok, output = session.run(command)
         except NodeUnreachable as error:
-            _fail([str(error)], code=1)
+            fail([str(error)], code=1)
         if not ok:
-            _fail([f"{host}: `{command}` failed: {output or 'no output'}"], code=1)
+            fail([f"{host}: `{command}` failed: {output or 'no output'}"], code=1)
         click.echo(f"{host}: {done}")
 
     return run
