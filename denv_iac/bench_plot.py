@@ -17,7 +17,9 @@ WIDTH = 900
 PANEL_HEIGHT = 260
 LEFT, RIGHT, TOP = 70, 30, 95  # TOP leaves room for the title and the percentile labels
 GAP = 70  # between the panels: room for the first panel's axis label
-BINS = 30
+BINS = 60
+X_TICKS = 8  # horizontal axes have room for more ticks, so less empty range past the data
+TAIL = 1.5  # both panels stop at TAIL x p99; slower requests are counted (and pinned on top)
 PERCENTILES = ((50, "#2b6cb0"), (90, "#dd6b20"), (99, "#c53030"))
 BAR, POINT, ERROR, GRID, INK = "#4a90d9", "#2b6cb0", "#c53030", "#e2e8f0", "#1a202c"
 
@@ -95,12 +97,28 @@ def _axes(
     return parts
 
 
+def _ttft_range(report: LoadReport, ttfts: list[float]) -> float:
+    """Upper TTFT shown: one slow outlier (often the first request) would squeeze the rest."""
+    p99 = report.ttft_ms(99)
+    return max([*ttfts, 1.0]) if p99 is None else min(max(ttfts), TAIL * p99)
+
+
+def _beyond_note(panel: _Panel, beyond: int, limit: float) -> str:
+    return _text(
+        panel.left + panel.width, panel.top + 14, f"{beyond} over {_number(limit)} ms", "end", 11
+    )
+
+
 def _histogram(report: LoadReport, ttfts: list[float], top: float) -> list[str]:
-    x_ticks = nice_ticks(max(ttfts))
+    x_ticks = nice_ticks(_ttft_range(report, ttfts), X_TICKS)
     width = x_ticks[-1] / BINS
     counts = [0] * BINS
+    beyond = 0
     for value in ttfts:
-        counts[min(BINS - 1, int(value / width))] += 1
+        if value > x_ticks[-1]:
+            beyond += 1
+        else:
+            counts[min(BINS - 1, int(value / width))] += 1
     y_ticks = nice_ticks(max(counts), 4)
     panel = _Panel(top, x_ticks[-1], y_ticks[-1])
     parts = _axes(panel, x_ticks, y_ticks, "TTFT (ms)", "requests")
@@ -120,6 +138,8 @@ def _histogram(report: LoadReport, ttfts: list[float], top: float) -> list[str]:
         # One label row per percentile: p50 and p90 are often a few pixels apart.
         label_y = panel.top - 6 - 13 * row
         parts.append(_text(x, label_y, f"p{q} {at:.1f}", "middle", 11, fill=color))
+    if beyond:
+        parts.append(_beyond_note(panel, beyond, x_ticks[-1]))
     return parts
 
 
@@ -134,20 +154,29 @@ def _cross(x: float, y: float, size: float = 4) -> str:
 def _timeline(report: LoadReport, ordered: list[StreamResult], top: float) -> list[str]:
     ok = [r for r in ordered if r.ok and r.ttft_ms is not None]
     end = max([report.wall_s] + [r.started_s for r in ordered])
-    x_ticks = nice_ticks(end)
-    y_ticks = nice_ticks(max([r.ttft_ms or 0.0 for r in ok] + [1.0]), 4)
+    x_ticks = nice_ticks(end, X_TICKS)
+    y_ticks = nice_ticks(_ttft_range(report, [r.ttft_ms or 0.0 for r in ok]), 4)
     panel = _Panel(top, x_ticks[-1], y_ticks[-1])
     parts = _axes(panel, x_ticks, y_ticks, "request start (s)", "TTFT (ms)")
     p50 = report.ttft_ms(50)
     if p50 is not None:
         y = panel.y(p50)
-        parts.append(_line(panel.left, y, panel.left + panel.width, y, PERCENTILES[0][1], "5 3"))
+        color = PERCENTILES[0][1]
+        parts.append(_line(panel.left, y, panel.left + panel.width, y, color, "5 3"))
+        parts.append(_text(panel.left + 4, y - 4, f"p50 {p50:.1f}", size=11, fill=color))
+    beyond = 0
     for r in ok:
         assert r.ttft_ms is not None
-        parts.append(
-            f'<circle cx="{panel.x(r.started_s):.1f}" cy="{panel.y(r.ttft_ms):.1f}" r="2" '
-            f'fill="{POINT}" fill-opacity="0.6"/>'
-        )
+        if r.ttft_ms > panel.y_max:
+            # Slower than the range: pinned on the top edge as a hollow dot, and counted.
+            beyond += 1
+            paint = f'fill="none" stroke="{POINT}"'
+        else:
+            paint = f'fill="{POINT}" fill-opacity="0.6"'
+        y = panel.y(min(r.ttft_ms, panel.y_max))
+        parts.append(f'<circle cx="{panel.x(r.started_s):.1f}" cy="{y:.1f}" r="2" {paint}/>')
+    if beyond:
+        parts.append(_beyond_note(panel, beyond, panel.y_max))
     # Failed requests have no TTFT worth plotting: a row of crosses above the plot, at their start.
     errors = [r for r in ordered if not r.ok]
     for r in errors:

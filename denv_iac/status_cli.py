@@ -42,7 +42,12 @@ def _fail(line: str) -> NoReturn:
 def _run_state(stack_name: str, required: bool) -> RunState | None:
     state_file = run_dir(find_stacks_dir().parent, stack_name) / "state.json"
     if state_file.exists():
-        return RunState.from_json(state_file.read_text())
+        try:
+            return RunState.from_json(state_file.read_text())
+        except (ValueError, KeyError, TypeError) as error:
+            raise StackError(
+                [f"{state_file}: unreadable ({error}); `denv local down --stack {stack_name}`"]
+            ) from None
     if required:
         raise StackError(
             [
@@ -57,20 +62,18 @@ def _sources(
     stack_name: str | None, admin_socket: Path | None
 ) -> tuple[StackSpec | None, RunState | None, Path]:
     """The stack (for min_warm), the local run state (for agents) and the socket to read."""
-    if admin_socket is None:
-        stack_name = stack_name or DEFAULT_STACK
-    if stack_name is None:
-        assert admin_socket is not None
+    if stack_name is None and admin_socket is not None:
         return None, None, admin_socket
+    name = stack_name or DEFAULT_STACK
     try:
-        stack = load_stack(find_stacks_dir(), stack_name)
-        state = _run_state(stack_name, required=admin_socket is None)
+        stack = load_stack(find_stacks_dir(), name)
+        state = _run_state(name, required=admin_socket is None)
     except StackError as error:
         _fail(error.problems[0])
-    if admin_socket is not None:
-        return stack, state, admin_socket
-    assert state is not None
-    return stack, state, Path(state.admin_socket)
+    if admin_socket is None:
+        assert state is not None  # required above
+        admin_socket = Path(state.admin_socket)
+    return stack, state, admin_socket
 
 
 def _agent_endpoints(state: RunState | None) -> list[AgentEndpoint]:

@@ -58,6 +58,15 @@ def test_same_report_same_bytes() -> None:
     assert render_svg(report, "t") == render_svg(shuffled, "t")
 
 
+def test_a_slow_outlier_is_counted_not_allowed_to_squeeze_the_rest() -> None:
+    report = synthetic_report()
+    report.results.append(StreamResult("slow", 0.05, 200, "", "x", 4000.0, 4100.0, 16))
+    root = parse(render_svg(report, "t"))
+    assert texts(root).count("1 over 100 ms") == 2  # histogram and timeline
+    hollow = [c for c in root.iter(f"{SVG}circle") if c.get("fill") == "none"]
+    assert len(hollow) == 1
+
+
 def test_a_run_where_nothing_completed_still_plots() -> None:
     failed = [StreamResult(f"r{i}", i * 0.1, 0, "connect", "", None, 1.0, 0) for i in range(5)]
     root = parse(render_svg(LoadReport(failed, wall_s=0.5), "down <&> out"))

@@ -148,16 +148,18 @@ def wait_for_healthy(count: int, timeout_s: float = 5.0) -> Result:
         time.sleep(0.1)
 
 
-@needs_haproxy
 def test_bad_input_exits_2_with_one_line(project: Path) -> None:
-    for args, words in (
-        (["--stack", "t"], "t is not running here"),
-        (["--stack", "nope"], "no Pulumi.nope.yaml"),
-        (["--admin-socket", str(project / "missing.sock")], "cannot read the balancer's stats"),
-    ):
+    def refused(args: list[str], words: str) -> None:
         result = status(*args)
         assert result.exit_code == 2, result.output
         assert words in result.output and result.output.count("\n") == 1
+
+    refused(["--stack", "t"], "t is not running here")
+    refused(["--stack", "nope"], "no Pulumi.nope.yaml")
+    refused(["--admin-socket", str(project / "missing.sock")], "cannot read the balancer's stats")
+    run_dir(project, "t").mkdir(parents=True)
+    (run_dir(project, "t") / "state.json").write_text("{")
+    refused(["--stack", "t"], "unreadable")
 
 
 @needs_haproxy
