@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from denv_iac.bench_plot import render_svg
-from denv_iac.console import wide_console
+from denv_iac.console import fail, wide_console
 from denv_iac.loadgen import LoadReport, run_load
 
 TICK_S = 0.2
@@ -92,13 +92,9 @@ def bench(
 ) -> None:
     """Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind."""
     if not url.startswith(("http://", "https://")):
-        click.echo(
-            f"error: URL: {url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080", err=True
-        )
-        sys.exit(2)
+        fail([f"URL: {url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080"])
     if plot_file is not None and plot_file.suffix != ".svg":
-        click.echo(f"error: --plot: {plot_file} must end in .svg; e.g. --plot ttft.svg", err=True)
-        sys.exit(2)
+        fail([f"--plot: {plot_file} must end in .svg; e.g. --plot ttft.svg"])
     if duration is None and requests is None:
         duration = 10.0
     what = f"{url} pool {pool}, concurrency {concurrency}"

@@ -8,14 +8,13 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from denv_iac.balancer.runtime import server_stats
-from denv_iac.console import wide_console
+from denv_iac.console import fail, wide_console
 from denv_iac.local.runner import HOST, RunState, run_dir
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.reader import StackError
@@ -32,11 +31,6 @@ from denv_iac.status import (
 )
 
 DEFAULT_STACK = "local"
-
-
-def _fail(line: str) -> NoReturn:
-    click.echo(f"error: {line}", err=True)
-    sys.exit(2)
 
 
 def _run_state(stack_name: str, required: bool) -> RunState | None:
@@ -69,7 +63,7 @@ def _sources(
         stack = load_stack(find_stacks_dir(), name)
         state = _run_state(name, required=admin_socket is None)
     except StackError as error:
-        _fail(error.problems[0])
+        fail(error.problems)
     if admin_socket is None:
         assert state is not None  # required above
         admin_socket = Path(state.admin_socket)
@@ -152,7 +146,7 @@ def status(stack_name: str | None, admin_socket: Path | None, as_json: bool) -> 
     try:
         rows = server_stats(socket_path)
     except (OSError, KeyError) as error:
-        _fail(f"admin socket {socket_path}: cannot read the balancer's stats ({error})")
+        fail([f"admin socket {socket_path}: cannot read the balancer's stats ({error})"])
     agents = read_agents(_agent_endpoints(state))
     replicas = with_agent_health(replica_statuses(rows), agents)
     pools = pool_statuses(stack, replicas)
