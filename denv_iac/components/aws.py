@@ -31,10 +31,16 @@ class SecurityGroupWiring:
         rules: Sequence[IngressRule],
         balancer_addresses: Mapping[str, pulumi.Input[str]],
         vpc_id: pulumi.Input[str] | None,
+        region: str,
     ) -> None:
         child = pulumi.ResourceOptions(parent=parent)
         self.group = aws.ec2.SecurityGroup(
-            child_name(name, "sg"), description=description, vpc_id=vpc_id, tags=tags, opts=child
+            child_name(name, "sg"),
+            description=description,
+            vpc_id=vpc_id,
+            region=region,
+            tags=tags,
+            opts=child,
         )
         for rule in rules:
             if rule.from_balancer:
@@ -44,6 +50,7 @@ class SecurityGroupWiring:
             aws.vpc.SecurityGroupIngressRule(
                 child_name(name, "in", rule.name),
                 security_group_id=self.group.id,
+                region=region,
                 cidr_ipv4=cidr.apply(lambda c: None if ":" in c else c),
                 cidr_ipv6=cidr.apply(lambda c: c if ":" in c else None),
                 ip_protocol="tcp",
@@ -56,6 +63,7 @@ class SecurityGroupWiring:
             aws.vpc.SecurityGroupEgressRule(
                 child_name(name, "out", family),
                 security_group_id=self.group.id,
+                region=region,
                 cidr_ipv4=v4,
                 cidr_ipv6=v6,
                 ip_protocol="-1",
@@ -64,19 +72,21 @@ class SecurityGroupWiring:
             )
 
 
-def pinned_ami(parameter: str, parent: pulumi.Resource) -> pulumi.Output[str]:
+def pinned_ami(parameter: str, region: str, parent: pulumi.Resource) -> pulumi.Output[str]:
     """The AMI id an SSM public parameter names (`name:version` pins a version)."""
     found = aws.ssm.get_parameter_output(
-        name=parameter, opts=pulumi.InvokeOutputOptions(parent=parent)
+        name=parameter, region=region, opts=pulumi.InvokeOutputOptions(parent=parent)
     )
     return found.insecure_value
 
 
-def vpc_of(subnet_id: str, parent: pulumi.Resource) -> pulumi.Output[str] | None:
+def vpc_of(subnet_id: str, region: str, parent: pulumi.Resource) -> pulumi.Output[str] | None:
     """The VPC of the site's subnet; None puts the security group in the default VPC."""
     if not subnet_id:
         return None
-    subnet = aws.ec2.get_subnet_output(id=subnet_id, opts=pulumi.InvokeOutputOptions(parent=parent))
+    subnet = aws.ec2.get_subnet_output(
+        id=subnet_id, region=region, opts=pulumi.InvokeOutputOptions(parent=parent)
+    )
     return subnet.vpc_id
 
 
@@ -109,15 +119,17 @@ class AwsSite(pulumi.ComponentResource):
             aws_tags(stack, site.name, "gpu-node"),
             rules,
             args["balancer_addresses"],
-            vpc_of(site.subnet_id, self),
+            vpc_of(site.subnet_id, site.region, self),
+            site.region,
         )
         key = aws.ec2.KeyPair(
             child_name(name, "key"),
             public_key=args["public_key"],
+            region=site.region,
             tags=aws_tags(stack, site.name, "ssh-key"),
             opts=child,
         )
-        ami = pinned_ami(site.image, self)
+        ami = pinned_ami(site.image, site.region, self)
         addresses: dict[str, pulumi.Output[str]] = {}
         for node in args["nodes"]:
             if not node.create:
@@ -128,6 +140,7 @@ class AwsSite(pulumi.ComponentResource):
                 node_name,
                 ami=ami,
                 instance_type=node.offering,
+                region=site.region,
                 key_name=key.key_name,
                 subnet_id=site.subnet_id or None,
                 vpc_security_group_ids=[security.group.id],
@@ -143,6 +156,7 @@ class AwsSite(pulumi.ComponentResource):
                 child_name(node_name, "cache"),
                 availability_zone=instance.availability_zone,
                 size=site.cache_size_gb,
+                region=site.region,
                 type="gp3",
                 encrypted=True,
                 tags=tags,
@@ -153,6 +167,7 @@ class AwsSite(pulumi.ComponentResource):
                 device_name=CACHE_DEVICE,
                 instance_id=instance.id,
                 volume_id=cache.id,
+                region=site.region,
                 opts=child,
             )
             addresses[node.name] = instance.public_ip

@@ -5,7 +5,7 @@ from typing import TypedDict
 
 import pulumi
 
-from denv_iac.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.balancer import BalancerSettings, RenderedConfig, render_haproxy_config
 from denv_iac.components.pool import ReplicaEndpoint
 from denv_iac.dataplane import balancer_pools
 from denv_iac.placement import PlacedReplica, Placement
@@ -60,20 +60,19 @@ class GlobalBalancer(pulumi.ComponentResource):
         stack, placement = args["stack"], args["placement"]
         settings = balancer_settings(stack)
 
-        def render(pools: list[list[ReplicaEndpoint]]) -> dict[str, object]:
+        def render(pools: list[list[ReplicaEndpoint]]) -> RenderedConfig:
             where = {r["id"]: (r["address"], r["port"], r["agent_port"]) for p in pools for r in p}
 
             def locate(replica: PlacedReplica) -> tuple[str, int, int]:
                 return where[replica.id]
 
-            rendered = render_haproxy_config(
+            return render_haproxy_config(
                 balancer_pools(stack, placement, locate), settings, CONFIG_DIR
             )
-            return {"cfg": rendered.haproxy_cfg, "files": dict(sorted(rendered.files.items()))}
 
         rendered = pulumi.Output.all(*args["pools"]).apply(render)
-        self.haproxy_config = rendered.apply(lambda r: str(r["cfg"]))
-        self.map_files = rendered.apply(lambda r: dict(r["files"]))  # type: ignore[call-overload]
+        self.haproxy_config = rendered.apply(lambda r: r.haproxy_cfg)
+        self.map_files = rendered.apply(lambda r: dict(sorted(r.files.items())))
         hosts = [args["hosts"][site] for site in stack.balancer.sites]
         self.host_addresses = pulumi.Output.all(*hosts).apply(lambda a: [str(h) for h in a])
         self.endpoint = self.host_addresses.apply(lambda a: endpoint_url(stack, a[0]))

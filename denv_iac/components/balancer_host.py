@@ -7,6 +7,7 @@ import pulumi_aws as aws
 import pulumi_hcloud as hcloud
 
 from denv_iac.components.aws import SecurityGroupWiring, pinned_ami, vpc_of
+from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
 from denv_iac.components.security import balancer_ingress_rules
 from denv_iac.spec.model import BalancerSpec, SiteSpec
@@ -17,7 +18,6 @@ AWS_AMI_PARAMETER = (
 )
 HCLOUD_SERVER_TYPE = "cpx21"
 HCLOUD_IMAGE = "ubuntu-24.04"
-LOOPBACK = "127.0.0.1"
 HOST_KINDS = ("aws", "hetzner", "joined", "local")
 MACHINE_HOST_KINDS = ("aws", "hetzner")  # a host is created there, reached with the site's key
 
@@ -63,18 +63,21 @@ class BalancerHost(pulumi.ComponentResource):
             aws_tags(stack, site.name, "balancer"),
             balancer_ingress_rules(args["balancer"], site.admin_cidrs),
             {},
-            vpc_of(site.subnet_id, self),
+            vpc_of(site.subnet_id, site.region, self),
+            site.region,
         )
         key = aws.ec2.KeyPair(
             child_name(name, "key"),
             public_key=args["public_key"],
+            region=site.region,
             tags=aws_tags(stack, site.name, "ssh-key"),
             opts=pulumi.ResourceOptions(parent=self),
         )
         instance = aws.ec2.Instance(
             child_name(name, "vm"),
-            ami=pinned_ami(AWS_AMI_PARAMETER, self),
+            ami=pinned_ami(AWS_AMI_PARAMETER, site.region, self),
             instance_type=AWS_INSTANCE_TYPE,
+            region=site.region,
             key_name=key.key_name,
             subnet_id=site.subnet_id or None,
             vpc_security_group_ids=[security.group.id],

@@ -17,7 +17,13 @@ from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.naming import child_name
 from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
 from denv_iac.components.secrets import SecretValues, public_key_of, seal_secrets
-from denv_iac.components.security import AGENT_PORT, PORTS_PER_GPU, replica_port
+from denv_iac.components.security import (
+    AGENT_PORT,
+    AGENT_PORTS,
+    MAX_GPUS_PER_NODE,
+    PORTS_PER_GPU,
+    replica_port,
+)
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.spec.model import RecipeSpec, StackSpec
 from denv_iac.spec.reader import StackError, read_stack
@@ -60,17 +66,19 @@ def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement
 
 
 def _check_ports(stack: StackSpec, placement: Placement) -> None:
+    """Two replicas on one node, or a replica and the agent, must never share a port."""
     taken: dict[tuple[str, str, int], str] = {}
     problems = []
+    apart = PORTS_PER_GPU * MAX_GPUS_PER_NODE
     recipes = {recipe.name: recipe for recipe in stack.recipes}
     for replica in placement.replicas:
         port = replica_port(recipes[replica.pool], replica)
         where = (replica.site, replica.node, port)
-        if port == AGENT_PORT or where in taken:
+        if port in AGENT_PORTS or where in taken:
             other = taken.get(where, "the node agent")
             problems.append(
                 f"recipes: {replica.pool}: replica {replica.id} would take port {port}, used by "
-                f"{other}; give the recipes ports at least {PORTS_PER_GPU * 16} apart"
+                f"{other}; give the recipes ports at least {apart} apart"
             )
         taken[where] = replica.id
     if problems:

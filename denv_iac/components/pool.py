@@ -1,7 +1,7 @@
 """WarmPool: a recipe's placed replicas with the addresses they answer on."""
 
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any, TypedDict, cast
 
 import pulumi
 
@@ -41,8 +41,9 @@ class WarmPool(pulumi.ComponentResource):
         self, name: str, args: WarmPoolArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
         super().__init__("denv:index:WarmPool", name, None, opts)
-        endpoints = [dict(replica) for replica in args["replicas"]]
-        self.replicas = pulumi.Output.from_input(endpoints).apply(
-            lambda resolved: [ReplicaEndpoint(**r) for r in resolved]  # type: ignore[typeddict-item]
+        # from_input resolves the address Outputs nested in the list of mappings.
+        endpoints: Any = [dict(replica) for replica in args["replicas"]]
+        self.replicas = cast(
+            pulumi.Output[list[ReplicaEndpoint]], pulumi.Output.from_input(endpoints)
         )
         self.register_outputs({"replicas": self.replicas})

@@ -11,6 +11,8 @@ from denv_iac.spec.model import BalancerSpec, RecipeSpec, SiteSpec
 
 SSH_PORT = 22
 AGENT_PORT = 9100  # the node deploy's agent-check port (NodeDeploySpec.agent_port)
+AGENT_PORTS = (AGENT_PORT, AGENT_PORT + 1)  # agent-check, and the agent's local HTTP port
+MAX_GPUS_PER_NODE = 16  # the most a node spec may declare
 # A GPU holds at most 7 MIG instances, so 8 ports per GPU give every replica its own port.
 PORTS_PER_GPU = 8
 ANYWHERE = {"v4": "0.0.0.0/0", "v6": "::/0"}

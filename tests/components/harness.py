@@ -23,6 +23,7 @@ class Registration:
     custom: bool
     inputs: dict[str, Any]  # as serialized for the engine: secrets still wrapped
     ignore_changes: tuple[str, ...]
+    provider: str  # the provider reference, "" for the default provider
 
 
 def _address(name: str) -> str:
@@ -93,6 +94,7 @@ class RecordingMonitor(pulumi.runtime.mocks.MockMonitor):
                     bool(request.custom),
                     json_format.MessageToDict(request.object),
                     tuple(request.ignoreChanges),
+                    request.provider,
                 )
             )
         return super().RegisterResource(request)

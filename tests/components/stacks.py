@@ -32,7 +32,7 @@ def _secure(value: str) -> dict[str, str]:
     return {"secure": value}
 
 
-def _aws(name: str, region: str) -> dict[str, Any]:
+def aws_site(name: str, region: str, key_of: str = "") -> dict[str, Any]:
     return {
         "name": name,
         "kind": "aws",
@@ -40,7 +40,7 @@ def _aws(name: str, region: str) -> dict[str, Any]:
         "instance_type": "p5.4xlarge",
         "max_nodes": 4,
         "admin_cidrs": [ADMIN],
-        "ssh_private_key": _secure(SSH_KEYS[name]),
+        "ssh_private_key": _secure(SSH_KEYS[key_of or name]),
     }
 
 
@@ -49,8 +49,8 @@ def multicloud() -> ClusterArgs:
     return copy.deepcopy(
         ClusterArgs(
             sites=[
-                _aws("aws-use1", "us-east-1"),
-                _aws("aws-usw2", "us-west-2"),
+                aws_site("aws-use1", "us-east-1"),
+                aws_site("aws-usw2", "us-west-2"),
                 {
                     "name": "hetzner-fsn",
                     "kind": "hetzner",

@@ -2,6 +2,9 @@
 
 from typing import Any
 
+import pulumi
+import pulumi_aws
+import pulumi_hcloud
 import pytest
 
 from denv_iac.components import Cluster
@@ -129,6 +132,17 @@ def test_raising_min_warm_only_adds_the_new_node() -> None:
     assert {urn.split("::")[-2].split("$")[-1] for urn in set(after) - set(before)} == NODE_CREATES
 
 
+def test_adding_a_site_only_adds_that_sites_resources() -> None:
+    before = _multicloud(preview=False).by_urn()
+    grown = stacks.multicloud()
+    grown["sites"].append(stacks.aws_site("aws-usw2-b", "us-west-2", "aws-usw2"))
+    grown["recipes"][0]["sites"].append("aws-usw2-b")
+    after = _multicloud(False, grown).by_urn()
+    assert {urn: after[urn] for urn in before} == before
+    added = {urn.rsplit("::", 1)[-1] for urn in set(after) - set(before)}
+    assert added and all(name.startswith("prod-aws-usw2-b") for name in added), added
+
+
 @PREVIEW
 def test_no_secret_plaintext_in_any_registered_input(preview: bool) -> None:
     run = _multicloud(preview)
@@ -243,4 +257,54 @@ def test_recipes_whose_ports_collide_on_a_node_are_refused() -> None:
         f"voice.local.{node}.0; give the recipes ports at least 128 apart"
         for node in ("node-a", "node-b")
     ]
+    assert run.registrations == []
+
+
+def test_each_aws_resource_and_lookup_is_in_its_sites_region() -> None:
+    args = stacks.multicloud()
+    args["sites"][1]["subnet_id"] = "subnet-0west"
+    run = _multicloud(False, args)
+    aws = [r for r in run.registrations if r.type.startswith("aws:")]
+    for registration in aws:
+        expected = "us-west-2" if "-aws-usw2-" in registration.name else "us-east-1"
+        assert registration.inputs["region"] == expected, registration.name
+    assert {(t, a["region"]) for t, a in run.invokes} == {
+        ("aws:ssm/getParameter:getParameter", "us-east-1"),
+        ("aws:ssm/getParameter:getParameter", "us-west-2"),
+        ("aws:ec2/getSubnet:getSubnet", "us-west-2"),
+    }
+    # the site's subnet decides the security group's VPC
+    assert run.named("prod-aws-usw2-sg").inputs["vpcId"] == "vpc-0example"
+    assert "vpcId" not in run.named("prod-aws-use1-sg").inputs
+
+
+def test_explicit_providers_reach_every_child() -> None:
+    def program() -> dict[str, Any]:
+        aws = pulumi_aws.Provider("aws-team", region="us-east-1")
+        hcloud = pulumi_hcloud.Provider("hcloud-team", token="not-a-token")
+        cluster = Cluster(
+            "prod",
+            stacks.multicloud(),
+            pulumi.ResourceOptions(providers={"aws": aws, "hcloud": hcloud}),
+        )
+        return {"endpoint": cluster.endpoint}
+
+    run = run_program(program, preview=False)
+    children = [
+        r for r in run.registrations if r.custom and not r.type.startswith("pulumi:providers:")
+    ]
+    assert len(children) == 39
+    for registration in children:
+        package = registration.type.split(":")[0]
+        assert f"::{package}-team::" in registration.provider, registration.name
+
+
+def test_a_replica_on_the_agents_port_is_refused() -> None:
+    args = stacks.local()
+    args["recipes"][0]["port"] = 9101
+    problems, run = _bad(args)
+    assert problems[0] == (
+        "recipes: voice: replica voice.local.node-a.0 would take port 9101, used by the node "
+        "agent; give the recipes ports at least 128 apart"
+    )
     assert run.registrations == []
