@@ -58,11 +58,30 @@ def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement
         for site in stack.balancer.sites
         if stack.site(site).kind not in HOST_KINDS
     ]
+    problems += _key_problems(args["sites"], stack)
     if problems:
         raise StackError(problems)
     placement = place_replicas(stack, args.get("previous", ()))
     _check_ports(stack, placement)
     return stack, placement, secrets
+
+
+def _key_problems(raw_sites: Sequence[Mapping[str, Any]], stack: StackSpec) -> list[str]:
+    """SSH keys given as strings are read now, so a bad one fails before anything exists.
+
+    A key given as an Output (the stack program's) is only known later, when it is used.
+    """
+    hosts = {s for s in stack.balancer.sites if stack.site(s).kind in MACHINE_HOST_KINDS}
+    need_key = hosts | {site.name for site in stack.sites if site.kind == "aws"}
+    problems = []
+    for raw in raw_sites:
+        value = raw.get("ssh_private_key", {}).get("secure")
+        if raw.get("name") in need_key and isinstance(value, str):
+            try:
+                public_key_of(value)
+            except ValueError as error:
+                problems.append(f"sites: {raw['name']}.{error}")
+    return problems
 
 
 def _check_ports(stack: StackSpec, placement: Placement) -> None:

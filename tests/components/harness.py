@@ -9,6 +9,8 @@ import pulumi
 from google.protobuf import json_format
 from pulumi.runtime import rpc
 
+from denv_iac.components import Cluster
+
 AMI_ID = "ami-0123456789abcdef0"
 SECRET_SIG = rpc._special_sig_key
 SECRET_MARK = rpc._special_secret_sig
@@ -153,3 +155,14 @@ def plain_strings(value: Any) -> list[str]:
     if isinstance(value, list):
         return [s for item in value for s in plain_strings(item)]
     return [value] if isinstance(value, str) else []
+
+
+def cluster_outputs(args: Any, name: str = "prod") -> dict[str, Any]:
+    """A program building one Cluster; its outputs are what the tests read."""
+    cluster = Cluster(name, args)
+    return {
+        "balancer_addresses": cluster.balancer_addresses,
+        "endpoint": cluster.endpoint,
+        "haproxy_config": cluster.haproxy_config,
+        "replica_ids": cluster.replica_ids,
+    }

@@ -11,7 +11,7 @@ from denv_iac.components import Cluster
 from denv_iac.components.secrets import public_key_of
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
-from tests.components.harness import AMI_ID, Run, plain_strings, run_program
+from tests.components.harness import AMI_ID, Run, cluster_outputs, plain_strings, run_program
 
 PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
 INSTANCE = "aws:ec2/instance:Instance"
@@ -19,18 +19,8 @@ INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
 NODE_CREATES = {INSTANCE, "aws:ebs/volume:Volume", "aws:ec2/volumeAttachment:VolumeAttachment"}
 
 
-def _cluster(args: Any, name: str = "prod") -> dict[str, Any]:
-    cluster = Cluster(name, args)
-    return {
-        "balancer_addresses": cluster.balancer_addresses,
-        "endpoint": cluster.endpoint,
-        "haproxy_config": cluster.haproxy_config,
-        "replica_ids": cluster.replica_ids,
-    }
-
-
 def _multicloud(preview: bool, args: Any = None) -> Run:
-    return run_program(lambda: _cluster(args or stacks.multicloud()), preview=preview)
+    return run_program(lambda: cluster_outputs(args or stacks.multicloud()), preview=preview)
 
 
 @PREVIEW
@@ -195,7 +185,7 @@ def test_balancer_host_takes_the_endpoint_from_anywhere_and_ssh_from_admins() ->
 
 @PREVIEW
 def test_local_stack_has_no_cloud_resources_and_a_loopback_endpoint(preview: bool) -> None:
-    run = run_program(lambda: _cluster(stacks.local(), "dev"), preview=preview)
+    run = run_program(lambda: cluster_outputs(stacks.local(), "dev"), preview=preview)
     assert all(not r.custom for r in run.registrations)
     assert run.invokes == []
     if not preview:
@@ -206,7 +196,7 @@ def test_local_stack_has_no_cloud_resources_and_a_loopback_endpoint(preview: boo
 def _bad(args: Any) -> tuple[list[str], Run]:
     run = Run()
     with pytest.raises(StackError) as error:
-        run_program(lambda: _cluster(args), preview=False, run=run)
+        run_program(lambda: cluster_outputs(args), preview=False, run=run)
     return error.value.problems, run
 
 
@@ -307,4 +297,15 @@ def test_a_replica_on_the_agents_port_is_refused() -> None:
         "recipes: voice: replica voice.local.node-a.0 would take port 9101, used by the node "
         "agent; give the recipes ports at least 128 apart"
     )
+    assert run.registrations == []
+
+
+def test_an_unreadable_ssh_key_is_refused_without_its_contents() -> None:
+    args = stacks.multicloud()
+    args["sites"][2]["ssh_private_key"] = {"secure": "v1:c2FtcGxlLWNpcGhlcnRleHQ="}
+    problems, run = _bad(args)
+    assert problems == [
+        "sites: hetzner-fsn.ssh_private_key: not an unencrypted OpenSSH or PEM private key; set "
+        "it with 'pulumi config set --secret' from the key file"
+    ]
     assert run.registrations == []
