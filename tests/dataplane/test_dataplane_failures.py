@@ -160,6 +160,12 @@ def test_agent_drain_lets_streams_finish_and_sends_new_requests_elsewhere(
             target=lambda: in_flight.append(stream_chat(client, {"model": "voice"}, SESSION))
         )
         streaming.start()
+        assert plane.haproxy is not None
+        socket_path = plane.haproxy.stats_socket
+        # Drain only once the stream is on the victim, or it could start elsewhere.
+        plane.wait_until(
+            lambda: int(server_stats(socket_path)[victim]["scur"]) >= 1, 2, "stream started"
+        )
         plane.agent.set_reply(victim, "drain")
         plane.wait_until(lambda: plane.status()[victim].startswith("DRAIN"), 2, "drain")
         with plane.client() as other:
