@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -22,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from denv_agent.control import ControlFailed, drain, inject_fault, undrain
 
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.loadgen import LoadReport, run_load
 from denv_iac.local.demo import kill_replica, seen_by_replicas
-from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "reliability.json"
@@ -49,6 +49,7 @@ STACK = {
             "spare": 1,
             "sites": ["local"],
             "simulate": {"ttft_ms": 30, "itl_ms": 5, "tokens": 12},
+            "ttft_budget_ms": 100,
         }
     ],
     "denv:balancer": {"sites": ["local"]},
@@ -98,6 +99,13 @@ def balancer_reloaded(cluster: LocalCluster, state: RunState) -> None:
     cluster.reload_balancer(dataclasses.replace(settings, check_inter_ms=750))
 
 
+def replica_slowed(cluster: LocalCluster, state: RunState) -> None:
+    replica = next(r for r in state.replicas if r.id == FAULTY)
+    httpx.post(
+        f"http://127.0.0.1:{replica.port}/control/fault", json={"mode": "slow", "k": 5}, timeout=5
+    )
+
+
 def every_site_down(cluster: LocalCluster, state: RunState) -> None:
     for node in ("local/node-a", "local/node-b"):
         inject_fault(_agent_url(state, node), state.control_token, gpu=0, xid=79)
@@ -109,6 +117,7 @@ class Scenario:
     fault: Fault
     faulty: str | None  # the replica the fault takes out, for detection time
     healthy_left: bool  # whether an allowed healthy replica remains after the fault
+    detect_within_ms: float = 500  # the target: GPU faults act at once, the probe every second
 
 
 SCENARIOS = (
@@ -117,9 +126,15 @@ SCENARIOS = (
     Scenario("agent partitioned, replica fine", agent_partitioned, None, True),
     Scenario("node drained under load", node_drained, FAULTY, True),
     Scenario("balancer reload with a config change", balancer_reloaded, None, True),
+    Scenario("replica 5x slower to first token", replica_slowed, FAULTY, True, 2500),
     Scenario("every listed site down", every_site_down, None, False),
 )
-FAST = ("replica dies mid-stream", "gpu xid 79 under load", "every listed site down")
+FAST = (
+    "replica dies mid-stream",
+    "gpu xid 79 under load",
+    "replica 5x slower to first token",
+    "every listed site down",
+)
 
 
 def _cleanup(state: RunState) -> None:
@@ -166,7 +181,8 @@ def _wait_out_of_rotation(state: RunState, since: float, limit_s: float = 5.0) -
     """Seconds from the fault until HAProxy stops giving the faulty replica new requests."""
     while time.perf_counter() - since < limit_s:
         row = server_stats(Path(state.admin_socket)).get(FAULTY, {})
-        if not row.get("status", "").startswith("UP"):
+        # Out (DOWN, DRAIN, MAINT), or still up at a lowered weight (a slow replica).
+        if not row.get("status", "").startswith("UP") or int(row.get("weight") or 0) < 100:
             break
         time.sleep(0.005)
     return time.perf_counter() - since
@@ -174,7 +190,7 @@ def _wait_out_of_rotation(state: RunState, since: float, limit_s: float = 5.0) -
 
 def run_scenario(scenario: Scenario, concurrency: int, duration_s: float) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="denv-reliability-") as tmp:
-        cluster = LocalCluster(read_stack("reliability", STACK), Path(tmp), _free_port())
+        cluster = LocalCluster(read_stack("reliability", STACK), Path(tmp), free_port())
         state = cluster.up()
         try:
             time.sleep(0.5)  # first agent verdicts in
@@ -211,12 +227,6 @@ def _count(
     return Outcome(
         scenario.name, len(results), lost, len(aborted), replayed, report.ttft_ms(99), detection
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_all(

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from denv_agent.control import clear_faults, inject_fault
 
-from benchmarks.reliability import STACK, _free_port
+from benchmarks.reliability import STACK
 from denv_iac.loadgen import run_load
 from denv_iac.local.demo import kill_replica
-from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "soak.json"
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-every", type=float, default=20.0, help="seconds per cycle")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="denv-soak-") as tmp:
-        cluster = LocalCluster(read_stack("soak", STACK), Path(tmp), _free_port())
+        cluster = LocalCluster(read_stack("soak", STACK), Path(tmp), free_port())
         state = cluster.up()
         try:
             requests, lost, cycles, samples = asyncio.run(

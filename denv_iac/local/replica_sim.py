@@ -50,6 +50,7 @@ class FaultMode(enum.StrEnum):
     DIE_AFTER_TOKENS = "die_after_tokens"  # streams are reset after k tokens, no final chunk
     REFUSE = "refuse"  # the listening socket closes: new connections are refused
     HANG = "hang"  # requests are read but never answered (health checks included)
+    SLOW = "slow"  # time to first token k times the configured one, as on a throttled GPU
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,8 @@ class ReplicaSim:
         self.stats.streams_completed += 1
 
     def _token_offset_s(self, index: int) -> float:
-        return (self.config.ttft_ms + max(index, 0) * self.config.itl_ms) / 1000.0
+        ttft_ms = self.config.ttft_ms * (self.fault_k if self.fault is FaultMode.SLOW else 1)
+        return (ttft_ms + max(index, 0) * self.config.itl_ms) / 1000.0
 
     @staticmethod
     async def _sleep_until(start: float, offset_s: float) -> None:

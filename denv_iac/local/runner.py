@@ -24,7 +24,7 @@ from denv_iac.balancer.runtime import HaproxyProcess
 from denv_iac.dataplane import balancer_pools
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.model import StackSpec
+from denv_iac.spec.model import RecipeSpec, StackSpec
 from denv_iac.spec.reader import StackError
 
 HOST = "127.0.0.1"
@@ -106,7 +106,7 @@ def agent_config_toml(
     token: str,
     state_file: Path,
     replicas: list[ReplicaState],
-    health_path: dict[str, str],
+    recipes: dict[str, RecipeSpec],
 ) -> str:
     lines = [
         f'node = "{node}"',
@@ -121,18 +121,23 @@ def agent_config_toml(
         "gpu_poll_s = 0.1",
         "health_s = 0.25",
         "health_timeout_s = 0.5",
+        "probe_s = 1.0",
         "",
         "[simulate]",
         f"gpus = {gpus}",
     ]
     for replica in replicas:
+        recipe = recipes[replica.pool]
         lines += [
             "",
             "[[replicas]]",
             f'id = "{replica.id}"',
-            f'health_url = "http://{HOST}:{replica.port}{health_path[replica.pool]}"',
+            f'health_url = "http://{HOST}:{replica.port}{recipe.health_path}"',
             f"gpu = {replica.gpu}",
         ]
+        if recipe.ttft_budget_ms is not None:
+            # The first-token probe: over budget, the agent lowers the replica's weight.
+            lines += [f"ttft_budget_ms = {recipe.ttft_budget_ms}", f'probe_model = "{recipe.name}"']
     return "\n".join(lines) + "\n"
 
 
@@ -206,7 +211,6 @@ class LocalCluster:
     def _start_agents(self, replicas: list[ReplicaState], progress: Progress) -> list[AgentState]:
         token = secrets.token_hex(16)
         self._token = token
-        health = {r.name: r.health_path for r in self.stack.recipes}
         agents = []
         for node in self.placement.nodes:
             key = f"{node.site}/{node.name}"
@@ -223,7 +227,7 @@ class LocalCluster:
                     token,
                     self.directory / f"agent-{node.site}-{node.name}.state.json",
                     mine,
-                    health,
+                    {r.name: r for r in self.stack.recipes},
                 )
             )
             path.chmod(0o600)
@@ -348,6 +352,12 @@ def wait_for_port(port: int, what: str, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"{what} did not open {HOST}:{port} within {timeout_s:.0f} s")
 
 
+# What the command lines of the processes we start contain, and no other command line does.
+HAPROXY_MARK = "haproxy -W -f "
+AGENT_MARK = "-m denv_agent --config "
+REPLICA_MARK = "-m denv_iac.local.replica_sim --id="
+
+
 def ours(pid: int, marker: str) -> bool:
     """Whether `pid` still runs one of our commands (a recycled pid must not be signalled)."""
     try:
@@ -363,9 +373,9 @@ def stop_recorded(directory: Path) -> int:
     if not state_file.exists():
         return 0
     state = RunState.from_json(state_file.read_text())
-    targets = [(state.haproxy_pid, "haproxy", True)]
-    targets += [(a.pid, "denv_agent", False) for a in state.agents]
-    targets += [(r.pid, "replica_sim", False) for r in state.replicas]
+    targets = [(state.haproxy_pid, HAPROXY_MARK, True)]
+    targets += [(a.pid, AGENT_MARK, False) for a in state.agents]
+    targets += [(r.pid, REPLICA_MARK, False) for r in state.replicas]
     stopped = 0
     for pid, marker, group in targets:
         if ours(pid, marker):

@@ -14,7 +14,14 @@ from click.testing import CliRunner
 
 from denv_iac.cli import main
 from denv_iac.local.demo import run_demo
-from denv_iac.local.runner import LocalCluster, RunState, ours, stop_recorded
+from denv_iac.local.runner import (
+    HAPROXY_MARK,
+    REPLICA_MARK,
+    LocalCluster,
+    RunState,
+    ours,
+    stop_recorded,
+)
 from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import local_site, valid_config
 
@@ -96,7 +103,9 @@ def test_down_leaves_no_process(tmp_path: Path) -> None:
 def test_stop_recorded_stops_only_its_own_processes(cluster: LocalCluster) -> None:
     state = cluster.state
     assert state is not None
-    assert ours(state.haproxy_pid, "haproxy") and not ours(os.getpid(), "replica_sim")
+    assert ours(state.haproxy_pid, HAPROXY_MARK)
+    assert all(ours(r.pid, REPLICA_MARK) for r in state.replicas)
+    assert not ours(os.getpid(), REPLICA_MARK) and not ours(os.getpid(), HAPROXY_MARK)
     assert stop_recorded(cluster.directory) == 1 + len(state.agents) + len(state.replicas)
     assert not any(alive(r.pid) for r in state.replicas)
 

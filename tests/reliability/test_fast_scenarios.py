@@ -16,5 +16,6 @@ def test_scenario(scenario: Scenario) -> None:
     assert outcome.requests > 100
     assert outcome.lost == 0
     assert outcome.replayed == 0
-    if outcome.detection_ms is not None:
-        assert outcome.detection_ms < 500
+    if scenario.faulty is not None:
+        assert outcome.detection_ms is not None
+        assert outcome.detection_ms < scenario.detect_within_ms
