@@ -1,0 +1,22 @@
+"""Golden snapshot of everything the multicloud stack registers: a reviewable diff per change."""
+
+import json
+import os
+from pathlib import Path
+
+from tests.components import stacks
+from tests.components.harness import cluster_outputs, run_program
+
+GOLDEN = Path(__file__).parent / "golden" / "multicloud.json"
+
+
+def test_registered_inputs_match_the_golden_snapshot() -> None:
+    run = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
+    snapshot = {
+        r.urn: {"inputs": r.inputs, "ignore_changes": list(r.ignore_changes)}
+        for r in sorted(run.registrations, key=lambda r: r.urn)
+    }
+    text = json.dumps(snapshot, indent=1, sort_keys=True) + "\n"
+    if os.environ.get("DENV_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "registrations changed: DENV_UPDATE_GOLDEN=1 to accept it"
