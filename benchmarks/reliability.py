@@ -3,7 +3,7 @@
 Each scenario starts a fresh local stack (two nodes, a voice pool on both), puts closed-loop
 streaming load on it, injects one fault a third of the way in, and counts: requests, lost
 (failed although an allowed healthy replica existed), aborted (streams cut because their replica
-died), replayed (a request seen by two replicas, or an aborted one seen by a live replica: the
+died), replayed (a request seen by two replicas, or an aborted one seen by another live replica: the
 replicas' own request logs are the proof), p99 TTFT and detection (fault until HAProxy reports the
 faulty replica out of rotation: DOWN, DRAIN or MAINT). Traffic stays on 127.0.0.1.
 """
@@ -26,7 +26,7 @@ from denv_agent.control import ControlFailed, drain, inject_fault, undrain
 
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.loadgen import LoadReport, run_load
-from denv_iac.local.demo import kill_replica, seen_by_replicas
+from denv_iac.local.demo import count_replayed, kill_replica, seen_by_replicas
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.spec.reader import read_stack
 
@@ -106,6 +106,10 @@ def replica_slowed(cluster: LocalCluster, state: RunState) -> None:
     )
 
 
+def balancer_lost(cluster: LocalCluster, state: RunState) -> None:
+    os.killpg(state.haproxy_pid, signal.SIGKILL)  # the whole machine of one balancer is gone
+
+
 def every_site_down(cluster: LocalCluster, state: RunState) -> None:
     for node in ("local/node-a", "local/node-b"):
         inject_fault(_agent_url(state, node), state.control_token, gpu=0, xid=79)
@@ -118,6 +122,7 @@ class Scenario:
     faulty: str | None  # the replica the fault takes out, for detection time
     healthy_left: bool  # whether an allowed healthy replica remains after the fault
     detect_within_ms: float = 500  # the target: GPU faults act at once, the probe every second
+    second_balancer: bool = False  # a second HAProxy the client falls back to, as over DNS
 
 
 SCENARIOS = (
@@ -127,12 +132,14 @@ SCENARIOS = (
     Scenario("node drained under load", node_drained, FAULTY, True),
     Scenario("balancer reload with a config change", balancer_reloaded, None, True),
     Scenario("replica 5x slower to first token", replica_slowed, FAULTY, True, 2500),
+    Scenario("one of two balancers lost", balancer_lost, None, True, second_balancer=True),
     Scenario("every listed site down", every_site_down, None, False),
 )
 FAST = (
     "replica dies mid-stream",
     "gpu xid 79 under load",
     "replica 5x slower to first token",
+    "one of two balancers lost",
     "every listed site down",
 )
 
@@ -164,6 +171,7 @@ async def _load_with_fault(
         if scenario.faulty is not None:
             out_after.append(await asyncio.to_thread(_wait_out_of_rotation, state, fault_time[0]))
 
+    fallback = (cluster.add_balancer()[0],) if scenario.second_balancer else ()
     task = asyncio.create_task(fault())
     report: LoadReport = await run_load(
         state.endpoint,
@@ -172,6 +180,7 @@ async def _load_with_fault(
         duration_s=duration_s,
         session_turns=4,
         timeout_s=10,
+        fallback_urls=fallback,
     )
     await task
     return report, (out_after[0] if out_after else None)
@@ -208,7 +217,7 @@ def _count(
     scenario: Scenario,
     report: LoadReport,
     out_s: float | None,
-    seen: dict[str, int],
+    seen: dict[str, list[str]],
     fault_s: float,
 ) -> Outcome:
     results = report.results
@@ -222,7 +231,7 @@ def _count(
         # was seen to take up to 2.5 s end to end, hence the bound.
         late = [r for r in results if r.started_s > fault_s + 1.0]
         lost = sum(1 for r in late if r.error != "http_503" or r.total_ms >= HANG_MS)
-    replayed = sum(1 for c in seen.values() if c > 1) + sum(1 for i in aborted if i in seen)
+    replayed = count_replayed(results, seen)
     detection = None if out_s is None else round(out_s * 1000, 1)
     return Outcome(
         scenario.name, len(results), lost, len(aborted), replayed, report.ttft_ms(99), detection

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 
 REPLICA_HEADER = "x-denv-replica"
+RETRYABLE = ("connect", "no_response")  # nothing was answered: safe to send elsewhere
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ async def stream_once(
     except httpx.TimeoutException:
         return result("timeout")
     except (httpx.RemoteProtocolError, httpx.ReadError):
-        return result("aborted")
+        # Cut before any response: nothing started, so the client may send it elsewhere.
+        return result("aborted" if status else "no_response")
     # A stream that ends without [DONE] is an abort the client can see, never a success.
     return result("" if done else "aborted")
 
@@ -163,11 +165,14 @@ async def run_load(
     session_turns: int = 0,
     api_key: str | None = None,
     timeout_s: float = 30.0,
+    fallback_urls: tuple[str, ...] = (),
 ) -> LoadReport:
     """Closed-loop load: `concurrency` workers, each sending its next request when one ends.
 
     With `session_turns`, each worker is a conversation of that many turns sharing one
-    `X-Denv-Session`, then starts a new conversation.
+    `X-Denv-Session`, then starts a new conversation. With `fallback_urls`, a request that got
+    no response at all (refused, reset before a byte) is sent to the next URL, as a client
+    resolving several balancer addresses would.
     """
     if duration_s is None and requests is None:
         raise ValueError("give duration_s or requests")
@@ -196,9 +201,13 @@ async def run_load(
                 turn += 1
                 if turn >= session_turns:
                     turn, conversation = 0, conversation + 1
-            report.results.append(
-                await stream_once(client, url, pool, session=session, api_key=api_key, t0=t0)
-            )
+            for target in (url, *fallback_urls):
+                result = await stream_once(
+                    client, target, pool, session=session, api_key=api_key, t0=t0
+                )
+                if result.error not in RETRYABLE:
+                    break
+            report.results.append(result)
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         await asyncio.gather(*(worker(i, client) for i in range(concurrency)))

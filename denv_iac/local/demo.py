@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 from denv_agent.control import inject_fault
 
-from denv_iac.loadgen import LoadReport, run_load
+from denv_iac.loadgen import LoadReport, StreamResult, run_load
 from denv_iac.local.runner import LocalCluster, RunState
 
 Say = Callable[[str], None]
@@ -51,17 +51,30 @@ def kill_replica(state: RunState, replica_id: str) -> None:
     httpx.post(f"http://127.0.0.1:{replica.port}/control/fault", json={"mode": "exit"}, timeout=5)
 
 
-def seen_by_replicas(state: RunState) -> dict[str, int]:
-    """Request id -> how many times live replicas received it."""
-    seen: dict[str, int] = {}
+def seen_by_replicas(state: RunState) -> dict[str, list[str]]:
+    """Request id -> the live replicas that received it, once per receipt."""
+    seen: dict[str, list[str]] = {}
     for replica in state.replicas:
         try:
             stats = httpx.get(f"http://127.0.0.1:{replica.port}/stats", timeout=5).json()
         except httpx.HTTPError:
             continue
         for request_id, count in stats["by_request_id"].items():
-            seen[request_id] = seen.get(request_id, 0) + int(count)
+            seen.setdefault(request_id, []).extend([replica.id] * int(count))
     return seen
+
+
+def count_replayed(results: list[StreamResult], seen: dict[str, list[str]]) -> int:
+    """Streams that reached a second replica, by the replicas' own logs: a request received
+    twice, or an aborted one received by a live replica other than the one that served it
+    (the replica it died on may be gone, and its log with it)."""
+    twice = sum(1 for receipts in seen.values() if len(receipts) > 1)
+    moved = sum(
+        1
+        for r in results
+        if r.error == "aborted" and any(other != r.replica for other in seen.get(r.request_id, []))
+    )
+    return twice + moved
 
 
 async def _faults(cluster: LocalCluster, state: RunState, say: Say) -> None:
@@ -99,10 +112,7 @@ def run_demo(cluster: LocalCluster, say: Say, duration_s: float = 10.0) -> DemoR
     results = [r for report in reports for r in report.results]
     aborted = {r.request_id for r in results if r.error == "aborted"}
     lost = sum(1 for r in results if r.error and r.error != "aborted")
-    seen = seen_by_replicas(state)
-    # A replayed stream reached a second replica: it shows twice, or an aborted one shows at
-    # all on a replica still alive (the one it died on is gone, with its log).
-    replayed = sum(1 for count in seen.values() if count > 1) + sum(1 for i in aborted if i in seen)
+    replayed = count_replayed(results, seen_by_replicas(state))
     merged = LoadReport(results, max(report.wall_s for report in reports))
     for report, recipe in zip(reports, cluster.stack.recipes, strict=True):
         s = report.summary()

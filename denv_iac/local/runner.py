@@ -6,6 +6,7 @@ scripts: the endpoint, the admin socket, and each replica's id, address, port, a
 Everything started is recorded there by pid so that `denv local down` stops exactly that.
 """
 
+import dataclasses
 import json
 import os
 import secrets
@@ -153,6 +154,7 @@ class LocalCluster:
         self._replicas: dict[str, ReplicaProcess] = {}
         self._agents: list[subprocess.Popen[bytes]] = []
         self._haproxy: HaproxyProcess | None = None
+        self._extra_balancers: list[HaproxyProcess] = []
         self.state: RunState | None = None
 
     def up(self, progress: Progress = lambda _: None) -> RunState:
@@ -319,9 +321,32 @@ class LocalCluster:
         self._replicas[replica_id] = process
         (self.directory / "state.json").write_text(self.state.to_json())
 
+    def add_balancer(self) -> tuple[str, HaproxyProcess]:
+        """A second HAProxy with the same pools on another port, polling the agents itself
+        (no shared state), as a second balancer site would. Stopped by down()."""
+        assert self._haproxy is not None
+        directory = self.directory / f"balancer-{len(self._extra_balancers) + 2}"
+        directory.mkdir(exist_ok=True)
+        settings = dataclasses.replace(
+            self._settings,
+            port=free_port(),
+            stats_socket=str(directory / "haproxy.sock"),
+            prometheus_port=free_port(),
+            state_file=str(directory / "haproxy.state"),
+        )
+        maps = str(directory)
+        rendered = relocate_maps(render_haproxy_config(self._pools, settings, maps), maps)
+        process = HaproxyProcess(
+            write_config(rendered, directory), Path(settings.stats_socket), directory / "log"
+        )
+        process.start()
+        self._extra_balancers.append(process)
+        return f"http://{HOST}:{settings.port}", process
+
     def down(self) -> None:
-        if self._haproxy is not None:
-            self._haproxy.stop()
+        for balancer in [*self._extra_balancers, self._haproxy]:
+            if balancer is not None:
+                balancer.stop()
         for process in self._agents:
             if process.poll() is None:
                 process.terminate()
