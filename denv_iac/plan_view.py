@@ -1,9 +1,35 @@
 """The plan as tables a person reads at a glance."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.tree import Tree
 
 from denv_iac.plan import HOURS_PER_MONTH, Plan
+
+if TYPE_CHECKING:
+    # Only for annotations: the preview module imports Pulumi, which a plain `denv plan` skips.
+    from denv_iac.preview import PreviewResource
+
+# Inputs that tell resources apart at a glance; the rest is in `--json`.
+KEY_INPUTS = (
+    "instanceType",
+    "serverType",
+    "region",
+    "location",
+    "availabilityZone",
+    "size",
+    "deviceName",
+    "ipProtocol",
+    "fromPort",
+    "toPort",
+    "cidrIpv4",
+    "cidrIpv6",
+)
 
 
 def render_plan(plan: Plan, console: Console) -> None:
@@ -55,3 +81,32 @@ def render_plan(plan: Plan, console: Console) -> None:
     console.print(
         f"Warm capacity: ${hourly:,.2f}/hour, ${hourly * HOURS_PER_MONTH:,.0f}/month{basis}"
     )
+
+
+def _brief(value: Any) -> str:
+    # Integers reach the engine as floats (22.0); show them as the stack wrote them.
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def key_inputs(resource: PreviewResource) -> str:
+    """The few inputs worth a glance, and every masked secret (so its presence shows)."""
+    inputs = resource.inputs
+    keys = [k for k in KEY_INPUTS if k in inputs]
+    keys += [k for k, v in inputs.items() if v == "[secret]" and k not in keys]
+    return " ".join(f"{k}={_brief(inputs[k])}" for k in keys)
+
+
+def render_resources(resources: list[PreviewResource], console: Console) -> None:
+    """The resource tree under the stack, each resource under its parent."""
+    root = Tree(f"Resources ({len(resources)}, preview under mocks)")
+    branches: dict[str, Tree] = {"": root}
+    # Parents register before their children, so one pass in registration order builds it.
+    for r in resources:
+        label = f"[bold]{escape(r.name)}[/] {escape(r.type)}"
+        brief = key_inputs(r)
+        if brief:
+            label += f"  [dim]{escape(brief)}[/]"
+        branches[r.name] = branches.get(r.parent, root).add(label)
+    console.print(root)

@@ -1,0 +1,149 @@
+"""`denv plan --resources`: the stack's resource graph under Pulumi's mocks, secrets masked."""
+
+import copy
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import yaml
+from click.testing import CliRunner
+from rich.console import Console
+
+from denv_iac.cli import main
+from denv_iac.plan_view import key_inputs, render_resources
+from denv_iac.preview import PreviewResource, preview_cluster, run_program, shown
+from tests.components import stacks
+
+ROOT = Path(__file__).resolve().parents[1]
+CIPHERTEXT = "v1:c2FtcGxlLWNpcGhlcnRleHQtdGVzdA=="
+
+
+def _secret_lines() -> list[str]:
+    # The inner lines of each PEM key and certificate: any one of them is plaintext leaking.
+    return [line for secret in stacks.SECRETS for line in secret.splitlines()[1:-1]]
+
+
+def _with_secure(value: Any, secure: str | None) -> Any:
+    """The config with every `{secure: ...}` value replaced by `secure` (None: kept)."""
+    if isinstance(value, dict):
+        if set(value) == {"secure"}:
+            return {"secure": value["secure"] if secure is None else secure}
+        return {k: _with_secure(v, secure) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_secure(v, secure) for v in value]
+    return value
+
+
+def _write_stack(folder: Path, secure: str | None = None) -> Path:
+    args = stacks.multicloud()
+    config = {
+        "denv:sites": args["sites"],
+        "denv:recipes": args["recipes"],
+        "denv:balancer": args["balancer"],
+    }
+    text = yaml.safe_dump({"config": _with_secure(copy.deepcopy(config), secure)})
+    (folder / "Pulumi.mc.yaml").write_text(text, "utf-8")
+    return folder
+
+
+def _plan(*args: str) -> Any:
+    return CliRunner().invoke(main, ["plan", *args])
+
+
+def test_local_plan_prints_the_tree_beside_the_placement() -> None:
+    result = _plan("--stack", "local", "--stacks-dir", str(ROOT / "stacks"), "--resources")
+    assert result.exit_code == 0, result.output
+    assert "voice.local.node-a.0" in result.output  # the placement is still there
+    tree = result.output[result.output.index("Resources (6") :]
+    assert "└── local denv:index:Cluster" in tree
+    for child in ("local-local denv:index:LocalSite", "local-balancer denv:index:GlobalBalancer"):
+        assert f"    ├── {child}" in tree or f"    └── {child}" in tree
+
+
+def test_json_lists_each_resource_with_its_parent_and_inputs(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    folder = _write_stack(tmp_path, CIPHERTEXT)
+    result = _plan("--stack", "mc", "--stacks-dir", str(folder), "--resources", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert set(plan) >= {"replicas", "nodes", "cost", "resources"}
+    by_name = {r["name"]: r for r in plan["resources"]}
+    assert all(set(r) == {"type", "name", "parent", "inputs"} for r in plan["resources"])
+    assert by_name["mc"] == {"type": "denv:index:Cluster", "name": "mc", "parent": "", "inputs": {}}
+    node = by_name["mc-aws-use1-node-0"]
+    assert node["type"] == "aws:ec2/instance:Instance"
+    assert node["parent"] == "mc-aws-use1"
+    assert node["inputs"]["instanceType"] == "p5.4xlarge"
+    assert by_name["mc-aws-use1"]["parent"] == "mc"
+    # Offline a key cannot be decrypted: its public half is unknown, never read from ciphertext.
+    assert by_name["mc-aws-use1-key"]["inputs"]["publicKey"] == "[unknown]"
+    assert CIPHERTEXT not in out.read_text() and CIPHERTEXT not in result.output
+
+
+def test_plaintext_secure_values_never_reach_the_output(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    folder = _write_stack(tmp_path)  # `{secure: <plaintext key>}`, as the engine would decrypt
+    result = _plan("--stack", "mc", "--stacks-dir", str(folder), "--resources", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    for line in _secret_lines():
+        assert line not in result.output
+        assert line not in out.read_text()
+
+
+def test_secrets_given_to_the_components_stay_masked_in_tree_and_json() -> None:
+    resources = preview_cluster("prod", stacks.multicloud)
+    assert len(resources) == 50
+    screen = io.StringIO()
+    render_resources(resources, Console(file=screen, width=300))
+    printed = screen.getvalue()
+    dumped = json.dumps([r.to_json() for r in resources])
+    for line in _secret_lines():
+        assert line not in printed and line not in dumped
+    # The public half of a key is no secret and is shown as derived.
+    key = next(r for r in resources if r.name == "prod-aws-use1-key")
+    assert key.inputs["publicKey"].startswith("ssh-ed25519 ")
+
+
+def test_a_secret_input_shows_as_secret_never_its_value() -> None:
+    def program() -> dict[str, pulumi.Output[Any]]:
+        thing = pulumi.CustomResource(
+            "test:index:Thing", "thing", {"token": pulumi.Output.secret("hunter2"), "size": 8}
+        )
+        return {"id": thing.id}
+
+    registration = run_program(program, preview=True).named("thing")
+    inputs = shown(registration.inputs)
+    assert inputs == {"token": "[secret]", "size": 8}
+    assert key_inputs(PreviewResource("test:index:Thing", "thing", "", inputs)) == (
+        "size=8 token=[secret]"
+    )
+    assert "hunter2" not in json.dumps(inputs)
+
+
+def test_sites_without_a_component_give_one_line_and_exit_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "denv_iac", "plan", "--stack", "voice-multicloud", "--resources"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: --resources: no component yet for lambda-use1 (kind lambda), nebius-eun1 "
+        "(kind nebius); the resource graph covers sites of kind aws, hetzner, joined, local"
+    ]
+
+
+def test_a_plain_plan_does_not_import_pulumi() -> None:
+    code = "import sys, denv_iac.cli; print('pulumi' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
