@@ -80,6 +80,19 @@ def pinned_ami(parameter: str, region: str, parent: pulumi.Resource) -> pulumi.O
     return found.insecure_value
 
 
+def site_key_pair(
+    parent: pulumi.Resource, name: str, stack: str, site: SiteSpec, public_key: pulumi.Input[str]
+) -> aws.ec2.KeyPair:
+    """The SSH key pair a site's machines are created with, named and tagged from the site."""
+    return aws.ec2.KeyPair(
+        child_name(name, "key"),
+        public_key=public_key,
+        region=site.region,
+        tags=aws_tags(stack, site.name, "ssh-key"),
+        opts=pulumi.ResourceOptions(parent=parent),
+    )
+
+
 def vpc_of(subnet_id: str, region: str, parent: pulumi.Resource) -> pulumi.Output[str] | None:
     """The VPC of the site's subnet; None puts the security group in the default VPC."""
     if not subnet_id:
@@ -122,13 +135,7 @@ class AwsSite(pulumi.ComponentResource):
             vpc_of(site.subnet_id, site.region, self),
             site.region,
         )
-        key = aws.ec2.KeyPair(
-            child_name(name, "key"),
-            public_key=args["public_key"],
-            region=site.region,
-            tags=aws_tags(stack, site.name, "ssh-key"),
-            opts=child,
-        )
+        key = site_key_pair(self, name, stack, site, args["public_key"])
         ami = pinned_ami(site.image, site.region, self)
         addresses: dict[str, pulumi.Output[str]] = {}
         for node in args["nodes"]:

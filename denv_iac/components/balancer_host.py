@@ -6,7 +6,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_hcloud as hcloud
 
-from denv_iac.components.aws import SecurityGroupWiring, pinned_ami, vpc_of
+from denv_iac.components.aws import SecurityGroupWiring, pinned_ami, site_key_pair, vpc_of
 from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
 from denv_iac.components.security import balancer_ingress_rules
@@ -66,13 +66,7 @@ class BalancerHost(pulumi.ComponentResource):
             vpc_of(site.subnet_id, site.region, self),
             site.region,
         )
-        key = aws.ec2.KeyPair(
-            child_name(name, "key"),
-            public_key=args["public_key"],
-            region=site.region,
-            tags=aws_tags(stack, site.name, "ssh-key"),
-            opts=pulumi.ResourceOptions(parent=self),
-        )
+        key = site_key_pair(self, name, stack, site, args["public_key"])
         instance = aws.ec2.Instance(
             child_name(name, "vm"),
             ami=pinned_ami(AWS_AMI_PARAMETER, site.region, self),
