@@ -24,12 +24,63 @@ from denv_iac.components.security import (
     PORTS_PER_GPU,
     replica_port,
 )
-from denv_iac.placement import Placement, place_replicas
-from denv_iac.spec.model import RecipeSpec, StackSpec
+from denv_iac.placement import PlacedNode, Placement, place_replicas
+from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError, read_stack
 
-BUILT_SITE_KINDS = ("aws", "hetzner", "joined", "local")
 _EXISTING_NODE_SITES = {"hetzner": HetznerSite, "joined": JoinedSite, "local": LocalSite}
+
+
+class SiteContext(TypedDict):
+    """What every site component may need, beyond its placed nodes."""
+
+    stack: str  # the stack's name
+    spec: StackSpec
+    nodes: Sequence[PlacedNode]  # the placed nodes of this site
+    secrets: Mapping[str, pulumi.Output[str]]  # this site's secret fields, by field name
+    balancer_addresses: Mapping[str, pulumi.Output[str]]  # balancer site -> host address
+
+
+def _aws_site(
+    name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
+) -> pulumi.Output[dict[str, str]]:
+    args: AwsSiteArgs = {
+        "stack": context["stack"],
+        "site": site,
+        "recipes": context["spec"].recipes,
+        "nodes": context["nodes"],
+        "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
+        "balancer_addresses": context["balancer_addresses"],
+    }
+    return AwsSite(name, args, opts).node_addresses
+
+
+def _existing_site(
+    name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
+) -> pulumi.Output[dict[str, str]]:
+    component = _EXISTING_NODE_SITES[site.kind]
+    return component(name, {"nodes": context["nodes"]}, opts).node_addresses
+
+
+# Site kind -> a function making the site's component and giving its node addresses by name.
+SiteBuilder = Callable[
+    [str, SiteSpec, SiteContext, pulumi.ResourceOptions], pulumi.Output[dict[str, str]]
+]
+SITE_BUILDERS: dict[str, SiteBuilder] = {
+    "aws": _aws_site,
+    "hetzner": _existing_site,
+    "joined": _existing_site,
+    "local": _existing_site,
+}
+BUILT_SITE_KINDS = tuple(SITE_BUILDERS)
+
+
+def public_key_output(private_key: pulumi.Output[str]) -> pulumi.Output[str]:
+    """The public half of a secret SSH key, as a plain Output.
+
+    The public half is no secret; leaving it marked would hide it in every preview.
+    """
+    return pulumi.Output.unsecret(private_key.apply(public_key_of))
 
 
 class ClusterArgs(TypedDict):
@@ -143,11 +194,6 @@ class Cluster(pulumi.ComponentResource):
             }
         )
 
-    def _public_key(self, site: str) -> pulumi.Output[str]:
-        derived = self._secrets[(site, "ssh_private_key")].apply(public_key_of)
-        # The public half is no secret; leaving it marked would hide it in every preview.
-        return pulumi.Output.unsecret(derived)
-
     def _balancer_hosts(self) -> dict[str, pulumi.Output[str]]:
         """Balancer site -> host address; made first, since every site's rules name them."""
         hosts = {}
@@ -159,7 +205,9 @@ class Cluster(pulumi.ComponentResource):
                 "balancer": self._stack.balancer,
             }
             if site.kind in MACHINE_HOST_KINDS:
-                args["public_key"] = self._public_key(site_name)
+                args["public_key"] = public_key_output(
+                    self._secrets[(site_name, "ssh_private_key")]
+                )
             host = BalancerHost(
                 child_name(self._name, "balancer", site_name),
                 args,
@@ -173,25 +221,20 @@ class Cluster(pulumi.ComponentResource):
     ) -> dict[str, pulumi.Output[dict[str, str]]]:
         """Site name -> its node addresses by node name."""
         addresses = {}
-        child = pulumi.ResourceOptions(parent=self)
         for site in self._stack.sites:
-            nodes = [node for node in placement.nodes if node.site == site.name]
-            component_name = child_name(self._name, site.name)
-            if site.kind == "aws":
-                aws_args: AwsSiteArgs = {
-                    "stack": self._name,
-                    "site": site,
-                    "recipes": self._stack.recipes,
-                    "nodes": nodes,
-                    "public_key": self._public_key(site.name),
-                    "balancer_addresses": hosts,
-                }
-                addresses[site.name] = AwsSite(component_name, aws_args, child).node_addresses
-            else:
-                existing = _EXISTING_NODE_SITES[site.kind]
-                addresses[site.name] = existing(
-                    component_name, {"nodes": nodes}, child
-                ).node_addresses
+            context: SiteContext = {
+                "stack": self._name,
+                "spec": self._stack,
+                "nodes": [node for node in placement.nodes if node.site == site.name],
+                "secrets": {f: v for (owner, f), v in self._secrets.items() if owner == site.name},
+                "balancer_addresses": hosts,
+            }
+            addresses[site.name] = SITE_BUILDERS[site.kind](
+                child_name(self._name, site.name),
+                site,
+                context,
+                pulumi.ResourceOptions(parent=self),
+            )
         return addresses
 
     def _pool(
