@@ -111,3 +111,83 @@ def public_key_of(private_key: str) -> str:
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )
     return str(public.decode())
+
+
+def public_key_output(private_key: pulumi.Output[str]) -> pulumi.Output[str]:
+    """The public half of a secret SSH key, as a plain Output.
+
+    The public half is no secret; leaving it marked would hide it in every preview.
+    """
+    return pulumi.Output.unsecret(private_key.apply(public_key_of))
+
+
+class ClusterArgs(TypedDict):
+    """The `denv:` keys of a stack's config, as plain data (see docs/stacks.md)."""
+
+    sites: Sequence[Mapping[str, Any]]
+    recipes: Sequence[Mapping[str, Any]]
+    balancer: Mapping[str, Any]
+    previous: NotRequired[Sequence[str]]  # replica ids of the locked placement
+
+
+def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement, SecretValues]:
+    """The stack, its placement and its secrets; StackError with every problem otherwise."""
+    sites, balancer, secrets = seal_secrets(args["sites"], args["balancer"])
+    config = {"denv:sites": sites, "denv:recipes": list(args["recipes"]), "denv:balancer": balancer}
+    stack = read_stack(name, config)
+    problems = [
+        f"sites: {site.name}: kind {site.kind} has no component yet; "
+        f"use one of {', '.join(BUILT_SITE_KINDS)}"
+        for site in stack.sites
+        if site.kind not in BUILT_SITE_KINDS
+    ]
+    problems += [
+        f"balancer.sites: {site}: a {stack.site(site).kind} site cannot host the balancer yet; "
+        f"use one of {', '.join(HOST_KINDS)}"
+        for site in stack.balancer.sites
+        if stack.site(site).kind not in HOST_KINDS
+    ]
+    problems += _key_problems(args["sites"], stack)
+    if problems:
+        raise StackError(problems)
+    placement = place_replicas(stack, args.get("previous", ()))
+    _check_ports(stack, placement)
+    return stack, placement, secrets
+
+
+def _key_problems(raw_sites: Sequence[Mapping[str, Any]], stack: StackSpec) -> list[str]:
+    """SSH keys given as strings are read now, so a bad one fails before anything exists.
+
+    A key given as an Output (the stack program's) is only known later, when it is used.
+    """
+    hosts = {s for s in stack.balancer.sites if stack.site(s).kind in MACHINE_HOST_KINDS}
+    need_key = hosts | {site.name for site in stack.sites if site.kind == "aws"}
+    problems = []
+    for raw in raw_sites:
+        value = raw.get("ssh_private_key", {}).get("secure")
+        if raw.get("name") in need_key and isinstance(value, str):
+            try:
+                public_key_of(value)
+            except ValueError as error:
+                problems.append(f"sites: {raw['name']}.{error}")
+    return problems
+
+
+def _check_ports(stack: StackSpec, placement: Placement) -> None:
+    """Two replicas on one node, or a replica and the agent, must never share a port."""
+    taken: dict[tuple[str, str, int], str] = {}
+    problems = []
+    apart = PORTS_PER_GPU * MAX_GPUS_PER_NODE
+    recipes = {recipe.name: recipe for recipe in stack.recipes}
+    for replica in placement.replicas:
+        port = replica_port(recipes[replica.pool], replica)
+        where = (replica.site, replica.node, port)
+        if port in AGENT_PORTS or where in taken:
+            other = taken.get(where, "the node agent")
+            problems.append(
+                f"recipes: {replica.pool}: replica {replica.id} would take port {port}, used by "
+                f"{other}; give the recipes ports at least {apart} apart"
+            )
+        taken[where] = replica.id
+    if problems:
+        raise StackError(problems)
