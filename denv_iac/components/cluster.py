@@ -1,12 +1,14 @@
 """Cluster: sites, warm pools and the balancer of a whole stack, from plain data."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NotRequired, TypedDict
 
 import pulumi
 
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
 from denv_iac.components.balancer import GlobalBalancer
 from denv_iac.components.balancer_host import (
+    HOST_KINDS,
     MACHINE_HOST_KINDS,
     BalancerHost,
     BalancerHostArgs,
@@ -15,15 +17,22 @@ from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.naming import child_name
 from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
 from denv_iac.components.secrets import (
+    SecretValues,
+    public_key_of,
     public_key_output,
+    seal_secrets,
 )
 from denv_iac.components.security import (
     AGENT_PORT,
+    AGENT_PORTS,
+    MAX_GPUS_PER_NODE,
+    PORTS_PER_GPU,
     replica_port,
 )
 from denv_iac.components.site import SiteBuilder, SiteContext
-from denv_iac.placement import Placement
-from denv_iac.spec.model import RecipeSpec, SiteSpec
+from denv_iac.placement import Placement, place_replicas
+from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
+from denv_iac.spec.reader import StackError, read_stack
 
 _EXISTING_NODE_SITES = {"hetzner": HetznerSite, "joined": JoinedSite, "local": LocalSite}
 
@@ -56,6 +65,78 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
     "local": _existing_site,
 }
 BUILT_SITE_KINDS = tuple(SITE_BUILDERS)
+
+
+class ClusterArgs(TypedDict):
+    """The `denv:` keys of a stack's config, as plain data (see docs/stacks.md)."""
+
+    sites: Sequence[Mapping[str, Any]]
+    recipes: Sequence[Mapping[str, Any]]
+    balancer: Mapping[str, Any]
+    previous: NotRequired[Sequence[str]]  # replica ids of the locked placement
+
+
+def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement, SecretValues]:
+    """The stack, its placement and its secrets; StackError with every problem otherwise."""
+    sites, balancer, secrets = seal_secrets(args["sites"], args["balancer"])
+    config = {"denv:sites": sites, "denv:recipes": list(args["recipes"]), "denv:balancer": balancer}
+    stack = read_stack(name, config)
+    problems = [
+        f"sites: {site.name}: kind {site.kind} has no component yet; "
+        f"use one of {', '.join(BUILT_SITE_KINDS)}"
+        for site in stack.sites
+        if site.kind not in BUILT_SITE_KINDS
+    ]
+    problems += [
+        f"balancer.sites: {site}: a {stack.site(site).kind} site cannot host the balancer yet; "
+        f"use one of {', '.join(HOST_KINDS)}"
+        for site in stack.balancer.sites
+        if stack.site(site).kind not in HOST_KINDS
+    ]
+    problems += _key_problems(args["sites"], stack)
+    if problems:
+        raise StackError(problems)
+    placement = place_replicas(stack, args.get("previous", ()))
+    _check_ports(stack, placement)
+    return stack, placement, secrets
+
+
+def _key_problems(raw_sites: Sequence[Mapping[str, Any]], stack: StackSpec) -> list[str]:
+    """SSH keys given as strings are read now, so a bad one fails before anything exists.
+
+    A key given as an Output (the stack program's) is only known later, when it is used.
+    """
+    hosts = {s for s in stack.balancer.sites if stack.site(s).kind in MACHINE_HOST_KINDS}
+    need_key = hosts | {site.name for site in stack.sites if site.kind == "aws"}
+    problems = []
+    for raw in raw_sites:
+        value = raw.get("ssh_private_key", {}).get("secure")
+        if raw.get("name") in need_key and isinstance(value, str):
+            try:
+                public_key_of(value)
+            except ValueError as error:
+                problems.append(f"sites: {raw['name']}.{error}")
+    return problems
+
+
+def _check_ports(stack: StackSpec, placement: Placement) -> None:
+    """Two replicas on one node, or a replica and the agent, must never share a port."""
+    taken: dict[tuple[str, str, int], str] = {}
+    problems = []
+    apart = PORTS_PER_GPU * MAX_GPUS_PER_NODE
+    recipes = {recipe.name: recipe for recipe in stack.recipes}
+    for replica in placement.replicas:
+        port = replica_port(recipes[replica.pool], replica)
+        where = (replica.site, replica.node, port)
+        if port in AGENT_PORTS or where in taken:
+            other = taken.get(where, "the node agent")
+            problems.append(
+                f"recipes: {replica.pool}: replica {replica.id} would take port {port}, used by "
+                f"{other}; give the recipes ports at least {apart} apart"
+            )
+        taken[where] = replica.id
+    if problems:
+        raise StackError(problems)
 
 
 class Cluster(pulumi.ComponentResource):
