@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from denv_iac.bench_plot import render_svg
+from denv_iac.bench_plot import FORMATS, write_plot
 from denv_iac.console import fail, wide_console
 from denv_iac.loadgen import LoadReport, run_load
 
@@ -75,7 +75,7 @@ def _summary_line(summary: dict[str, object]) -> str:
     "--plot",
     "plot_file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Write an SVG figure to FILE.svg: TTFT histogram and TTFT per request over time.",
+    help="Write a figure to FILE.png (or .svg): TTFT histogram and TTFT per request over time.",
 )
 @click.option("--quiet", is_flag=True, help="No progress line and no table: one summary line.")
 def bench(
@@ -93,8 +93,8 @@ def bench(
     """Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind."""
     if not url.startswith(("http://", "https://")):
         fail([f"URL: {url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080"])
-    if plot_file is not None and plot_file.suffix != ".svg":
-        fail([f"--plot: {plot_file} must end in .svg; e.g. --plot ttft.svg"])
+    if plot_file is not None and plot_file.suffix not in FORMATS:
+        fail([f"--plot: {plot_file} must end in {' or '.join(FORMATS)}; e.g. --plot ttft.png"])
     if duration is None and requests is None:
         duration = 10.0
     what = f"{url} pool {pool}, concurrency {concurrency}"
@@ -111,7 +111,7 @@ def bench(
     report = asyncio.run(load if quiet or to_stdout else _with_progress(load, what, duration))
     summary = report.summary()
     if plot_file is not None:
-        plot_file.write_text(render_svg(report, what), encoding="utf-8")
+        write_plot(report, what, plot_file)
     if to_stdout:
         click.echo(json.dumps(summary, indent=2))
     elif json_file:

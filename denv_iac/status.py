@@ -7,15 +7,19 @@ such, and its replicas keep what HAProxy says.
 """
 
 import asyncio
+import csv
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
+from denv_iac.balancer.haproxy import STATS_PATH
+from denv_iac.balancer.runtime import parse_stats_csv
 from denv_iac.spec.model import StackSpec
 
 AGENT_TIMEOUT_S = 1.0
+STATS_TIMEOUT_S = 5.0
 AGENT_UNREACHABLE = "agent unreachable"
 
 
@@ -171,3 +175,30 @@ def read_agents(
         return asyncio.run(asyncio.wait_for(_read_agents(endpoints, timeout_s), deadline))
     except TimeoutError:
         return [AgentHealth(e.node, e.url, False, "timed out", {}) for e in endpoints]
+
+
+class StatsUnreadable(Exception):
+    """A balancer's stats page could not be read; the message says why, in one line."""
+
+
+def stats_url(endpoint: str) -> str:
+    """The CSV stats page of a balancer's metrics address (`http://HOST:8405`)."""
+    base = endpoint.rstrip("/").removesuffix(STATS_PATH)
+    return f"{base}{STATS_PATH};csv"
+
+
+def read_remote_stats(
+    endpoint: str, timeout_s: float = STATS_TIMEOUT_S
+) -> dict[str, dict[str, str]]:
+    """`show stat` rows read over HTTP from a balancer's stats page, by server name."""
+    url = stats_url(endpoint)
+    try:
+        response = httpx.get(url, timeout=timeout_s)
+        response.raise_for_status()
+        return parse_stats_csv(response.text)
+    except httpx.HTTPStatusError as error:
+        raise StatsUnreadable(f"{url}: HTTP {error.response.status_code}") from None
+    except httpx.HTTPError as error:
+        raise StatsUnreadable(f"{url}: {_describe(error)}") from None
+    except (KeyError, csv.Error):
+        raise StatsUnreadable(f"{url}: not HAProxy's stats CSV") from None

@@ -24,13 +24,16 @@ from denv_iac.status import (
     AgentHealth,
     PoolStatus,
     ReplicaStatus,
+    StatsUnreadable,
     pool_statuses,
     read_agents,
+    read_remote_stats,
     replica_statuses,
     with_agent_health,
 )
 
 DEFAULT_STACK = "local"
+EXAMPLE = "http://203.0.113.5:8405"
 
 
 def _run_state(stack_name: str, required: bool) -> RunState | None:
@@ -53,21 +56,36 @@ def _run_state(stack_name: str, required: bool) -> RunState | None:
 
 
 def _sources(
-    stack_name: str | None, admin_socket: Path | None
-) -> tuple[StackSpec | None, RunState | None, Path]:
-    """The stack (for min_warm), the local run state (for agents) and the socket to read."""
-    if stack_name is None and admin_socket is not None:
+    stack_name: str | None, admin_socket: Path | None, remote: bool
+) -> tuple[StackSpec | None, RunState | None, Path | None]:
+    """The stack (for min_warm), the local run state (for agents) and the socket to read.
+
+    A remote balancer (`--endpoint`) has no local run: only its stack, when named, is read.
+    """
+    if stack_name is None and (admin_socket is not None or remote):
         return None, None, admin_socket
     name = stack_name or DEFAULT_STACK
     try:
         stack = load_stack(find_stacks_dir(), name)
-        state = _run_state(name, required=admin_socket is None)
+        state = None if remote else _run_state(name, required=admin_socket is None)
     except StackError as error:
         fail(error.problems)
-    if admin_socket is None:
-        assert state is not None  # required above
+    if admin_socket is None and state is not None:
         admin_socket = Path(state.admin_socket)
     return stack, state, admin_socket
+
+
+def _server_rows(socket_path: Path | None, endpoint: str | None) -> dict[str, dict[str, str]]:
+    if endpoint is not None:
+        try:
+            return read_remote_stats(endpoint)
+        except StatsUnreadable as error:
+            fail([f"--endpoint: {error}; pass the balancer's metrics address, e.g. {EXAMPLE}"])
+    assert socket_path is not None  # _sources gives one without --endpoint
+    try:
+        return server_stats(socket_path)
+    except (OSError, KeyError) as error:
+        fail([f"admin socket {socket_path}: cannot read the balancer's stats ({error})"])
 
 
 def _agent_endpoints(state: RunState | None) -> list[AgentEndpoint]:
@@ -136,21 +154,32 @@ def _render(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Read this HAProxy admin socket instead (with --stack too: judged against its min_warm).",
 )
+@click.option(
+    "--endpoint",
+    help=(
+        "Read a remote balancer's stats page at its metrics address "
+        f"(the balancer's prometheus_port, open to admin CIDRs), e.g. {EXAMPLE}."
+    ),
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def status(stack_name: str | None, admin_socket: Path | None, as_json: bool) -> None:
+def status(
+    stack_name: str | None, admin_socket: Path | None, endpoint: str | None, as_json: bool
+) -> None:
     """Per pool, site and replica: state, weight, reason, active streams, last probe TTFT.
 
     Exits 1 when a pool has fewer healthy replicas than its min_warm, 2 for bad input.
     """
-    stack, state, socket_path = _sources(stack_name, admin_socket)
-    try:
-        rows = server_stats(socket_path)
-    except (OSError, KeyError) as error:
-        fail([f"admin socket {socket_path}: cannot read the balancer's stats ({error})"])
+    if endpoint is not None and admin_socket is not None:
+        fail(["--endpoint and --admin-socket name two balancers; pass one of them"])
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        fail([f"--endpoint: {endpoint!r} is not an http(s) URL; e.g. {EXAMPLE}"])
+    stack, state, socket_path = _sources(stack_name, admin_socket, remote=endpoint is not None)
+    rows = _server_rows(socket_path, endpoint)
     agents = read_agents(_agent_endpoints(state))
     replicas = with_agent_health(replica_statuses(rows), agents)
     pools = pool_statuses(stack, replicas)
-    endpoint = state.endpoint if state is not None else None
+    if state is not None:
+        endpoint = state.endpoint
     if as_json:
         document = {
             "stack": stack.name if stack is not None else None,
@@ -165,6 +194,8 @@ def status(stack_name: str | None, admin_socket: Path | None, as_json: bool) -> 
         click.echo(json.dumps(document, indent=2))
     else:
         where = f" at {endpoint}" if endpoint else f" via {socket_path}"
+        if state is None and endpoint is not None:
+            where += " (remote: node agents are not read)"
         title = f"Stack {stack.name}{where}" if stack is not None else f"Balancer{where}"
         _render(wide_console(), title, pools, replicas, agents)
     sys.exit(0 if all(p.ok for p in pools) else 1)

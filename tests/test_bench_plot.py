@@ -1,16 +1,15 @@
-"""`denv bench --plot`: a valid, deterministic SVG with the run's figures, errors marked."""
+"""`denv bench --plot`: a PNG (or SVG) with the run's figures and errors, readable at a glance."""
 
-import math
 import random
-import xml.etree.ElementTree as ET
+from pathlib import Path
 
-from hypothesis import given
-from hypothesis import strategies as st
+import pytest
+from matplotlib.collections import PathCollection
+from matplotlib.figure import Figure
+from PIL import Image
 
-from denv_iac.bench_plot import nice_ticks, render_svg
+from denv_iac.bench_plot import BAR, DPI, ERROR, SIZE_IN, render_figure, write_plot
 from denv_iac.loadgen import LoadReport, StreamResult
-
-SVG = "{http://www.w3.org/2000/svg}"
 
 
 def synthetic_report(seed: int = 7, requests: int = 400) -> LoadReport:
@@ -27,56 +26,85 @@ def synthetic_report(seed: int = 7, requests: int = 400) -> LoadReport:
     return LoadReport(results, wall_s=10.0)
 
 
-def parse(svg: str) -> ET.Element:
-    root = ET.fromstring(svg)
-    assert root.tag == f"{SVG}svg"
-    return root
+def texts(figure: Figure) -> list[str]:
+    found = [t.get_text() for t in figure.texts]
+    if figure.get_suptitle():
+        found.append(figure.get_suptitle())
+    for axes in figure.axes:
+        found += [t.get_text() for t in axes.texts]
+        found += [axes.get_title(loc) for loc in ("left", "center", "right")]
+    return [t for t in found if t]
 
 
-def texts(root: ET.Element) -> list[str]:
-    return [t.text or "" for t in root.iter(f"{SVG}text")]
+def points(figure: Figure, color_hex: str | None = None) -> int:
+    """How many markers the timeline draws (of one face colour, when given)."""
+    total = 0
+    for collection in figure.axes[1].collections:
+        assert isinstance(collection, PathCollection)
+        count = len(collection.get_offsets())
+        if color_hex is None or (count and _hex(collection.get_facecolor()[0]) == color_hex):
+            total += count
+    return total
 
 
-def test_plot_is_valid_svg_with_the_figures() -> None:
+def _hex(rgba: object) -> str:
+    r, g, b = (round(float(c) * 255) for c in list(rgba)[:3])  # type: ignore[call-overload]
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def test_figure_carries_the_run_s_figures_and_marks_every_request() -> None:
     report = synthetic_report()
-    root = parse(render_svg(report, "http://127.0.0.1:8080 pool voice"))
-    words = texts(root)
+    figure = render_figure(report, "http://127.0.0.1:8080 pool voice")
+    words = "\n".join(texts(figure))
     assert "http://127.0.0.1:8080 pool voice" in words
+    assert "400 requests, 395 ok, 5 failed; TTFT p50 " in words
     assert f"p90 {report.ttft_ms(90):.1f}" in words
-    assert any(w.startswith("400 requests, ") and "p50" in w for w in words)
     assert "errors: aborted 4, connect 1" in words
-    crosses = [p for p in root.iter(f"{SVG}path") if p.get("stroke") == "#c53030"]
-    assert len(crosses) == sum(1 for r in report.results if not r.ok)
-    points = list(root.iter(f"{SVG}circle"))
-    assert len(points) == sum(1 for r in report.results if r.ok)
-    assert sum(1 for _ in root.iter(f"{SVG}rect")) > 5  # background and histogram bars
+    assert points(figure) == 400  # every request: a dot when it completed, a cross when not
+    assert points(figure, ERROR) == 5
 
 
-def test_same_report_same_bytes() -> None:
+def test_png_is_the_promised_size_and_shows_bars_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "ttft.png"
+    write_plot(synthetic_report(), "t", path)
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        assert image.size == (round(SIZE_IN[0] * DPI), round(SIZE_IN[1] * DPI))
+        colors = {c for _, c in image.convert("RGB").getcolors(maxcolors=1 << 20) or []}
+    # Antialiasing blends edges, but the inside of a histogram bar and of a cross is exact.
+    assert _rgb(BAR) in colors and _rgb(ERROR) in colors
+    assert len(colors) > 50  # text, ticks and points: not a blank canvas
+
+
+def _rgb(color_hex: str) -> tuple[int, int, int]:
+    return tuple(int(color_hex[i : i + 2], 16) for i in (1, 3, 5))  # type: ignore[return-value]
+
+
+def test_same_report_same_svg_bytes(tmp_path: Path) -> None:
     report = synthetic_report()
     shuffled = LoadReport(random.Random(1).sample(report.results, len(report.results)), 10.0)
-    assert render_svg(report, "t") == render_svg(shuffled, "t")
+    write_plot(report, "t", tmp_path / "a.svg")
+    write_plot(shuffled, "t", tmp_path / "b.svg")
+    assert (tmp_path / "a.svg").read_bytes() == (tmp_path / "b.svg").read_bytes()
 
 
 def test_a_slow_outlier_is_counted_not_allowed_to_squeeze_the_rest() -> None:
     report = synthetic_report()
     report.results.append(StreamResult("slow", 0.05, 200, "", "x", 4000.0, 4100.0, 16))
-    root = parse(render_svg(report, "t"))
-    assert texts(root).count("1 over 100 ms") == 2  # histogram and timeline
-    hollow = [c for c in root.iter(f"{SVG}circle") if c.get("fill") == "none"]
-    assert len(hollow) == 1
+    figure = render_figure(report, "t")
+    limit = 1.5 * (report.ttft_ms(99) or 0)
+    assert texts(figure).count(f"1 over {limit:.0f} ms") == 2  # histogram and timeline
+    assert figure.axes[0].get_xlim()[1] < 100
 
 
-def test_a_run_where_nothing_completed_still_plots() -> None:
+def test_a_run_where_nothing_completed_still_plots(tmp_path: Path) -> None:
     failed = [StreamResult(f"r{i}", i * 0.1, 0, "connect", "", None, 1.0, 0) for i in range(5)]
-    root = parse(render_svg(LoadReport(failed, wall_s=0.5), "down <&> out"))
-    assert "no completed stream" in texts(root) and "down <&> out" in texts(root)
+    report = LoadReport(failed, wall_s=0.5)
+    assert "no completed stream" in texts(render_figure(report, "down <&> out"))
+    write_plot(report, "down <&> out", tmp_path / "down.png")
+    assert (tmp_path / "down.png").stat().st_size > 1000
 
 
-@given(st.floats(min_value=1e-3, max_value=1e6, allow_nan=False))
-def test_ticks_cover_the_range_in_round_steps(upper: float) -> None:
-    ticks = nice_ticks(upper)
-    assert ticks[0] == 0 and ticks[-1] >= upper * (1 - 1e-9) and 2 <= len(ticks) <= 12
-    step = ticks[1]
-    mantissa = step / 10 ** math.floor(math.log10(step))
-    assert round(mantissa, 6) in (1, 2, 2.5, 5, 10)
+def test_an_unknown_format_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="one of"):
+        write_plot(synthetic_report(), "t", tmp_path / "plot.jpg")

@@ -1,4 +1,4 @@
-"""`denv status` against a real local data plane: rotation, reasons, min_warm and bad input."""
+"""`denv status` and `denv bench` against a real local data plane (as `denv local up` runs it)."""
 
 import json
 import os
@@ -209,3 +209,66 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     assert not agents["local/n1"]["reachable"] and agents["local/n0"]["reachable"]
     replicas = {r["id"]: r for r in json.loads(result.output)["replicas"]}
     assert AGENT_UNREACHABLE in replicas["voice.local.n1.0"]["reason"]
+
+
+def metrics_address(state: RunState) -> str:
+    return state.prometheus.removesuffix("/metrics")
+
+
+@needs_haproxy
+def test_status_of_a_remote_balancer_through_its_stats_page(running: LocalCluster) -> None:
+    state = running.state
+    assert state is not None
+    wait_for_healthy(2)
+    remote = status("--stack", "t", "--endpoint", metrics_address(state), "--json")
+    assert remote.exit_code == 0, remote.output
+    document = json.loads(remote.output)
+    assert document["pools"] == [{"pool": "voice", "healthy": 2, "min_warm": 2, "ok": True}]
+    assert document["agents"] == []  # agent ports are open only to balancer hosts
+    node = state.agent_of("local/n1")
+    inject_fault(f"http://127.0.0.1:{node.http_port}", state.control_token, gpu=0, xid=79)
+    deadline = time.monotonic() + 5
+    while (table := status("--stack", "t", "--endpoint", metrics_address(state))).exit_code == 0:
+        assert time.monotonic() < deadline, table.output
+        time.sleep(0.1)
+    assert table.exit_code == 1 and "xid 79" in table.output
+    assert "(remote: node agents are not read)" in table.output
+    assert "pool voice: 1 healthy, min_warm 2: BELOW MIN_WARM" in table.output
+
+
+def test_a_bad_endpoint_exits_2_with_one_line(project: Path) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    for args, words in (
+        (["--endpoint", "ftp://203.0.113.5"], "is not an http(s) URL"),
+        (["--endpoint", f"http://127.0.0.1:{port}"], "connection refused"),
+        (["--endpoint", "http://127.0.0.1:1", "--admin-socket", "x.sock"], "pass one of them"),
+    ):
+        result = status(*args)
+        assert result.exit_code == 2, result.output
+        assert words in result.output and result.output.count("\n") == 1, result.output
+
+
+@needs_haproxy
+def test_bench_through_the_local_endpoint_measures_the_simulated_ttft(
+    running: LocalCluster, tmp_path: Path
+) -> None:
+    state = running.state
+    assert state is not None
+    wait_for_healthy(2)
+    summary_file = tmp_path / "bench.json"
+    args = [state.endpoint, "--pool", "voice", "--requests", "60", "--concurrency", "4"]
+    result = CliRunner().invoke(
+        main, ["bench", *args, "--session-turns", "3", "--json", str(summary_file)]
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(summary_file.read_text())
+    assert summary["requests"] == 60 and summary["ok"] == 60 and summary["errors"] == {}
+    # The simulator sleeps its configured 20 ms before the first token: never faster, and the
+    # balancer adds well under a millisecond, so the median stays near it even on a busy machine.
+    simulated = CONFIG["denv:recipes"][0]["simulate"]["ttft_ms"]
+    assert simulated <= summary["ttft_p50_ms"] <= summary["ttft_p90_ms"] <= summary["ttft_p99_ms"]
+    assert summary["ttft_p50_ms"] < simulated * 3
+    assert summary["itl_mean_ms"] >= CONFIG["denv:recipes"][0]["simulate"]["itl_ms"] * 0.9
+    assert set(summary["replicas"]) == {"voice.local.n0.0", "voice.local.n1.0"}

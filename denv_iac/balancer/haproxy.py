@@ -25,6 +25,7 @@ API_KEYS_MAP = "api_keys.map"
 NO_REPLICA_BACKEND = "denv.no-healthy-replica"
 ENDPOINT_FRONTEND = "denv.endpoint"
 PROMETHEUS_FRONTEND = "denv.prometheus"
+STATS_PATH = "/stats"
 
 # Routing on the `model` field reads the body from one buffer; 64 KiB holds typical chat
 # requests whole, so they can also be retried (a request larger than the buffer never is).
@@ -162,11 +163,17 @@ def _prometheus_frontend(settings: BalancerSettings) -> str:
     assert settings.prometheus_port is not None
     return _section(
         f"frontend {PROMETHEUS_FRONTEND}",
-        ["Prometheus metrics of every frontend, backend and server, on their own port."],
+        [
+            "Prometheus metrics of every frontend, backend and server, on their own port,",
+            "and the stats page (`/stats;csv` is `show stat`) for `denv status --endpoint`.",
+        ],
         [
             f"bind {_host_port(settings.bind_address, settings.prometheus_port)}",
             "no log",
             "http-request use-service prometheus-exporter if { path /metrics }",
+            "# Read-only: without `stats admin` nobody can change a server from here.",
+            "stats enable",
+            f"stats uri {STATS_PATH}",
         ],
     )
 

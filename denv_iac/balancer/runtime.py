@@ -30,11 +30,13 @@ class HaproxyProcess:
         stats_socket: Path,
         log_path: Path,
         haproxy_bin: str = "haproxy",
+        command_prefix: tuple[str, ...] = (),
     ) -> None:
         self.config_path = config_path
         self.stats_socket = stats_socket
         self.log_path = log_path
         self.haproxy_bin = haproxy_bin
+        self.command_prefix = command_prefix  # e.g. `ip netns exec NAME`: where it runs
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -45,7 +47,7 @@ class HaproxyProcess:
         """Start and wait until the worker answers on the stats socket."""
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                [self.haproxy_bin, "-W", "-f", str(self.config_path)],
+                [*self.command_prefix, self.haproxy_bin, "-W", "-f", str(self.config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -108,6 +110,13 @@ def stats_command(socket_path: Path, command: str, timeout_s: float = 2.0) -> st
 
 def server_stats(socket_path: Path) -> dict[str, dict[str, str]]:
     """`show stat` rows of every server, by server name (replica id)."""
-    text = stats_command(socket_path, "show stat").removeprefix("# ")
-    rows = csv.DictReader(io.StringIO(text))
+    return parse_stats_csv(stats_command(socket_path, "show stat"))
+
+
+def parse_stats_csv(text: str) -> dict[str, dict[str, str]]:
+    """Server rows of HAProxy's stats CSV (`show stat`, or the stats page's `;csv`) by name.
+
+    KeyError when the text is not that CSV (no `svname` column).
+    """
+    rows = csv.DictReader(io.StringIO(text.removeprefix("# ")))
     return {row["svname"]: row for row in rows if row["svname"] not in ("FRONTEND", "BACKEND")}
