@@ -42,13 +42,12 @@ class DemoResult:
 
 
 def inject_xid(state: RunState, node: str, gpu: int, xid: int) -> None:
-    agent = state.agent_of(node)
-    inject_fault(f"http://127.0.0.1:{agent.http_port}", state.control_token, gpu=gpu, xid=xid)
+    inject_fault(state.agent_of(node).url, state.control_token, gpu=gpu, xid=xid)
 
 
 def kill_replica(state: RunState, replica_id: str) -> None:
     replica = next(r for r in state.replicas if r.id == replica_id)
-    httpx.post(f"http://127.0.0.1:{replica.port}/control/fault", json={"mode": "exit"}, timeout=5)
+    httpx.post(f"{replica.url}/control/fault", json={"mode": "exit"}, timeout=5)
 
 
 def seen_by_replicas(state: RunState) -> dict[str, list[str]]:
@@ -56,7 +55,7 @@ def seen_by_replicas(state: RunState) -> dict[str, list[str]]:
     seen: dict[str, list[str]] = {}
     for replica in state.replicas:
         try:
-            stats = httpx.get(f"http://127.0.0.1:{replica.port}/stats", timeout=5).json()
+            stats = httpx.get(f"{replica.url}/stats", timeout=5).json()
         except httpx.HTTPError:
             continue
         for request_id, count in stats["by_request_id"].items():

@@ -403,9 +403,15 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 class ReplicaProcess:
     """A simulated replica in its own process, as the local runner and the tests start it."""
 
-    def __init__(self, config: ReplicaSimConfig, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: ReplicaSimConfig,
+        log_path: Path | None = None,
+        command_prefix: tuple[str, ...] = (),
+    ) -> None:
         self.config = config
         self.log_path = log_path
+        self.command_prefix = command_prefix  # e.g. `ip netns exec NAME`: where it runs
         self.port = config.port
         self._process: subprocess.Popen[str] | None = None
 
@@ -420,7 +426,10 @@ class ReplicaProcess:
     def spawn(self) -> None:
         """Start the process; wait_ready() then gives its port. Split so that many replicas
         start in parallel."""
-        command = [sys.executable, "-m", "denv_iac.local.replica_sim", *self._arguments()]
+        command = [
+            *self.command_prefix,
+            *(sys.executable, "-m", "denv_iac.local.replica_sim", *self._arguments()),
+        ]
         log = self.log_path.open("a") if self.log_path is not None else None
         try:
             self._process = subprocess.Popen(

@@ -1,7 +1,8 @@
 """`denv local up`: the whole data plane of a stack on this machine.
 
 Simulated replicas (or the recipe's own command), one real `denv-agent --simulate` per node and a
-real HAProxy, all on 127.0.0.1. Run state lives in `.denv/<stack>/`, with `state.json` for
+real HAProxy, all on 127.0.0.1 unless each site is given a Host of its own (a network namespace,
+see denv_iac.local.netns). Run state lives in `.denv/<stack>/`, with `state.json` for
 scripts: the endpoint, the admin socket, and each replica's id, address, port, agent port and pid.
 Everything started is recorded there by pid so that `denv local down` stops exactly that.
 """
@@ -15,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,18 @@ HOST = "127.0.0.1"
 Progress = Callable[[str], None]
 
 
+@dataclass(frozen=True)
+class Host:
+    """Where processes of the data plane run: the address they listen on, and the command
+    prefix that starts a process there (`ip netns exec NAME` for a network namespace)."""
+
+    address: str = HOST
+    prefix: tuple[str, ...] = ()
+
+
+LOOPBACK = Host()
+
+
 @dataclass
 class ReplicaState:
     id: str
@@ -44,6 +57,10 @@ class ReplicaState:
     agent_port: int
     pid: int
 
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
 
 @dataclass
 class AgentState:
@@ -52,6 +69,12 @@ class AgentState:
     http_port: int
     pid: int
     config: str
+    address: str = HOST
+
+    @property
+    def url(self) -> str:
+        """The agent's HTTP API: /healthz, /metrics and the control endpoint."""
+        return f"http://{self.address}:{self.http_port}"
 
 
 @dataclass
@@ -115,8 +138,8 @@ def agent_config_toml(
         f'control_token = "{token}"',
         "",
         "[listen]",
-        f'agent_check = "{HOST}:{state.agent_port}"',
-        f'http = "{HOST}:{state.http_port}"',
+        f'agent_check = "{state.address}:{state.agent_port}"',
+        f'http = "{state.address}:{state.http_port}"',
         "",
         "[intervals]",
         "gpu_poll_s = 0.1",
@@ -133,7 +156,7 @@ def agent_config_toml(
             "",
             "[[replicas]]",
             f'id = "{replica.id}"',
-            f'health_url = "http://{HOST}:{replica.port}{recipe.health_path}"',
+            f'health_url = "{replica.url}{recipe.health_path}"',
             f"gpu = {replica.gpu}",
         ]
         if recipe.ttft_budget_ms is not None:
@@ -143,13 +166,25 @@ def agent_config_toml(
 
 
 class LocalCluster:
-    """Starts and stops one stack's local data plane."""
+    """Starts and stops one stack's local data plane.
 
-    def __init__(self, stack: StackSpec, directory: Path, port: int | None = None) -> None:
+    Each site runs on its Host in `hosts` (loopback when absent), HAProxy on `balancer`.
+    """
+
+    def __init__(
+        self,
+        stack: StackSpec,
+        directory: Path,
+        port: int | None = None,
+        hosts: Mapping[str, Host] | None = None,
+        balancer: Host = LOOPBACK,
+    ) -> None:
         check_local_only(stack)
         self.stack = stack
         self.directory = directory
         self.port = port or stack.balancer.port
+        self.hosts = dict(hosts or {})
+        self.balancer = balancer
         self.placement = place_replicas(stack)
         self._replicas: dict[str, ReplicaProcess] = {}
         self._agents: list[subprocess.Popen[bytes]] = []
@@ -160,10 +195,10 @@ class LocalCluster:
     def up(self, progress: Progress = lambda _: None) -> RunState:
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / "logs").mkdir(exist_ok=True)
-        if endpoint_in_use(self.port):
+        if endpoint_in_use(self.port, self.balancer.address):
             raise StackError(
                 [
-                    f"--port: 127.0.0.1:{self.port} is taken; stop what uses it, run "
+                    f"--port: {self.balancer.address}:{self.port} is taken; stop what uses it, run "
                     "`denv local down`, or pass --port"
                 ]
             )
@@ -177,12 +212,19 @@ class LocalCluster:
         (self.directory / "state.json").write_text(self.state.to_json())
         return self.state
 
+    def host_of(self, site: str) -> Host:
+        return self.hosts.get(site, LOOPBACK)
+
     def _start_replicas(self, progress: Progress) -> list[ReplicaState]:
         recipes = {r.name: r for r in self.stack.recipes}
         for replica in self.placement.replicas:
             sim = recipes[replica.pool].simulate
-            config = ReplicaSimConfig(replica.id, HOST, 0, sim.ttft_ms, sim.itl_ms, sim.tokens)
-            process = ReplicaProcess(config, self.directory / "logs" / f"{replica.id}.log")
+            host = self.host_of(replica.site)
+            config = ReplicaSimConfig(
+                replica.id, host.address, 0, sim.ttft_ms, sim.itl_ms, sim.tokens
+            )
+            log = self.directory / "logs" / f"{replica.id}.log"
+            process = ReplicaProcess(config, log, host.prefix)
             process.spawn()
             self._replicas[replica.id] = process
         agent_ports = {node: free_port() for node in self._nodes()}
@@ -198,13 +240,13 @@ class LocalCluster:
                     replica.site,
                     replica.node,
                     replica.gpu,
-                    HOST,
+                    process.config.host,
                     port,
                     agent_ports[f"{replica.site}/{replica.node}"],
                     process.pid,
                 )
             )
-            progress(f"replica {replica.id} ready on {HOST}:{port}")
+            progress(f"replica {replica.id} ready on {process.config.host}:{port}")
         return states
 
     def _nodes(self) -> list[str]:
@@ -220,7 +262,8 @@ class LocalCluster:
             if not mine:
                 continue
             path = self.directory / f"agent-{node.site}-{node.name}.toml"
-            state = AgentState(key, mine[0].agent_port, free_port(), 0, str(path))
+            host = self.host_of(node.site)
+            state = AgentState(key, mine[0].agent_port, free_port(), 0, str(path), host.address)
             path.write_text(
                 agent_config_toml(
                     key,
@@ -235,7 +278,10 @@ class LocalCluster:
             path.chmod(0o600)
             log = (self.directory / "logs" / f"agent-{node.site}-{node.name}.log").open("ab")
             process = subprocess.Popen(
-                [sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"],
+                [
+                    *host.prefix,
+                    *(sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -245,8 +291,8 @@ class LocalCluster:
             state.pid = process.pid
             agents.append(state)
         for state in agents:
-            wait_for_port(state.agent_port, what=f"agent of {state.node}")
-            progress(f"agent of {state.node} answering on {HOST}:{state.agent_port}")
+            wait_for_port(state.agent_port, f"agent of {state.node}", state.address)
+            progress(f"agent of {state.node} answering on {state.address}:{state.agent_port}")
         return agents
 
     def _start_haproxy(
@@ -256,13 +302,13 @@ class LocalCluster:
 
         def locate(replica: PlacedReplica) -> tuple[str, int, int]:
             state = by_id[replica.id]
-            return state.address, state.port, state.agent_port
+            return self._server_address(state), state.port, state.agent_port
 
         pools = balancer_pools(self.stack, self.placement, locate)
         socket_path = self.directory / "haproxy.sock"
         prometheus = free_port()
         settings = BalancerSettings(
-            bind_address=HOST,
+            bind_address=self.balancer.address,
             port=self.port,
             api_key_digests=self.stack.balancer.api_key_digests,
             stats_socket=str(socket_path),
@@ -272,21 +318,30 @@ class LocalCluster:
         self._pools, self._settings = pools, settings
         config_path = self._write_balancer_config()
         self._haproxy = HaproxyProcess(
-            config_path, socket_path, self.directory / "logs" / "haproxy.log"
+            config_path,
+            socket_path,
+            self.directory / "logs" / "haproxy.log",
+            command_prefix=self.balancer.prefix,
         )
         self._haproxy.start()
         assert self._haproxy.pid is not None
-        progress(f"balancer on http://{HOST}:{self.port}")
+        address = self.balancer.address
+        progress(f"balancer on http://{address}:{self.port}")
         return RunState(
             self.stack.name,
-            f"http://{HOST}:{self.port}",
+            f"http://{address}:{self.port}",
             str(socket_path),
-            f"http://{HOST}:{prometheus}/metrics",
+            f"http://{address}:{prometheus}/metrics",
             self._haproxy.pid,
             self._token,
             replicas,
             agents,
         )
+
+    def _server_address(self, replica: ReplicaState) -> str:
+        """Where HAProxy sends the replica's requests and agent checks: where it listens,
+        unless something stands in between."""
+        return replica.address
 
     def _write_balancer_config(self) -> Path:
         maps = str(self.directory / "haproxy")
@@ -310,10 +365,8 @@ class LocalCluster:
         state = next(r for r in self.state.replicas if r.id == replica_id)
         old = self._replicas[replica_id]
         old.stop()
-        config = ReplicaSimConfig(
-            replica_id, HOST, state.port, old.config.ttft_ms, old.config.itl_ms, old.config.tokens
-        )
-        process = ReplicaProcess(config, old.log_path)
+        config = dataclasses.replace(old.config, port=state.port)
+        process = ReplicaProcess(config, old.log_path, old.command_prefix)
         process.spawn()
         process.wait_ready()
         assert process.pid is not None
@@ -337,11 +390,14 @@ class LocalCluster:
         maps = str(directory)
         rendered = relocate_maps(render_haproxy_config(self._pools, settings, maps), maps)
         process = HaproxyProcess(
-            write_config(rendered, directory), Path(settings.stats_socket), directory / "log"
+            write_config(rendered, directory),
+            Path(settings.stats_socket),
+            directory / "log",
+            command_prefix=self.balancer.prefix,
         )
         process.start()
         self._extra_balancers.append(process)
-        return f"http://{HOST}:{settings.port}", process
+        return f"http://{self.balancer.address}:{settings.port}", process
 
     def down(self) -> None:
         for balancer in [*self._extra_balancers, self._haproxy]:
@@ -363,18 +419,18 @@ class LocalCluster:
             state_file.unlink()
 
 
-def endpoint_in_use(port: int) -> bool:
+def endpoint_in_use(port: int, address: str = HOST) -> bool:
     with socket.socket() as sock:
-        return sock.connect_ex((HOST, port)) == 0
+        return sock.connect_ex((address, port)) == 0
 
 
-def wait_for_port(port: int, what: str, timeout_s: float = 10.0) -> None:
+def wait_for_port(port: int, what: str, address: str = HOST, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if endpoint_in_use(port):
+        if endpoint_in_use(port, address):
             return
         time.sleep(0.02)
-    raise RuntimeError(f"{what} did not open {HOST}:{port} within {timeout_s:.0f} s")
+    raise RuntimeError(f"{what} did not open {address}:{port} within {timeout_s:.0f} s")
 
 
 # What the command lines of the processes we start contain, and no other command line does.
