@@ -5,6 +5,14 @@ from typing import NoReturn
 
 import click
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 
 def wide_console(stderr: bool = False) -> Console:
@@ -18,3 +26,45 @@ def fail(problems: list[str], code: int = 2) -> NoReturn:
     for line in problems:
         click.echo(f"error: {line}", err=True)
     sys.exit(code)
+
+
+class StepProgress:
+    """Progress of long work on stderr: a live bar in a terminal, one line per finished step.
+
+    The lines are what a CI log keeps (no live bar is drawn when stderr is not a terminal);
+    `quiet` keeps both away, for scripts that want only the result.
+    """
+
+    def __init__(self, what: str, quiet: bool = False) -> None:
+        self._quiet = quiet
+        console = wide_console(stderr=True)
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            # A log gets the step lines alone: a live display there ends in a stray blank line.
+            disable=quiet or not console.is_terminal,
+        )
+        self._task = self._progress.add_task(what, total=None)
+
+    def __enter__(self) -> "StepProgress":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def started(self, index: int, total: int | None, label: str) -> None:
+        """Step `index` of `total` (None when unknown) is running."""
+        self._progress.update(self._task, total=total, completed=index - 1, description=label)
+
+    def finished(self, index: int, total: int | None, label: str, status: str) -> None:
+        """Step `index` ended with `status`: its line is printed above the bar."""
+        self._progress.update(self._task, total=total, completed=index)
+        if not self._quiet:
+            where = f"[{index}/{total}] " if total is not None else ""
+            self._progress.console.print(f"{where}{label} ... {status}", highlight=False)

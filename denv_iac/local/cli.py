@@ -1,15 +1,17 @@
 """`denv local up|down|demo`: the data plane of a local stack on this machine."""
 
+import json
 import signal
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from denv_iac.console import wide_console
+from denv_iac.console import fail, wide_console
 from denv_iac.local.demo import run_demo
 from denv_iac.local.runner import LocalCluster, RunState, run_dir, stop_recorded
 from denv_iac.spec.reader import StackError
@@ -23,12 +25,6 @@ STACK = click.option(
     show_default=True,
     help="A stack whose sites are all local.",
 )
-
-
-def _fail(problems: list[str]) -> None:
-    for line in problems:
-        click.echo(f"error: {line}", err=True)
-    sys.exit(2)
 
 
 def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, Path]:
@@ -45,8 +41,7 @@ def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, Path]:
             )
         return LocalCluster(stack, directory, port), directory
     except StackError as error:
-        _fail(error.problems)
-        raise AssertionError from None
+        fail(error.problems)
 
 
 def _start(cluster: LocalCluster, console: Console, quiet: bool) -> RunState:
@@ -54,9 +49,9 @@ def _start(cluster: LocalCluster, console: Console, quiet: bool) -> RunState:
         with console.status("starting the local data plane") as status:
             cluster.up(lambda line: status.update(line) if not quiet else None)
     except StackError as error:
-        _fail(error.problems)
+        fail(error.problems)
     except RuntimeError as error:
-        _fail([f"local up: {error}"])
+        fail([f"local up: {error}"])
     assert cluster.state is not None
     return cluster.state
 
@@ -87,12 +82,20 @@ def local() -> None:
 @click.option("--port", type=click.IntRange(1, 65535), help="Endpoint port (default: the stack's).")
 @click.option("--detach", is_flag=True, help="Leave it running; `denv local down` stops it.")
 @click.option("--quiet", is_flag=True, help="Print only the endpoint.")
-def up(stack_name: str, port: int | None, detach: bool, quiet: bool) -> None:
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the endpoint and replicas as JSON, no progress."
+)
+def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bool) -> None:
     """Start the data plane and print the endpoint; Ctrl-C stops everything."""
+    quiet = quiet or as_json
     console = wide_console(stderr=quiet)
     cluster, _ = _cluster(stack_name, port)
     state = _start(cluster, console, quiet)
-    if quiet:
+    if as_json:
+        # The control token drives the agents' fault injection: it stays in state.json (0600).
+        document = {k: v for k, v in asdict(state).items() if k != "control_token"}
+        click.echo(json.dumps(document, indent=2))
+    elif quiet:
         click.echo(state.endpoint)
     else:
         console.print(_table(state))
@@ -118,7 +121,7 @@ def down(stack_name: str) -> None:
     try:
         directory = run_dir(find_stacks_dir().parent, stack_name)
     except StackError as error:
-        _fail(error.problems)
+        fail(error.problems)
     stopped = stop_recorded(directory)
     click.echo(f"stopped {stopped} processes" if stopped else f"{stack_name} is not running")
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from denv_iac.console import fail
+from denv_iac.console import StepProgress, fail
 from denv_iac.node.deploy import (
     NodeUnreachable,
     StepFailed,
@@ -81,9 +83,22 @@ def _spec(
     return spec
 
 
-def _progress(index: int, total: int, step: Step, status: str) -> None:
-    if status != "run":
-        click.echo(f"[{index}/{total}] {step.area}: {step.title} ... {status}", err=True)
+def _output_options(func: F) -> F:
+    func = click.option(
+        "--json", "as_json", is_flag=True, help="Print the result as JSON on stdout, no progress."
+    )(func)
+    return click.option("--quiet", is_flag=True, help="No progress: only the result line.")(func)
+
+
+def _step_progress(bar: StepProgress) -> Callable[[int, int, Step, str], None]:
+    def show(index: int, total: int, step: Step, status: str) -> None:
+        label = f"{step.area}: {step.title}"
+        if status == "run":
+            bar.started(index, total, label)
+        else:
+            bar.finished(index, total, label, status)
+
+    return show
 
 
 def _print_plan(steps: list[Step]) -> None:
@@ -104,6 +119,7 @@ def node() -> None:
 @click.option("--site", required=True, help="Site the node belongs to, e.g. hetzner-fsn1.")
 @_spec_options
 @click.option("--dry", is_flag=True, help="Print the operations; change nothing.")
+@_output_options
 def join(
     host: str,
     user: str | None,
@@ -116,17 +132,27 @@ def join(
     branch: str,
     balancers: tuple[str, ...],
     dry: bool,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
     """Prepare HOST: driver, runtime, MIG layout, agent, replica units and firewall."""
     target = _target(host, user, key, port, sudo)
     spec = _spec(spec_file, node_id, site, host, branch, balancers)
     try:
-        steps = prepare_node(target, spec, dry=dry, progress=_progress)
+        with StepProgress(f"joining {host}", quiet=quiet or as_json) as bar:
+            steps = prepare_node(target, spec, dry=dry, progress=_step_progress(bar))
     except (UnsupportedNode, MigLayoutError) as error:
         fail([f"{host}: {error}"])
     except (NodeUnreachable, StepFailed) as error:
         fail([str(error)], code=1)
-    if dry:
+    if as_json:
+        document = {
+            "host": host,
+            "dry": dry,
+            "steps": [{"area": s.area, "title": s.title, "lines": s.describe()} for s in steps],
+        }
+        click.echo(json.dumps(document, indent=2))
+    elif dry:
         _print_plan(steps)
     else:
         click.echo(f"{host}: {len(steps)} change(s) applied" if steps else f"{host}: up to date")
@@ -137,6 +163,7 @@ def join(
 @click.option("--level", type=click.Choice([lvl.value for lvl in RepairLevel]), required=True)
 @click.option("--site", default="joined", show_default=True, help="Site, for a spec from flags.")
 @_spec_options
+@_output_options
 def repair(
     host: str,
     user: str | None,
@@ -149,21 +176,38 @@ def repair(
     node_id: str | None,
     branch: str,
     balancers: tuple[str, ...],
+    quiet: bool,
+    as_json: bool,
 ) -> None:
     """Drain HOST, repair its GPUs at LEVEL, verify through NVML, undrain (stays drained if not)."""
     target = _target(host, user, key, port, sudo)
     spec = _spec(spec_file, node_id, site, host, branch, balancers)
-
-    def show(step: StepReport) -> None:
-        detail = f": {step.detail.splitlines()[-1]}" if step.detail else ""
-        click.echo(f"{step.name} ... {step.status}{detail}", err=True)
-
     try:
-        result = repair_node(target, spec, RepairLevel(level), report=show)
+        with StepProgress(f"repairing {host} ({level})", quiet=quiet or as_json) as bar:
+            done: list[StepReport] = []
+
+            def show(step: StepReport) -> None:
+                done.append(step)
+                detail = f": {step.detail.splitlines()[-1]}" if step.detail else ""
+                bar.finished(len(done), None, step.name, f"{step.status}{detail}")
+
+            result = repair_node(target, spec, RepairLevel(level), report=show)
     except RepairRefused as error:
         fail([str(error)])
     except NodeUnreachable as error:
         fail([str(error)], code=1)
+    if as_json:
+        document = {
+            "host": host,
+            "level": level,
+            "ok": result.ok,
+            "drained": result.drained,
+            "steps": [asdict(step) for step in result.steps],
+        }
+        click.echo(json.dumps(document, indent=2))
+        if not result.ok:
+            raise SystemExit(1)
+        return
     if not result.ok:
         state = "left drained" if result.drained else "not drained"
         fail([f"{host}: repair failed at '{result.steps[-1].name}'; node {state}"], code=1)

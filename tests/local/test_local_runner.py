@@ -133,9 +133,12 @@ def test_status_command_reads_a_running_stack(
     runner = CliRunner()
     assert runner.invoke(main, ["local", "status", "--stack", "t"]).exit_code == 2
     port = str(free_endpoint_port())
-    up = runner.invoke(main, ["local", "up", "--stack", "t", "--port", port, "--detach", "--quiet"])
+    up = runner.invoke(main, ["local", "up", "--stack", "t", "--port", port, "--detach", "--json"])
     try:
         assert up.exit_code == 0, up.output
+        started = json.loads(up.stdout)
+        assert started["endpoint"] == f"http://127.0.0.1:{port}" and len(started["replicas"]) == 4
+        assert "control_token" not in started
         status = runner.invoke(main, ["local", "status", "--stack", "t", "--json"])
         assert status.exit_code == 0, status.output
         pools = {p["pool"]: p for p in json.loads(status.output)["pools"]}

@@ -226,6 +226,20 @@ def test_5_second_join_changes_nothing(root: Path, spec: NodeDeploySpec) -> None
         ],
     )
     assert result.exit_code == 0 and "nothing to change" in result.output
+    applied = CliRunner().invoke(
+        node,
+        [
+            "join",
+            f"@chroot{root}",
+            "--site",
+            "joined",
+            "--spec",
+            str(spec_file(root, spec)),
+            "--json",
+        ],
+    )
+    assert applied.exit_code == 0, applied.output
+    assert json.loads(applied.output) == {"host": f"@chroot{root}", "dry": False, "steps": []}
 
 
 def break_driver(root: Path) -> None:
@@ -266,3 +280,19 @@ def test_7_repair_whose_verify_fails_leaves_the_node_drained(
     assert reports[-1].status == "failed" and "version mismatch" in reports[-1].detail
     assert (root / standin.AGENT_STATE_FILE.lstrip("/")).read_text() == "drain\n"
     assert "undrain" not in [r.name for r in reports]
+    again = CliRunner().invoke(
+        node,
+        [
+            "repair",
+            f"@chroot{root}",
+            "--level",
+            "reload",
+            "--spec",
+            str(spec_file(root, spec)),
+            "--json",
+        ],
+    )
+    assert again.exit_code == 1
+    document = json.loads(again.output)
+    assert document["ok"] is False and document["drained"] is True
+    assert document["steps"][-1]["name"] == "verify through NVML"
