@@ -83,13 +83,21 @@ def multicloud() -> ClusterArgs:
                     "sites": ["aws-use1", "aws-usw2"],
                     "image": "vllm/vllm-openai:v0.11.0",
                 },
-                {"name": "side", "gpu": "1g.10gb", "min_warm": 1, "spare": 1, "sites": ["office"]},
+                {
+                    "name": "side",
+                    "gpu": "1g.10gb",
+                    "min_warm": 1,
+                    "spare": 1,
+                    "sites": ["office"],
+                    "image": "ghcr.io/acme/side:2",
+                },
                 {
                     "name": "assist",
                     "gpu": "whole",
                     "min_warm": 1,
                     "spare": 1,
                     "sites": ["hetzner-fsn"],
+                    "image": "vllm/vllm-openai:v0.11.0",
                 },
             ],
             balancer={

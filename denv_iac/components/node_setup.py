@@ -1,0 +1,293 @@
+"""NodeSetup: the node deploy of `denv_iac.node`, run over SSH on one machine, as a resource.
+
+A `pulumi.dynamic` resource does the work. Create and update converge a GPU node (driver, MIG
+layout, runtime, agent, replica units, host firewall) or a balancer host (HAProxy config and
+maps, checked, then reloaded) and report the steps they applied; delete stops a node's replicas
+and leaves its driver. Under Pulumi's unit-test mocks the provider is never called.
+"""
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NotRequired, TypedDict
+
+import pulumi
+import pulumi.dynamic
+
+from denv_iac.balancer import RenderedConfig
+from denv_iac.components.naming import child_name
+from denv_iac.components.security import replica_port
+from denv_iac.node import (
+    MigSlice,
+    NodeDeploySpec,
+    NodeSpecError,
+    ReplicaSpec,
+    Step,
+    Target,
+    prepare_balancer,
+    prepare_node,
+    spec_from_json,
+)
+from denv_iac.node.deploy import connect, quiet_progress
+from denv_iac.node.plan import fact_query
+from denv_iac.node.replicas import _stale as stale_replica_steps
+from denv_iac.placement import Placement
+from denv_iac.spec.model import SiteSpec, StackSpec
+from denv_iac.spec.reader import StackError
+
+# Sites whose machines the deploy reaches over SSH; a local site's nodes are this machine.
+SSH_SITE_KINDS = ("aws", "hetzner", "joined")
+# The login of the Deep Learning AMIs and of Ubuntu's AMIs; Hetzner's images log in as root.
+AWS_SSH_USER = "ubuntu"
+HCLOUD_SSH_USER = "root"
+# A change of these re-runs the deploy in place; another host is another machine.
+UPDATE_ON = ("ssh_user", "ssh_private_key", "node", "balancer_addresses", "balancer")
+REPLACE_ON = ("host",)
+
+
+def node_id(site: str, node: str) -> str:
+    return f"{site}.{node}"
+
+
+def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeDeploySpec]:
+    """What each placed node on an SSH site runs, by node id; StackError if one cannot run it.
+
+    The balancer addresses are left out: they are known only once the hosts exist.
+    """
+    recipes = {recipe.name: recipe for recipe in stack.recipes}
+    problems = [
+        f"recipes: {name}: give an image; its replicas run in containers on "
+        f"{', '.join(sorted(sites))}, reached over SSH"
+        for name, sites in _imageless(stack, placement).items()
+    ]
+    if problems:
+        raise StackError(problems)
+    specs = {}
+    for node in placement.nodes:
+        if stack.site(node.site).kind not in SSH_SITE_KINDS:
+            continue
+        replicas = tuple(
+            ReplicaSpec(
+                id=r.id,
+                image=recipes[r.pool].image,
+                port=replica_port(recipes[r.pool], r),
+                gpu=r.gpu,
+                command=recipes[r.pool].command,
+                mig_profile=r.share if recipes[r.pool].is_mig else None,
+                mig_instance=r.slice or 0,
+                env=dict(recipes[r.pool].env),
+                health_path=recipes[r.pool].health_path,
+            )
+            for r in placement.replicas
+            if (r.site, r.node) == (node.site, node.name)
+        )
+        mig = tuple(
+            MigSlice(m.gpu, m.profile, m.instances)
+            for m in placement.mig_layouts
+            if (m.site, m.node) == (node.site, node.name)
+        )
+        name = node_id(node.site, node.name)
+        try:
+            specs[name] = NodeDeploySpec(node_id=name, mig=mig, replicas=replicas)
+        except NodeSpecError as error:
+            where = f"sites: {node.site}.{node.name}"
+            raise StackError([f"{where}: {p}" for p in error.problems]) from None
+    return specs
+
+
+def _imageless(stack: StackSpec, placement: Placement) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for recipe in stack.recipes:
+        for replica in placement.replicas_of(recipe.name):
+            if not recipe.image and stack.site(replica.site).kind in SSH_SITE_KINDS:
+                found.setdefault(recipe.name, set()).add(replica.site)
+    return found
+
+
+def node_ssh_user(site: SiteSpec, node: str) -> str:
+    """Who the deploy logs in as on a GPU node of the site."""
+    if site.kind == "aws":
+        return AWS_SSH_USER
+    return next(n.ssh_user for n in site.nodes if n.name == node)
+
+
+def balancer_ssh_user(site: SiteSpec) -> str:
+    """Who the deploy logs in as on the site's balancer host (see BalancerHost)."""
+    if site.kind == "aws":
+        return AWS_SSH_USER
+    if site.kind == "hetzner":
+        return HCLOUD_SSH_USER
+    return site.nodes[0].ssh_user
+
+
+def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
+    """The JSON form `spec_from_json` reads: what a NodeSetup keeps in its inputs."""
+    data: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(spec)))
+    return data
+
+
+def stop_replicas(target: Target, spec: NodeDeploySpec) -> list[Step]:
+    """Stop and remove every replica unit on the node; driver, runtime and agent stay."""
+    with connect(target) as session:
+        facts = session.facts(fact_query(spec))
+        steps = stale_replica_steps(facts, dataclasses.replace(spec, replicas=()))
+        session.apply(steps, quiet_progress)
+        return steps
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployRunner:
+    """How the provider reaches machines: the real deploys, or a test's stand-ins."""
+
+    node: Callable[[Target, NodeDeploySpec], list[Step]] = prepare_node
+    balancer: Callable[[Target, RenderedConfig], list[Step]] = prepare_balancer
+    stop: Callable[[Target, NodeDeploySpec], list[Step]] = stop_replicas
+
+
+@contextmanager
+def ssh_target(props: Mapping[str, Any]) -> Iterator[Target]:
+    """The machine as a deploy target, its key in a 0600 file that lives only this long."""
+    user = str(props["ssh_user"])
+    key = str(props.get("ssh_private_key") or "")
+    with tempfile.TemporaryDirectory(prefix="denv-ssh-") as folder:
+        path = None
+        if key:
+            path = Path(folder) / "key"
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as file:
+                file.write(key if key.endswith("\n") else key + "\n")
+        yield Target(host=str(props["host"]), user=user, key=path, sudo=user != "root")
+
+
+def _rendered(props: Mapping[str, Any]) -> RenderedConfig:
+    balancer = props["balancer"]
+    return RenderedConfig(
+        str(balancer["haproxy_config"]),
+        {str(k): str(v) for k, v in balancer["map_files"].items()},
+        str(balancer["map_dir"]),
+    )
+
+
+def _integers(value: Any) -> Any:
+    """State as the engine hands it back: every number a float, so whole ones are ints again."""
+    if isinstance(value, Mapping):
+        return {key: _integers(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_integers(item) for item in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _node_spec(props: Mapping[str, Any]) -> NodeDeploySpec:
+    addresses = [str(a) for a in props.get("balancer_addresses") or ()]
+    return spec_from_json({**_integers(props["node"]), "balancer_addresses": sorted(addresses)})
+
+
+class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
+    """Create/update run the deploy; delete stops a node's replicas."""
+
+    def __init__(self, runner: DeployRunner | None = None) -> None:
+        super().__init__()
+        self.runner = runner or DeployRunner()
+
+    def _converge(self, props: Mapping[str, Any]) -> dict[str, Any]:
+        with ssh_target(props) as target:
+            if props.get("node") is not None:
+                steps = self.runner.node(target, _node_spec(props))
+            else:
+                steps = self.runner.balancer(target, _rendered(props))
+        outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
+        return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}
+
+    def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
+        name = props["node"]["node_id"] if props.get("node") else f"balancer.{props['host']}"
+        return pulumi.dynamic.CreateResult(id_=str(name), outs=self._converge(props))
+
+    def diff(
+        self, _id: str, olds: dict[str, Any], news: dict[str, Any]
+    ) -> pulumi.dynamic.DiffResult:
+        changed = [key for key in (*REPLACE_ON, *UPDATE_ON) if olds.get(key) != news.get(key)]
+        replaces = [key for key in changed if key in REPLACE_ON]
+        return pulumi.dynamic.DiffResult(
+            changes=bool(changed), replaces=replaces, delete_before_replace=False
+        )
+
+    def update(
+        self, _id: str, _olds: dict[str, Any], news: dict[str, Any]
+    ) -> pulumi.dynamic.UpdateResult:
+        return pulumi.dynamic.UpdateResult(outs=self._converge(news))
+
+    def delete(self, _id: str, props: dict[str, Any]) -> None:
+        # A balancer host goes with its BalancerHost, or keeps serving as a joined machine.
+        if props.get("node") is not None:
+            with ssh_target(props) as target:
+                self.runner.stop(target, _node_spec(props))
+
+
+class NodeDeployment(pulumi.dynamic.Resource, module="denv", name="NodeDeployment"):
+    """The dynamic resource behind a NodeSetup: its state is the deploy's inputs."""
+
+    applied: pulumi.Output[list[str]]
+
+    def __init__(
+        self,
+        name: str,
+        props: dict[str, Any],
+        opts: pulumi.ResourceOptions,
+        provider: NodeSetupProvider | None = None,
+    ) -> None:
+        super().__init__(provider or NodeSetupProvider(), name, {**props, "applied": None}, opts)
+
+
+class BalancerFiles(TypedDict):
+    haproxy_config: str
+    map_files: Mapping[str, str]  # by file name
+    map_dir: str  # where haproxy_config reads them
+
+
+class NodeSetupArgs(TypedDict):
+    host: pulumi.Input[str]  # the machine's SSH address
+    ssh_user: str  # root, or a user that may sudo
+    ssh_private_key: pulumi.Input[str]  # kept a secret end to end
+    node: NotRequired[NodeDeploySpec]  # a GPU node: what it runs
+    balancer_addresses: NotRequired[pulumi.Input[Sequence[str]]]  # who may reach its replicas
+    balancer: NotRequired[pulumi.Input[BalancerFiles]]  # a balancer host: what HAProxy serves
+
+
+class NodeSetup(pulumi.ComponentResource):
+    """The node deploy run on one GPU node or balancer host, re-run when what it runs changes."""
+
+    applied: pulumi.Output[list[str]]
+    """The steps the last deploy applied; empty when the machine already was as asked."""
+
+    def __init__(
+        self, name: str, args: NodeSetupArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        if ("node" in args) == ("balancer" in args):
+            raise ValueError(f"NodeSetup {name}: give either node or balancer")
+        super().__init__("denv:index:NodeSetup", name, None, opts)
+        props: dict[str, Any] = {
+            "host": args["host"],
+            "ssh_user": args["ssh_user"],
+            "ssh_private_key": pulumi.Output.secret(args["ssh_private_key"]),
+        }
+        if "node" in args:
+            props["node"] = spec_to_json(args["node"])
+            props["balancer_addresses"] = pulumi.Output.from_input(
+                args.get("balancer_addresses", [])
+            ).apply(sorted)
+        else:
+            props["balancer"] = args["balancer"]
+        deployment = NodeDeployment(
+            child_name(name, "deploy"),
+            props,
+            # Delete gets only the state, so the key stays there, as a secret.
+            pulumi.ResourceOptions(parent=self, additional_secret_outputs=["ssh_private_key"]),
+        )
+        self.applied = deployment.applied
+        self.register_outputs({"applied": self.applied})

@@ -1,0 +1,300 @@
+"""NodeSetup: the deploy's inputs per node, the provider's create/diff/update/delete, a real run."""
+
+import dataclasses
+import os
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from denv_iac.balancer import RenderedConfig
+from denv_iac.components.cluster import validate_cluster
+from denv_iac.components.node_setup import (
+    DeployRunner,
+    NodeSetup,
+    NodeSetupProvider,
+    node_deploy_specs,
+    spec_to_json,
+)
+from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target, spec_from_json
+from denv_iac.spec.reader import StackError
+from tests.components import stacks
+from tests.components.harness import plain_strings, run_program
+from tests.node import test_chroot_deploy as chroot
+
+KEY = stacks.SSH_KEYS["office"]
+SPEC = NodeDeploySpec(
+    node_id="office.rack-1",
+    mig=(MigSlice(0, "1g.10gb", 2),),
+    replicas=(
+        ReplicaSpec(
+            "side.office.rack-1.0.0", "ghcr.io/acme/side:2", 8000, 0, ("serve",), "1g.10gb"
+        ),
+    ),
+)
+NODE = {
+    "host": "192.0.2.10",
+    "ssh_user": "root",
+    "ssh_private_key": KEY,
+    "node": spec_to_json(SPEC),
+    "balancer_addresses": ["203.0.113.9", "198.18.0.1"],
+}
+BALANCER = {
+    "host": "203.0.113.9",
+    "ssh_user": "ubuntu",
+    "ssh_private_key": KEY,
+    "balancer": {
+        "haproxy_config": "global\n",
+        "map_files": {"pools.map": "voice voice\n"},
+        "map_dir": "/etc/haproxy/denv",
+    },
+}
+DEPLOYMENT = "pulumi-python:dynamic/denv:NodeDeployment"
+
+
+@dataclasses.dataclass
+class KeyFile:
+    path: Path
+    mode: int
+    text: str
+
+
+class Recorder:
+    """A deploy runner that records what it was asked to do and the key file it was given."""
+
+    def __init__(self, steps: int = 2, fail: bool = False) -> None:
+        self.calls: list[tuple[str, Target, Any]] = []
+        self.keys: list[KeyFile] = []
+        self.steps, self.fail = steps, fail
+
+    def _record(self, kind: str) -> Callable[[Target, Any], list[Step]]:
+        def run(target: Target, what: Any) -> list[Step]:
+            self.calls.append((kind, target, what))
+            if target.key is not None:
+                mode = stat.S_IMODE(target.key.stat().st_mode)
+                self.keys.append(KeyFile(target.key, mode, target.key.read_text()))
+            if self.fail:
+                raise RuntimeError("replicas: start failed")
+            return [Step(kind, f"step {n}") for n in range(self.steps)]
+
+        return run
+
+    def runner(self) -> DeployRunner:
+        return DeployRunner(self._record("node"), self._record("balancer"), self._record("stop"))
+
+
+def test_create_runs_the_node_deploy_with_the_key_in_a_0600_file_removed_after() -> None:
+    recorder = Recorder()
+    result = NodeSetupProvider(recorder.runner()).create(dict(NODE))
+    ((kind, target, spec),) = recorder.calls
+    assert kind == "node"
+    assert (target.host, target.user, target.sudo) == ("192.0.2.10", "root", False)
+    assert spec == dataclasses.replace(SPEC, balancer_addresses=("198.18.0.1", "203.0.113.9"))
+    (key,) = recorder.keys
+    assert key.mode == 0o600 and key.text.strip() == KEY.strip()
+    assert not key.path.exists() and not key.path.parent.exists()
+    assert result.id == "office.rack-1"
+    assert result.outs is not None and result.outs["applied"] == ["node: step 0", "node: step 1"]
+
+
+def test_the_key_file_is_removed_when_the_deploy_fails() -> None:
+    recorder = Recorder(fail=True)
+    with pytest.raises(RuntimeError, match="start failed"):
+        NodeSetupProvider(recorder.runner()).create(dict(NODE))
+    assert not recorder.keys[0].path.exists()
+
+
+def test_a_balancer_host_gets_its_rendered_config_through_sudo() -> None:
+    recorder = Recorder(steps=1)
+    result = NodeSetupProvider(recorder.runner()).create(dict(BALANCER))
+    ((kind, target, rendered),) = recorder.calls
+    assert kind == "balancer" and target.sudo and target.user == "ubuntu"
+    assert rendered == RenderedConfig(
+        "global\n", {"pools.map": "voice voice\n"}, "/etc/haproxy/denv"
+    )
+    assert result.id == "balancer.203.0.113.9"
+    assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
+
+
+def _changed_node(**fields: Any) -> dict[str, Any]:
+    return {**NODE, "node": spec_to_json(dataclasses.replace(SPEC, **fields))}
+
+
+@pytest.mark.parametrize(
+    ("news", "replaces"),
+    [
+        ({**NODE, "host": "192.0.2.99"}, ["host"]),
+        (_changed_node(driver_branch="590"), []),
+        (_changed_node(mig=(MigSlice(0, "1g.10gb", 3),)), []),
+        (_changed_node(replicas=()), []),
+        (
+            _changed_node(
+                replicas=(dataclasses.replace(SPEC.replicas[0], image="ghcr.io/acme/side:3"),)
+            ),
+            [],
+        ),
+        (_changed_node(replicas=(dataclasses.replace(SPEC.replicas[0], port=8001),)), []),
+        (_changed_node(replicas=(dataclasses.replace(SPEC.replicas[0], command=("x",)),)), []),
+        ({**NODE, "balancer_addresses": ["203.0.113.9"]}, []),
+        ({**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}, []),
+        (
+            {**BALANCER, "balancer": {**BALANCER["balancer"], "haproxy_config": "global\n#2\n"}},
+            [],
+        ),
+    ],
+    ids=[
+        "host",
+        "driver-branch",
+        "mig-layout",
+        "replica-removed",
+        "replica-image",
+        "replica-port",
+        "replica-command",
+        "balancer-addresses",
+        "ssh-key",
+        "haproxy-config",
+    ],
+)
+def test_diff_replaces_on_another_host_and_updates_in_place_otherwise(
+    news: dict[str, Any], replaces: list[str]
+) -> None:
+    olds = BALANCER if "balancer" in news else NODE
+    result = NodeSetupProvider().diff("id", {**olds, "applied": ["x"]}, news)
+    assert (result.changes, result.replaces) == (True, replaces)
+    assert result.delete_before_replace is False
+
+
+def test_diff_of_the_same_inputs_changes_nothing_whatever_the_last_run_applied() -> None:
+    result = NodeSetupProvider().diff("id", {**NODE, "applied": ["node: step 0"]}, dict(NODE))
+    assert (result.changes, result.replaces) == (False, [])
+
+
+def test_update_reruns_the_deploy_and_delete_stops_the_replicas_only() -> None:
+    recorder = Recorder(steps=0)
+    provider = NodeSetupProvider(recorder.runner())
+    news = _changed_node(driver_branch="590")
+    outs = provider.update("office.rack-1", dict(NODE), news).outs
+    assert outs is not None and outs["applied"] == []
+    assert outs["node"]["driver_branch"] == "590"
+    provider.delete("office.rack-1", outs)
+    provider.delete("balancer.203.0.113.9", dict(BALANCER))
+    assert [(kind, spec.driver_branch) for kind, _, spec in recorder.calls] == [
+        ("node", "590"),
+        ("stop", "590"),
+    ]
+
+
+def test_node_setup_registers_the_deployment_with_its_key_a_secret() -> None:
+    def program() -> dict[str, Any]:
+        setup = NodeSetup(
+            "rack-1-setup",
+            {
+                "host": "192.0.2.10",
+                "ssh_user": "root",
+                "ssh_private_key": KEY,
+                "node": SPEC,
+                "balancer_addresses": ["203.0.113.9"],
+            },
+        )
+        return {"applied": setup.applied}
+
+    run = run_program(program, preview=False)
+    assert [(r.type, r.name) for r in run.registrations] == [
+        ("denv:index:NodeSetup", "rack-1-setup"),
+        (DEPLOYMENT, "rack-1-setup-deploy"),
+    ]
+    inputs = run.named("rack-1-setup-deploy").inputs
+    recorder = Recorder()
+    # As the engine hands them over: numbers as floats, the secret decrypted.
+    NodeSetupProvider(recorder.runner()).create({**inputs, "ssh_private_key": KEY})
+    assert recorder.calls[0][2] == dataclasses.replace(SPEC, balancer_addresses=("203.0.113.9",))
+    assert (inputs["host"], inputs["balancer_addresses"]) == ("192.0.2.10", ["203.0.113.9"])
+    assert KEY not in plain_strings(inputs)
+    assert inputs["ssh_private_key"]["value"] == KEY  # a secret: the engine stores it encrypted
+
+
+def test_node_setup_takes_a_node_or_a_balancer_host() -> None:
+    with pytest.raises(ValueError, match="either node or balancer"):
+        NodeSetup("bad", {"host": "192.0.2.10", "ssh_user": "root", "ssh_private_key": KEY})
+
+
+def test_node_specs_place_replicas_on_their_gpu_or_mig_instance_with_recipe_ports() -> None:
+    stack, placement, _ = validate_cluster("prod", stacks.multicloud())
+    specs = node_deploy_specs(stack, placement)
+    assert sorted(specs) == [
+        "aws-use1.node-0",
+        "aws-use1.node-1",
+        "aws-use1.node-2",
+        "hetzner-fsn.gex-1",
+        "hetzner-fsn.gex-2",
+        "office.rack-1",
+        "office.rack-2",
+    ]
+    voice = specs["aws-use1.node-0"]
+    assert [(r.id, r.image, r.port, r.gpu, r.mig_profile) for r in voice.replicas] == [
+        ("voice.aws-use1.node-0.0", "vllm/vllm-openai:v0.11.0", 8000, 0, None)
+    ]
+    side = specs["office.rack-1"]
+    assert side.mig == (MigSlice(0, "1g.10gb", 7),)
+    assert [(r.id, r.port, r.mig_profile, r.mig_instance) for r in side.replicas] == [
+        ("side.office.rack-1.0.0", 8000, "1g.10gb", 0)
+    ]
+    assert specs["office.rack-2"].balancer_addresses == ()  # added once the hosts exist
+
+
+def test_a_recipe_without_an_image_on_an_ssh_site_is_one_line_naming_the_field() -> None:
+    args = stacks.multicloud()
+    del args["recipes"][0]["image"]
+    stack, placement, _ = validate_cluster("prod", args)
+    with pytest.raises(StackError) as error:
+        node_deploy_specs(stack, placement)
+    assert str(error.value) == (
+        "recipes: voice: give an image; its replicas run in containers on aws-use1, "
+        "reached over SSH"
+    )
+
+
+root = chroot.root
+spec = chroot.spec
+
+
+def _needs_chroot(test: Callable[..., None]) -> Callable[..., None]:
+    for mark in chroot.pytestmark:
+        test = mark(test)
+    return test
+
+
+@_needs_chroot
+def test_create_then_update_through_chroot_converges_and_the_second_run_applies_nothing(
+    root: Path, spec: NodeDeploySpec
+) -> None:
+    provider = NodeSetupProvider()
+    props = {
+        "host": f"@chroot{root}",
+        "ssh_user": "root",
+        "ssh_private_key": "",
+        "node": spec_to_json(spec),
+        "balancer_addresses": list(spec.balancer_addresses),
+    }
+    started = time.monotonic()
+    created = provider.create(props)
+    first = time.monotonic() - started
+    assert created.outs is not None
+    assert "driver: pin branch 580 and install nvidia-open" in created.outs["applied"]
+    assert provider.diff(created.id, created.outs, props).changes is False
+    started = time.monotonic()
+    updated = provider.update(created.id, created.outs, props)
+    print(
+        f"\ncreate: {len(created.outs['applied'])} steps in {first:.1f} s; "
+        f"update: 0 steps in {time.monotonic() - started:.1f} s"
+    )
+    assert updated.outs is not None and updated.outs["applied"] == []
+    units = [root / "etc/systemd/system" / r.unit for r in spec.replicas]
+    assert all(unit.is_file() for unit in units)
+    provider.delete(created.id, updated.outs)
+    assert not any(unit.exists() for unit in units)
+    assert "nvidia-open" in chroot.versions(root)  # the driver stays
+    assert os.path.isfile(root / "etc/denv/agent.toml")
