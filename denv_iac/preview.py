@@ -68,6 +68,11 @@ class RecordingMocks(pulumi.runtime.Mocks):
             state |= {"publicIp": _address(args.name), "availabilityZone": "us-east-1a"}
         if args.typ == "aws:ec2/keyPair:KeyPair":
             state["keyName"] = args.name
+        if (
+            args.typ == "kubernetes:core/v1:Service"
+            and state.get("spec", {}).get("type") == "LoadBalancer"
+        ):
+            state["status"] = {"loadBalancer": {"ingress": [{"ip": _address(args.name)}]}}
         return f"{args.name}-id", state
 
     def call(

@@ -8,6 +8,7 @@ from denv_iac.components.balancer import GlobalBalancer, GlobalBalancerArgs
 from denv_iac.components.balancer_host import BalancerHost, BalancerHostArgs
 from denv_iac.components.cluster import Cluster, ClusterArgs, validate_cluster
 from denv_iac.components.joined import ExistingNodesArgs, HetznerSite, JoinedSite, LocalSite
+from denv_iac.components.kubernetes import KubernetesSite, KubernetesSiteArgs
 from denv_iac.components.pool import ReplicaEndpoint, ReplicaEndpointArgs, WarmPool, WarmPoolArgs
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "GlobalBalancerArgs",
     "HetznerSite",
     "JoinedSite",
+    "KubernetesSite",
+    "KubernetesSiteArgs",
     "LocalSite",
     "ReplicaEndpoint",
     "ReplicaEndpointArgs",

@@ -14,6 +14,7 @@ from denv_iac.components.balancer_host import (
     BalancerHostArgs,
 )
 from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
+from denv_iac.components.kubernetes import kubernetes_site
 from denv_iac.components.naming import child_name
 from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
 from denv_iac.components.secrets import (
@@ -62,6 +63,7 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
     "aws": _aws_site,
     "hetzner": _existing_site,
     "joined": _existing_site,
+    "kubernetes": kubernetes_site,
     "local": _existing_site,
 }
 BUILT_SITE_KINDS = tuple(SITE_BUILDERS)

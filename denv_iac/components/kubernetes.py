@@ -1,0 +1,128 @@
+"""Kubernetes: replicas as pods of a cluster the team runs, behind an in-cluster gateway.
+
+The objects and the gateway design are in `denv_iac.kube_manifests`; this component only
+registers them, each through a provider made from the site's kubeconfig (a secret).
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+# The module, not its names: it imports the ports of `denv_iac.components.security`, so when
+# it is imported first this package is initialised in the middle of it.
+from denv_iac import kube_manifests
+from denv_iac.components.aws import _cidr_of
+from denv_iac.components.naming import child_name, resolved
+from denv_iac.components.site import SiteContext
+from denv_iac.placement import PlacedReplica, place_replicas
+from denv_iac.spec.model import SiteSpec, StackSpec
+from denv_iac.spec.reader import StackError
+
+_KINDS: dict[str, Callable[..., pulumi.CustomResource]] = {
+    "ConfigMap": k8s.core.v1.ConfigMap,
+    "Deployment": k8s.apps.v1.Deployment,
+    "NetworkPolicy": k8s.networking.v1.NetworkPolicy,
+    "PodDisruptionBudget": k8s.policy.v1.PodDisruptionBudget,
+    "Service": k8s.core.v1.Service,
+    "StatefulSet": k8s.apps.v1.StatefulSet,
+}
+
+
+class KubernetesSiteArgs(TypedDict):
+    stack: StackSpec
+    site: SiteSpec
+    replicas: Sequence[PlacedReplica]  # the replicas placed on this site
+    kubeconfig: pulumi.Input[str]  # a secret
+    balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+
+
+class KubernetesSite(pulumi.ComponentResource):
+    """A namespace of StatefulSets (one per pool), a NetworkPolicy, and the gateway."""
+
+    node_addresses: pulumi.Output[dict[str, str]]
+    """The gateway's load-balancer address of each planning node, by node name."""
+
+    def __init__(
+        self, name: str, args: KubernetesSiteArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        site, stack = args["site"], args["stack"]
+        problems = kube_manifests.site_problems(site, stack.recipes)
+        if problems:
+            raise StackError(problems)
+        manifests = kube_manifests.site_manifests(stack, site, args["replicas"])
+        super().__init__("denv:index:KubernetesSite", name, None, opts)
+        provider = k8s.Provider(
+            child_name(name, "provider"),
+            kubeconfig=pulumi.Output.secret(args["kubeconfig"]),
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+        namespace = k8s.core.v1.Namespace(
+            child_name(name, "namespace"),
+            metadata=manifests.namespace["metadata"],
+            opts=pulumi.ResourceOptions(parent=self, provider=provider),
+        )
+        inside = pulumi.ResourceOptions(parent=self, provider=provider, depends_on=[namespace])
+        sources = [
+            pulumi.Output.from_input(args["balancer_addresses"][host]).apply(_cidr_of)
+            for host in sorted(args["balancer_addresses"])
+        ]
+        addresses: dict[str, pulumi.Output[str]] = {}
+        for manifest in manifests.objects()[1:]:
+            node = manifest["metadata"]["labels"].get("denv/node")
+            if node is not None:
+                # Only the balancer hosts may reach the gateway from outside the cluster.
+                spec = {**manifest["spec"], "loadBalancerSourceRanges": sources}
+                addresses[node] = _load_balancer_address(
+                    _register(name, {**manifest, "spec": spec}, inside)
+                )
+            else:
+                _register(name, manifest, inside)
+        self.node_addresses = resolved(addresses)
+        self.register_outputs({"node_addresses": self.node_addresses})
+
+
+def _register(name: str, manifest: dict[str, Any], opts: pulumi.ResourceOptions) -> Any:
+    kind = manifest["kind"]
+    body = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
+    resource_name = child_name(name, kind.lower(), manifest["metadata"]["name"])
+    return _KINDS[kind](resource_name, **body, opts=opts)
+
+
+def _load_balancer_address(service: k8s.core.v1.Service) -> pulumi.Output[str]:
+    """The Service's load-balancer address: an IP, or a host name (as AWS load balancers give)."""
+
+    def first(status: Any) -> str:
+        ingress = status.load_balancer.ingress[0]
+        return str(ingress.ip or ingress.hostname)
+
+    return service.status.apply(first)
+
+
+def kubernetes_site(
+    name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
+) -> pulumi.Output[dict[str, str]]:
+    """Cluster's builder for kubernetes sites."""
+    stack = context["spec"]
+    # The site context carries nodes, not replicas: place again, and make sure it is the
+    # placement the Cluster made (a locked placement may differ from a fresh one).
+    placement = place_replicas(stack)
+    fresh = {(n.name, n.replicas) for n in placement.nodes if n.site == site.name}
+    if fresh != {(n.name, n.replicas) for n in context["nodes"]}:
+        raise StackError(
+            [
+                f"sites: {site.name}: the locked placement (Pulumi.{stack.name}.placement.json) "
+                "differs from a fresh one, which kubernetes sites do not follow yet; "
+                "delete the lock file or run `denv plan --lock` again"
+            ]
+        )
+    replicas = [r for r in placement.replicas if r.site == site.name]
+    args: KubernetesSiteArgs = {
+        "stack": stack,
+        "site": site,
+        "replicas": replicas,
+        "kubeconfig": context["secrets"]["kubeconfig"],
+        "balancer_addresses": context["balancer_addresses"],
+    }
+    return KubernetesSite(name, args, opts).node_addresses

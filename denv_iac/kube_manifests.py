@@ -1,0 +1,591 @@
+"""The Kubernetes objects of a kubernetes site, as plain manifests: pure, no Pulumi.
+
+Replicas are pods: one StatefulSet per pool, pod `<pool>-<ordinal>` serving the pool's
+`ordinal`-th replica placed on the site, on one `nvidia.com/gpu` or one MIG device
+(`nvidia.com/mig-<profile>`, the GPU operator's mixed strategy), its agent a sidecar.
+
+The global balancer reaches every replica at its node's address and `replica_port`, and asks
+every node's agent on AGENT_PORT, sending the replica id (`agent-send`). On this site the
+placement's nodes are planning units of `gpus_per_node` GPUs, not Kubernetes nodes: the
+scheduler picks those. Two replicas on different planning nodes often share a port (the same
+GPU index on each), so one address for the whole site would make them indistinguishable.
+Hence the gateway design: one HAProxy Deployment in the cluster forwarding TCP, and one
+LoadBalancer Service per planning node, whose address is that node's address. A Service maps
+each replica port of its node onto a gateway listener of its own (GATEWAY_PORT_BASE plus the
+node's ordinal and the replica's GPU and slice, so a listener never moves when replicas are
+added), which forwards to the pod's stable name `<pool>-<i>.<pool>.<ns>.svc.cluster.local`.
+Agent checks all arrive on AGENT_PORT; the gateway routes each by the replica id it carries to
+that pod's sidecar. The global balancer keeps its per-replica health checks, agent verdicts and
+session affinity exactly as on machines; the gateway is only a relay. The price is one cloud
+load balancer per planning node.
+"""
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from denv_iac.balancer.model import BalancerSettings
+from denv_iac.components.security import AGENT_PORT, PORTS_PER_GPU, replica_port
+from denv_iac.placement import PlacedReplica
+from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
+
+Manifest = dict[str, Any]
+
+GATEWAY_NAME = "denv-gateway"
+GATEWAY_IMAGE = "haproxy:2.8"  # the official image; it reads /usr/local/etc/haproxy/haproxy.cfg
+GATEWAY_CONFIG_DIR = "/usr/local/etc/haproxy"
+GATEWAY_REPLICAS = 2
+GATEWAY_HEALTH_PORT = 8404
+GATEWAY_PORT_BASE = 10000
+MAX_PORT = 65535
+AGENT_IMAGE = "denv/denv-agent:0.1.0"  # built from agent/; the version the node deploy installs
+AGENT_CONFIG_DIR = "/etc/denv/agent"
+AGENT_RUN_DIR = "/run/denv"
+CACHE_VOLUME = "cache"
+STARTUP_PERIOD_S = 10
+# What GPU feature discovery labels nodes with (`nvidia.com/gpu.product`): the driver's product
+# name with spaces as dashes. One catalog model covers its SXM, PCIe and NVL cards.
+GPU_PRODUCTS = {
+    "A10": ("NVIDIA-A10",),
+    "A10G": ("NVIDIA-A10G",),
+    "A30": ("NVIDIA-A30",),
+    "A100-40GB": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"),
+    "A100-80GB": ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
+    "B200": ("NVIDIA-B200",),
+    "H100": ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL"),
+    "H200": ("NVIDIA-H200", "NVIDIA-H200-NVL"),
+    "L4": ("NVIDIA-L4",),
+    "L40S": ("NVIDIA-L40S",),
+    "RTX-4000-SFF-ADA": ("NVIDIA-RTX-4000-SFF-Ada-Generation",),
+    "RTX-6000-ADA": ("NVIDIA-RTX-6000-Ada-Generation",),
+}
+
+
+@dataclass(frozen=True)
+class GatewayRoute:
+    """One replica as the gateway relays it: the port the balancer calls, and the pod behind it."""
+
+    replica_id: str
+    node: str
+    service_port: int  # replica_port: what the global balancer calls on the node's address
+    listen_port: int  # the gateway pods' listener for it
+    pod_host: str  # the pod's stable DNS name
+    pod_port: int
+
+
+@dataclass(frozen=True)
+class PoolManifests:
+    pool: str
+    stateful_set: Manifest
+    service: Manifest  # headless: gives each pod its stable DNS name
+    disruption_budget: Manifest
+    agent_config: Manifest
+
+
+@dataclass(frozen=True)
+class SiteManifests:
+    namespace: Manifest
+    pools: tuple[PoolManifests, ...]
+    network_policy: Manifest
+    gateway_config: Manifest
+    gateway: Manifest
+    gateway_budget: Manifest
+    node_services: dict[str, Manifest]  # planning node -> its LoadBalancer Service
+    routes: tuple[GatewayRoute, ...]
+
+    def objects(self) -> list[Manifest]:
+        """Every object, in the order they can be applied."""
+        pools = [
+            m
+            for p in self.pools
+            for m in (p.agent_config, p.service, p.stateful_set, p.disruption_budget)
+        ]
+        gateway = [self.gateway_config, self.gateway, self.gateway_budget]
+        services = [self.node_services[node] for node in sorted(self.node_services)]
+        return [self.namespace, *pools, self.network_policy, *gateway, *services]
+
+
+def site_problems(site: SiteSpec, recipes: Sequence[RecipeSpec]) -> list[str]:
+    """What a kubernetes site needs beyond what the stack reader checks, one line each."""
+    problems = []
+    highest = GATEWAY_PORT_BASE + site.max_nodes * _node_stride(site) - 1
+    if highest > MAX_PORT:
+        most = (MAX_PORT - GATEWAY_PORT_BASE + 1) // PORTS_PER_GPU
+        problems.append(
+            f"sites: {site.name}.max_nodes: {site.max_nodes} nodes of {site.gpus_per_node} GPUs "
+            f"need gateway ports up to {highest}; keep max_nodes x gpus_per_node at most {most}"
+        )
+    for index, recipe in enumerate(recipes):
+        if site.name in recipe.sites and not recipe.image:
+            problems.append(
+                f"recipes[{index}].image: missing; a kubernetes site ({site.name}) runs the "
+                "model server as a container: add image: vllm/vllm-openai:v0.11.0"
+            )
+    return problems
+
+
+def site_manifests(
+    stack: StackSpec, site: SiteSpec, replicas: Sequence[PlacedReplica]
+) -> SiteManifests:
+    """Every object of one kubernetes site for the replicas placed on it."""
+    ns = site.namespace
+    pools = []
+    routes: list[GatewayRoute] = []
+    for recipe in stack.recipes:
+        placed = [r for r in replicas if r.pool == recipe.name and r.site == site.name]
+        if not placed:
+            continue
+        pools.append(_pool_manifests(stack.name, site, recipe, placed))
+        routes += [
+            GatewayRoute(
+                replica.id,
+                replica.node,
+                replica_port(recipe, replica),
+                _listen_port(site, replica),
+                f"{recipe.name}-{ordinal}.{recipe.name}.{ns}.svc.cluster.local",
+                recipe.port,
+            )
+            for ordinal, replica in enumerate(placed)
+        ]
+    haproxy_cfg = gateway_haproxy_config(site, routes)
+    nodes = sorted({route.node for route in routes})
+    return SiteManifests(
+        namespace=_object("v1", "Namespace", {"name": ns, "labels": _labels(stack.name, site)}),
+        pools=tuple(pools),
+        network_policy=_network_policy(stack.name, site, [p.pool for p in pools], stack),
+        gateway_config=_config_map(
+            stack.name, site, GATEWAY_NAME, "gateway", {"haproxy.cfg": haproxy_cfg}
+        ),
+        gateway=_gateway(stack.name, site, haproxy_cfg),
+        gateway_budget=_disruption_budget(
+            stack.name, site, GATEWAY_NAME, _gateway_labels(stack.name, site), 1
+        ),
+        node_services={
+            node: _node_service(stack.name, site, node, [r for r in routes if r.node == node])
+            for node in nodes
+        },
+        routes=tuple(routes),
+    )
+
+
+def gpu_resource(recipe: RecipeSpec) -> str:
+    """The extended resource a replica asks for: a whole GPU, or one MIG device."""
+    return f"nvidia.com/mig-{recipe.share}" if recipe.is_mig else "nvidia.com/gpu"
+
+
+def startup_failure_threshold(recipe: RecipeSpec) -> int:
+    """Probes every STARTUP_PERIOD_S, enough of them to cover the recipe's cold start."""
+    return math.ceil(recipe.cold_start_budget_s / STARTUP_PERIOD_S)
+
+
+def min_available(recipe: RecipeSpec, on_site: int) -> int:
+    """The PodDisruptionBudget's minAvailable for `on_site` replicas of the pool here.
+
+    A pool survives losing `spare` replicas, but each of its sites may be drained by its own
+    operators at the same time: a site may give up only its proportional part of the spare,
+    rounded down, so that all sites' allowances together never exceed it. At least one replica
+    stays, even when that makes a drain wait, since an empty site means a cold start.
+    """
+    share = recipe.spare * on_site // recipe.replicas_wanted
+    return max(1, on_site - share)
+
+
+def gateway_haproxy_config(site: SiteSpec, routes: Sequence[GatewayRoute]) -> str:
+    """The gateway's haproxy.cfg: TCP relays, agent checks routed by the replica id they carry."""
+    idle = f"{BalancerSettings().stream_idle_timeout_s}s"
+    lines = [
+        f"# HAProxy configuration of the denv gateway of site {site.name}, rendered by denv-iac.",
+        "# Change the stack and render again; edits here are overwritten.",
+        "global",
+        "    log stdout format raw local0",
+        "",
+        "defaults",
+        "    mode tcp",
+        "    log global",
+        "    # In-cluster hops are sub-millisecond: a pod that does not answer fast is gone, and",
+        "    # closing at once lets the global balancer retry elsewhere before any byte is sent.",
+        "    timeout connect 500ms",
+        "    # Inactivity timers, as the global balancer's: a stream lives while tokens flow.",
+        f"    timeout client {idle}",
+        f"    timeout server {idle}",
+        "    # Pods get new addresses when rescheduled, and may not exist yet: resolve them in",
+        "    # the cluster's DNS at run time, and start without them.",
+        "    default-server resolvers cluster init-addr last,libc,none",
+        "",
+        "resolvers cluster",
+        "    parse-resolv-conf",
+        "    hold valid 5s",
+        "",
+        "frontend denv.health",
+        "    mode http",
+        f"    bind :{GATEWAY_HEALTH_PORT}",
+        "    timeout http-request 5s",
+        "    monitor-uri /healthz",
+        "",
+        "frontend denv.agent",
+        f"    bind :{AGENT_PORT}",
+        "    # agent-send carries the replica id (and a newline): route on it, whole.",
+        "    tcp-request inspect-delay 1s",
+        "    tcp-request content accept if { req.len gt 0 }",
+    ]
+    ordered = sorted(routes, key=lambda r: r.replica_id)
+    lines += [
+        f'    use_backend agent.{r.replica_id} if {{ req.payload(0,0) -m str "{r.replica_id}\\n" '
+        f'"{r.replica_id}" }}'
+        for r in ordered
+    ]
+    for route in ordered:
+        lines += [
+            "",
+            f"backend agent.{route.replica_id}",
+            f"    server agent {route.pod_host}:{AGENT_PORT}",
+            "",
+            f"# replica {route.replica_id}: node {route.node} port {route.service_port}",
+            f"listen replica.{route.replica_id}",
+            f"    bind :{route.listen_port}",
+            f"    server replica {route.pod_host}:{route.pod_port} check inter 1s",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _node_stride(site: SiteSpec) -> int:
+    return site.gpus_per_node * PORTS_PER_GPU
+
+
+def _listen_port(site: SiteSpec, replica: PlacedReplica) -> int:
+    ordinal = int(replica.node.removeprefix("node-"))
+    offset = replica.gpu * PORTS_PER_GPU + (replica.slice or 0)
+    return GATEWAY_PORT_BASE + ordinal * _node_stride(site) + offset
+
+
+def _object(api_version: str, kind: str, metadata: Manifest, **body: Any) -> Manifest:
+    return {"apiVersion": api_version, "kind": kind, "metadata": metadata, **body}
+
+
+def _labels(stack: str, site: SiteSpec, **extra: str) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/managed-by": "denv",
+        "app.kubernetes.io/part-of": "denv",
+        "denv/stack": stack,
+        "denv/site": site.name,
+        **{f"denv/{key}": value for key, value in extra.items()},
+    }
+    return dict(sorted(labels.items()))
+
+
+def _replica_labels(stack: str, site: SiteSpec, pool: str) -> dict[str, str]:
+    return _labels(stack, site, role="replica", pool=pool)
+
+
+def _gateway_labels(stack: str, site: SiteSpec) -> dict[str, str]:
+    return _labels(stack, site, role="gateway")
+
+
+def _selector(labels: dict[str, str]) -> dict[str, str]:
+    """What selects pods: everything but the descriptive labels."""
+    return {k: v for k, v in labels.items() if k.startswith("denv/")}
+
+
+def _meta(site: SiteSpec, name: str, labels: dict[str, str]) -> Manifest:
+    return {"name": name, "namespace": site.namespace, "labels": labels}
+
+
+def _config_map(stack: str, site: SiteSpec, name: str, role: str, data: dict[str, str]) -> Manifest:
+    return _object("v1", "ConfigMap", _meta(site, name, _labels(stack, site, role=role)), data=data)
+
+
+def _disruption_budget(
+    stack: str, site: SiteSpec, name: str, labels: dict[str, str], least: int
+) -> Manifest:
+    return _object(
+        "policy/v1",
+        "PodDisruptionBudget",
+        _meta(site, name, labels),
+        spec={"minAvailable": least, "selector": {"matchLabels": _selector(labels)}},
+    )
+
+
+def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def _agent_toml(replica: PlacedReplica, recipe: RecipeSpec) -> str:
+    # JSON strings are valid TOML strings. In the pod the replica's device is the only one
+    # the runtime shows, index 0.
+    lines = [
+        f"node = {json.dumps(replica.node)}",
+        f'state_file = "{AGENT_RUN_DIR}/state.json"',
+        f'control_token_file = "{AGENT_RUN_DIR}/agent.token"',
+        "",
+        "[listen]",
+        f'agent_check = "0.0.0.0:{AGENT_PORT}"',
+        f'http = "127.0.0.1:{AGENT_PORT + 1}"',
+        "",
+        "[[replicas]]",
+        f"id = {json.dumps(replica.id)}",
+        f"health_url = {json.dumps(f'http://127.0.0.1:{recipe.port}{recipe.health_path}')}",
+        "gpu = 0",
+    ]
+    if recipe.ttft_budget_ms is not None:
+        lines += [
+            f"ttft_budget_ms = {recipe.ttft_budget_ms}",
+            f"probe_model = {json.dumps(recipe.model_names[0])}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _server_container(recipe: RecipeSpec) -> Manifest:
+    cache_env = {"HF_HOME": recipe.cache_dirs[0], "VLLM_CACHE_ROOT": recipe.cache_dirs[-1]}
+    env = [{"name": k, "value": v} for k, v in recipe.env if k not in cache_env]
+    env += [{"name": k, "value": v} for k, v in cache_env.items()]
+    container: Manifest = {
+        "name": "server",
+        "image": recipe.image,
+        "ports": [{"name": "http", "containerPort": recipe.port, "protocol": "TCP"}],
+        "env": env,
+        "resources": {"limits": {gpu_resource(recipe): "1"}},
+        "startupProbe": _http_probe(
+            recipe.health_path, "http", STARTUP_PERIOD_S, startup_failure_threshold(recipe)
+        ),
+        "readinessProbe": _http_probe(recipe.health_path, "http", 5, 2),
+        # One claim for every cache folder, each in its own sub-folder of it.
+        "volumeMounts": [
+            {"name": CACHE_VOLUME, "mountPath": path, "subPath": f"dir-{index}"}
+            for index, path in enumerate(recipe.cache_dirs)
+        ],
+    }
+    if recipe.command:
+        container["args"] = list(recipe.command)  # arguments to the image's entrypoint
+    return container
+
+
+def _agent_container() -> Manifest:
+    # The control token is random per pod and never leaves it, as on machines.
+    start = (
+        f"umask 077 && od -An -N24 -tx1 /dev/urandom | tr -d ' \\n' > {AGENT_RUN_DIR}/agent.token"
+        f" && exec denv-agent --config {AGENT_CONFIG_DIR}/$(POD_NAME).toml"
+    )
+    return {
+        "name": "agent",
+        "image": AGENT_IMAGE,
+        "command": ["sh", "-c", start],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            # NVML without compute: the agent reads health, it never runs kernels.
+            {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
+        ],
+        "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
+        "resources": {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"memory": "128Mi"},
+        },
+        "volumeMounts": [
+            {"name": "agent-config", "mountPath": AGENT_CONFIG_DIR, "readOnly": True},
+            {"name": "agent-run", "mountPath": AGENT_RUN_DIR},
+        ],
+    }
+
+
+def _pod_affinity(site: SiteSpec) -> Manifest:
+    products = list(GPU_PRODUCTS.get(site.gpu, ()))
+    term = {"key": "nvidia.com/gpu.product", "operator": "In", "values": products}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [term]}]
+            }
+        }
+    }
+
+
+def _pool_manifests(
+    stack: str, site: SiteSpec, recipe: RecipeSpec, placed: Sequence[PlacedReplica]
+) -> PoolManifests:
+    labels = _replica_labels(stack, site, recipe.name)
+    selector = _selector(labels)
+    pod_spec: Manifest = {
+        "containers": [_server_container(recipe), _agent_container()],
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        # The placement spreads replicas over nodes so that one lost node costs at most
+        # `spare`; the scheduler is asked for the same.
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "DoNotSchedule",
+                "labelSelector": {"matchLabels": selector},
+            }
+        ],
+        "volumes": [
+            {"name": "agent-config", "configMap": {"name": f"{recipe.name}-agent"}},
+            {"name": "agent-run", "emptyDir": {}},
+        ],
+    }
+    if site.gpu in GPU_PRODUCTS:
+        pod_spec["affinity"] = _pod_affinity(site)
+    stateful_set = _object(
+        "apps/v1",
+        "StatefulSet",
+        _meta(site, recipe.name, labels),
+        spec={
+            "serviceName": recipe.name,
+            "replicas": len(placed),
+            # Every replica cold-starts at once, not one after another.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": CACHE_VOLUME, "labels": labels},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": f"{site.cache_size_gb}Gi"}},
+                    },
+                }
+            ],
+            # A replica scaled away and back, or replaced, finds its weights and kernels.
+            "persistentVolumeClaimRetentionPolicy": {
+                "whenDeleted": "Retain",
+                "whenScaled": "Retain",
+            },
+        },
+    )
+    service = _object(
+        "v1",
+        "Service",
+        _meta(site, recipe.name, labels),
+        spec={
+            "clusterIP": "None",
+            "selector": selector,
+            # Starting pods get their DNS name too, so their agents can answer `starting`.
+            "publishNotReadyAddresses": True,
+            "ports": [
+                {"name": "http", "port": recipe.port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "agent", "port": AGENT_PORT, "targetPort": "agent", "protocol": "TCP"},
+            ],
+        },
+    )
+    agent_config = _config_map(
+        stack,
+        site,
+        f"{recipe.name}-agent",
+        "agent",
+        {f"{recipe.name}-{i}.toml": _agent_toml(r, recipe) for i, r in enumerate(placed)},
+    )
+    budget = _disruption_budget(
+        stack, site, recipe.name, labels, min_available(recipe, len(placed))
+    )
+    return PoolManifests(recipe.name, stateful_set, service, budget, agent_config)
+
+
+def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpec) -> Manifest:
+    ports = sorted({r.port for r in spec.recipes if r.name in pools} | {AGENT_PORT})
+    return _object(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        _meta(site, "denv-replicas-from-gateway", _labels(stack, site, role="replica")),
+        spec={
+            "podSelector": {"matchLabels": {"denv/site": site.name, "denv/role": "replica"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": _selector(_gateway_labels(stack, site))}}
+                    ],
+                    "ports": [{"protocol": "TCP", "port": port} for port in ports],
+                }
+            ],
+        },
+    )
+
+
+def _gateway(stack: str, site: SiteSpec, haproxy_cfg: str) -> Manifest:
+    labels = _gateway_labels(stack, site)
+    digest = hashlib.sha256(haproxy_cfg.encode()).hexdigest()
+    health = _http_probe("/healthz", "health", 5, 2)
+    return _object(
+        "apps/v1",
+        "Deployment",
+        _meta(site, GATEWAY_NAME, labels),
+        spec={
+            "replicas": GATEWAY_REPLICAS,
+            "selector": {"matchLabels": _selector(labels)},
+            # A new config rolls the gateway one pod at a time, never both at once.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {"denv/config-sha256": digest}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "haproxy",
+                            "image": GATEWAY_IMAGE,
+                            "ports": [
+                                {"name": "health", "containerPort": GATEWAY_HEALTH_PORT},
+                                {"name": "agent", "containerPort": AGENT_PORT},
+                            ],
+                            "readinessProbe": health,
+                            "livenessProbe": health,
+                            "resources": {"requests": {"cpu": "250m", "memory": "128Mi"}},
+                            "volumeMounts": [
+                                {
+                                    "name": "config",
+                                    "mountPath": GATEWAY_CONFIG_DIR,
+                                    "readOnly": True,
+                                }
+                            ],
+                        }
+                    ],
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "ScheduleAnyway",
+                            "labelSelector": {"matchLabels": _selector(labels)},
+                        }
+                    ],
+                    "volumes": [{"name": "config", "configMap": {"name": GATEWAY_NAME}}],
+                },
+            },
+        },
+    )
+
+
+def _node_service(
+    stack: str, site: SiteSpec, node: str, routes: Sequence[GatewayRoute]
+) -> Manifest:
+    """The address the global balancer sees for one planning node.
+
+    loadBalancerSourceRanges (the balancer hosts) are added by the component: they are known
+    only once those hosts exist.
+    """
+    labels = _gateway_labels(stack, site)
+    ports = [
+        {
+            "name": f"r-{route.listen_port}",
+            "port": route.service_port,
+            "targetPort": route.listen_port,
+            "protocol": "TCP",
+        }
+        for route in sorted(routes, key=lambda r: r.service_port)
+    ]
+    ports.append({"name": "agent", "port": AGENT_PORT, "targetPort": AGENT_PORT, "protocol": "TCP"})
+    return _object(
+        "v1",
+        "Service",
+        _meta(site, f"{GATEWAY_NAME}-{node}", {**labels, "denv/node": node}),
+        spec={
+            "type": "LoadBalancer",
+            "selector": _selector(labels),
+            # Keeps the balancer hosts' source addresses, which the source ranges filter on.
+            "externalTrafficPolicy": "Local",
+            "ports": ports,
+        },
+    )

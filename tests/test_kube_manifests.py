@@ -1,0 +1,246 @@
+"""Kubernetes manifests of a kubernetes site: every object valid against the Kubernetes schema."""
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from denv_iac.balancer import check_haproxy_config
+from denv_iac.balancer.model import RenderedConfig
+from denv_iac.components.security import AGENT_PORT
+from denv_iac.kube_manifests import (
+    GATEWAY_PORT_BASE,
+    SiteManifests,
+    gpu_resource,
+    min_available,
+    site_manifests,
+    site_problems,
+    startup_failure_threshold,
+)
+from denv_iac.placement import place_replicas
+from denv_iac.spec.model import RecipeSpec
+from denv_iac.spec.reader import read_stack
+
+KUBERNETES_VERSION = "1.37.0"
+IMAGE = "vllm/vllm-openai:v0.11.0"
+
+
+def _site(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "k8s",
+        "kind": "kubernetes",
+        "kubeconfig": {"secure": "sealed"},
+        "gpu": "H100",
+        "gpus_per_node": 8,
+        "max_nodes": 4,
+        **extra,
+    }
+
+
+def _recipe(name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "min_warm": 2, "spare": 1, "sites": ["k8s"], "image": IMAGE, **extra}
+
+
+VOICE = _recipe("voice", ttft_budget_ms=300, command=["--model", "example/voice"])
+SIDE = _recipe("side", gpu="1g.10gb", port=8100)
+STACKS = {
+    "whole GPUs": ([_site()], [VOICE]),
+    "MIG slices": ([_site()], [SIDE]),
+    "both, one cache dir": ([_site(cache_size_gb=50)], [VOICE, {**SIDE, "cache_dirs": ["/c"]}]),
+    "L40S, no spare": ([_site(gpu="L40S", gpus_per_node=4)], [_recipe("v", spare=0)]),
+    "two sites": (
+        [_site(max_nodes=2), _site(name="k8s-b", namespace="gpu")],
+        [_recipe("voice", min_warm=3, spare=1, sites=["k8s", "k8s-b"])],
+    ),
+}
+
+
+def _manifests(sites: list[Any], recipes: list[Any], site: str = "k8s") -> SiteManifests:
+    stack = read_stack(
+        "prod",
+        {
+            "denv:sites": sites,
+            "denv:recipes": recipes,
+            "denv:balancer": {"sites": [sites[0]["name"]]},
+        },
+    )
+    return site_manifests(stack, stack.site(site), place_replicas(stack).replicas)
+
+
+def _pool(manifests: SiteManifests, name: str) -> Any:
+    return next(p for p in manifests.pools if p.pool == name)
+
+
+def _server(stateful_set: dict[str, Any]) -> dict[str, Any]:
+    containers = stateful_set["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == "server")
+
+
+@pytest.mark.parametrize("sites, recipes", STACKS.values(), ids=STACKS.keys())
+def test_every_object_is_valid_kubernetes(sites: list[Any], recipes: list[Any]) -> None:
+    for site in sites:
+        objects = _manifests(sites, recipes, site["name"]).objects()
+        kinds = {o["kind"] for o in objects}
+        assert kinds >= {"Namespace", "StatefulSet", "Service", "PodDisruptionBudget"}, kinds
+        for manifest in objects:
+            try:
+                kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                name = f"{manifest['kind']} {manifest['metadata']['name']}"
+                pytest.fail(f"{name}: {error.message} at {list(error.absolute_path)}")
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+@pytest.mark.parametrize("sites, recipes", STACKS.values(), ids=STACKS.keys())
+def test_gateway_config_passes_haproxy_check(
+    sites: list[Any], recipes: list[Any], tmp_path: Path
+) -> None:
+    config = _manifests(sites, recipes).gateway_config["data"]["haproxy.cfg"]
+    check_haproxy_config(RenderedConfig(config), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "share, resource",
+    [
+        ("whole", "nvidia.com/gpu"),
+        ("1g.10gb", "nvidia.com/mig-1g.10gb"),
+        ("3g.40gb", "nvidia.com/mig-3g.40gb"),
+    ],
+)
+def test_gpu_resource(share: str, resource: str) -> None:
+    assert gpu_resource(RecipeSpec("p", share, (("k8s",),), 1)) == resource
+
+
+@pytest.mark.parametrize("budget, failures", [(10, 1), (900, 90), (905, 91), (1200, 120)])
+def test_startup_probe_covers_the_cold_start_budget(budget: int, failures: int) -> None:
+    recipe = RecipeSpec("p", "whole", (("k8s",),), 1, cold_start_budget_s=budget)
+    assert startup_failure_threshold(recipe) == failures
+
+
+@pytest.mark.parametrize(
+    "min_warm, spare, on_site, least",
+    [
+        (2, 1, 3, 2),  # the whole pool here: one may go
+        (1, 1, 2, 1),
+        (2, 2, 2, 1),  # half the pool here: half the spare
+        (3, 1, 2, 2),  # a share below one replica: none may go
+        (1, 0, 1, 1),
+        (1, 3, 4, 1),  # never below one
+    ],
+)
+def test_disruption_budget_keeps_all_but_the_sites_share_of_the_spare(
+    min_warm: int, spare: int, on_site: int, least: int
+) -> None:
+    recipe = RecipeSpec("p", "whole", (("k8s",),), min_warm, spare)
+    assert min_available(recipe, on_site) == least
+
+
+@pytest.mark.parametrize(
+    "recipe, resource, replicas, least",
+    [(VOICE, "nvidia.com/gpu", 3, 2), (SIDE, "nvidia.com/mig-1g.10gb", 3, 2)],
+)
+def test_stateful_set_per_pool(
+    recipe: dict[str, Any], resource: str, replicas: int, least: int
+) -> None:
+    manifests = _manifests([_site(cache_size_gb=300)], [recipe])
+    pool = _pool(manifests, recipe["name"])
+    spec = pool.stateful_set["spec"]
+    assert spec["replicas"] == replicas
+    assert pool.disruption_budget["spec"]["minAvailable"] == least
+    server = _server(pool.stateful_set)
+    assert server["resources"] == {"limits": {resource: "1"}}
+    assert server["startupProbe"]["periodSeconds"] == 10
+    assert server["startupProbe"]["failureThreshold"] == 90
+    assert server["startupProbe"]["httpGet"]["path"] == "/health"
+    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {m["mountPath"] for m in server["volumeMounts"]} == set(RecipeSpec.cache_dirs)
+    env = {e["name"]: e["value"] for e in server["env"]}
+    assert env == {"HF_HOME": "/var/cache/denv/hf", "VLLM_CACHE_ROOT": "/var/cache/denv/compile"}
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "300Gi"
+    pod = spec["template"]["spec"]
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (expression,) = terms["nodeSelectorTerms"][0]["matchExpressions"]
+    assert expression["key"] == "nvidia.com/gpu.product"
+    assert "NVIDIA-H100-80GB-HBM3" in expression["values"]
+    agent = next(c for c in pod["containers"] if c["name"] == "agent")
+    assert agent["ports"] == [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}]
+    assert pool.service["spec"]["clusterIP"] == "None"
+
+
+def test_each_pod_has_its_replicas_agent_config() -> None:
+    manifests = _manifests([_site()], [VOICE])
+    data = _pool(manifests, "voice").agent_config["data"]
+    assert sorted(data) == ["voice-0.toml", "voice-1.toml", "voice-2.toml"]
+    assert 'id = "voice.k8s.node-1.0"' in data["voice-1.toml"]
+    assert 'health_url = "http://127.0.0.1:8000/health"' in data["voice-1.toml"]
+    assert "ttft_budget_ms = 300" in data["voice-1.toml"]
+
+
+def test_replica_and_agent_ports_take_traffic_only_from_gateway_pods() -> None:
+    manifests = _manifests([_site()], [VOICE, SIDE])
+    spec = manifests.network_policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == {"denv/role": "replica", "denv/site": "k8s"}
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    (source,) = rule["from"]
+    gateway_pods = manifests.gateway["spec"]["template"]["metadata"]["labels"]
+    assert source["podSelector"]["matchLabels"].items() <= gateway_pods.items()
+    assert source["podSelector"]["matchLabels"]["denv/role"] == "gateway"
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100, AGENT_PORT]
+
+
+def test_each_node_service_relays_its_replicas_ports_to_their_own_listeners() -> None:
+    manifests = _manifests([_site()], [VOICE, SIDE])
+    assert sorted(manifests.node_services) == ["node-0", "node-1", "node-2"]
+    listeners = [route.listen_port for route in manifests.routes]
+    assert len(set(listeners)) == len(listeners) == 6
+    config = manifests.gateway_config["data"]["haproxy.cfg"]
+    for route in manifests.routes:
+        service = manifests.node_services[route.node]["spec"]
+        assert service["type"] == "LoadBalancer"
+        ports = {p["port"]: p["targetPort"] for p in service["ports"]}
+        assert ports[route.service_port] == route.listen_port
+        assert ports[AGENT_PORT] == AGENT_PORT
+        assert f"bind :{route.listen_port}\n" in config
+        assert f"{route.pod_host}:{route.pod_port}" in config
+        assert f'-m str "{route.replica_id}\\n"' in config
+    node_1 = [r for r in manifests.routes if r.node == "node-1"]
+    assert {r.listen_port for r in node_1} == {GATEWAY_PORT_BASE + 64, GATEWAY_PORT_BASE + 72}
+
+
+def test_raising_min_warm_keeps_every_existing_route() -> None:
+    before = _manifests([_site()], [VOICE]).routes
+    after = _manifests([_site()], [{**VOICE, "min_warm": 3}]).routes
+    assert set(before) < set(after)
+    assert len(after) == len(before) + 1
+
+
+@pytest.mark.parametrize(
+    "site, recipes, problem",
+    [
+        (_site(), [VOICE], None),
+        (
+            _site(),
+            [{k: v for k, v in VOICE.items() if k != "image"}],
+            "recipes[0].image: missing; a kubernetes site (k8s) runs the model server as a "
+            "container: add image: vllm/vllm-openai:v0.11.0",
+        ),
+        (
+            _site(max_nodes=1000, gpus_per_node=8),
+            [VOICE],
+            "sites: k8s.max_nodes: 1000 nodes of 8 GPUs need gateway ports up to 73999; keep "
+            "max_nodes x gpus_per_node at most 6942",
+        ),
+    ],
+)
+def test_site_problems(site: dict[str, Any], recipes: list[Any], problem: str | None) -> None:
+    stack = read_stack(
+        "prod", {"denv:sites": [site], "denv:recipes": recipes, "denv:balancer": {"sites": ["k8s"]}}
+    )
+    assert site_problems(stack.site("k8s"), stack.recipes) == ([problem] if problem else [])
