@@ -1,10 +1,12 @@
 """`denv status` and `denv bench` against a real local data plane (as `denv local up` runs it)."""
 
+import http.server
 import json
 import os
 import shutil
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +114,40 @@ def test_a_silent_agent_never_hangs_the_read() -> None:
         [agent] = read_agents([AgentEndpoint("local/n0", url)], timeout_s=0.3)
     assert time.monotonic() - start < 1.5
     assert not agent.reachable and agent.error == "timed out"
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"<html>not json</html>", "Expecting value"),
+        (b'{"replicas": "everything is fine"}', "string indices must be integers"),
+        (b'{"replicas": [{"name": "no id"}]}', "'id'"),
+        (b"[1, 2, 3]", "'list' object has no attribute 'get'"),
+    ],
+)
+def test_a_malformed_agent_reply_is_reported_never_raised(body: bytes, error: str) -> None:
+    class Reply(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Reply)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        [agent] = read_agents([AgentEndpoint("local/n0", url)])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not agent.reachable and error in agent.error and agent.replicas == {}
+    merged = with_agent_health([replica_statuses({"voice.local.n0.0": row("UP")})[0]], [agent])
+    assert merged[0].reason == AGENT_UNREACHABLE and merged[0].healthy
 
 
 needs_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs HAProxy")
