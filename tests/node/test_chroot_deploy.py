@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from denv_iac.node import (
     AgentSettings,
@@ -127,19 +127,14 @@ def spec_file(root: Path, spec: NodeDeploySpec) -> Path:
     return path
 
 
+def join_cli(root: Path, spec: NodeDeploySpec, *args: str) -> Result:
+    """`denv node join` of the root as a joined node, through the CLI."""
+    command = ["join", f"@chroot{root}", "--site", "joined", "--spec", str(spec_file(root, spec))]
+    return CliRunner().invoke(node, [*command, *args])
+
+
 def test_1_dry_join_prints_the_plan_and_changes_nothing(root: Path, spec: NodeDeploySpec) -> None:
-    result = CliRunner().invoke(
-        node,
-        [
-            "join",
-            f"@chroot{root}",
-            "--site",
-            "joined",
-            "--spec",
-            str(spec_file(root, spec)),
-            "--dry",
-        ],
-    )
+    result = join_cli(root, spec, "--dry")
     assert result.exit_code == 0, result.output
     assert "driver: pin branch 580 and install nvidia-open" in result.output
     assert "$ nvidia-smi mig -i 1 -cgi 1g.10gb,1g.10gb -C" in result.output
@@ -213,31 +208,9 @@ def test_5_second_join_changes_nothing(root: Path, spec: NodeDeploySpec) -> None
     started = time.monotonic()
     assert prepare_node(Target(f"@chroot{root}"), spec) == []
     print(f"\nsecond deploy: 0 steps in {time.monotonic() - started:.1f} s")
-    result = CliRunner().invoke(
-        node,
-        [
-            "join",
-            f"@chroot{root}",
-            "--site",
-            "joined",
-            "--spec",
-            str(spec_file(root, spec)),
-            "--dry",
-        ],
-    )
+    result = join_cli(root, spec, "--dry")
     assert result.exit_code == 0 and "nothing to change" in result.output
-    applied = CliRunner().invoke(
-        node,
-        [
-            "join",
-            f"@chroot{root}",
-            "--site",
-            "joined",
-            "--spec",
-            str(spec_file(root, spec)),
-            "--json",
-        ],
-    )
+    applied = join_cli(root, spec, "--json")
     assert applied.exit_code == 0, applied.output
     assert json.loads(applied.output) == {"host": f"@chroot{root}", "dry": False, "steps": []}
 
