@@ -1,0 +1,341 @@
+"""KubernetesSite under Pulumi's mocks, at `up` and at preview: what it registers, and how."""
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from denv_iac.balancer import check_haproxy_config
+from denv_iac.balancer.model import RenderedConfig
+from denv_iac.components.security import AGENT_PORT
+from denv_iac.preview import shown
+from denv_iac.spec.reader import StackError
+from tests.components import stacks
+from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
+
+PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+GOLDEN = Path(__file__).parent / "golden" / "k8s.json"
+KUBERNETES_VERSION = "1.37.0"
+SITE = "prod-k8s-use1"
+PROVIDER = "pulumi:providers:kubernetes"
+KUBECONFIG = (
+    "apiVersion: v1\nclusters:\n- cluster:\n    server: https://k8s.example\n"
+    "users:\n- name: ci\n  user:\n    token: KUBE-TOKEN-MATERIAL\n"
+)
+IMAGE = "vllm/vllm-openai:v0.11.0"
+
+
+def k8s_args() -> Any:
+    """Voice on whole H100s and a side model on MIG slices, in a cluster; the balancer on hcloud."""
+    return copy.deepcopy(
+        {
+            "sites": [
+                {
+                    "name": "k8s-use1",
+                    "kind": "kubernetes",
+                    "kubeconfig": {"secure": KUBECONFIG},
+                    "gpu": "H100",
+                    "gpus_per_node": 8,
+                    "max_nodes": 6,
+                    "cache_size_gb": 800,
+                },
+                {
+                    "name": "hetzner-fsn",
+                    "kind": "hetzner",
+                    "admin_cidrs": [stacks.ADMIN],
+                    "ssh_private_key": {"secure": stacks.SSH_KEYS["hetzner-fsn"]},
+                    "nodes": [
+                        {"name": "gex-1", "address": "203.0.113.21", "server_model": "GEX44"}
+                    ],
+                },
+            ],
+            "recipes": [
+                {
+                    "name": "voice",
+                    "min_warm": 2,
+                    "spare": 1,
+                    "sites": ["k8s-use1"],
+                    "image": IMAGE,
+                    "cold_start_budget_s": 1200,
+                },
+                {
+                    "name": "side",
+                    "gpu": "1g.10gb",
+                    "min_warm": 1,
+                    "spare": 1,
+                    "port": 8100,
+                    "sites": ["k8s-use1"],
+                    "image": IMAGE,
+                },
+            ],
+            "balancer": {"sites": ["hetzner-fsn"], "port": 443},
+        }
+    )
+
+
+def _run(preview: bool, args: Any = None) -> Run:
+    return run_program(lambda: cluster_outputs(args or k8s_args()), preview=preview)
+
+
+def _kube(run: Run) -> list[Any]:
+    return [r for r in run.registrations if r.type.startswith("kubernetes:")]
+
+
+def _whole_numbers(value: Any) -> Any:
+    """Registered inputs went through protobuf, where every number is a float."""
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _ports(value: Any) -> list[Any]:
+    """Every port number an object names, at any depth."""
+    if isinstance(value, dict):
+        found = [v for k, v in value.items() if k in ("port", "containerPort", "targetPort")]
+        return found + [p for v in value.values() for p in _ports(v)]
+    if isinstance(value, list):
+        return [p for v in value for p in _ports(v)]
+    return []
+
+
+def _manifest(inputs: dict[str, Any]) -> dict[str, Any]:
+    return _whole_numbers(shown(inputs))  # type: ignore[no-any-return]
+
+
+@PREVIEW
+def test_site_registers_its_objects_through_the_kubeconfig_provider(preview: bool) -> None:
+    run = _run(preview)
+    (site,) = [r for r in run.registrations if r.type == "denv:index:KubernetesSite"]
+    assert site.name == SITE
+    (provider,) = run.of_type(PROVIDER)
+    assert provider.parent == site.urn
+    kinds = sorted((r.type.split(":")[-1], r.inputs["metadata"]["name"]) for r in _kube(run))
+    assert kinds == [
+        ("ConfigMap", "denv-gateway"),
+        ("ConfigMap", "side-agent"),
+        ("ConfigMap", "voice-agent"),
+        ("Deployment", "denv-gateway"),
+        ("Namespace", "denv"),
+        ("NetworkPolicy", "denv-replicas-from-gateway"),
+        ("PodDisruptionBudget", "denv-gateway"),
+        ("PodDisruptionBudget", "side"),
+        ("PodDisruptionBudget", "voice"),
+        ("Service", "denv-gateway-node-0"),
+        ("Service", "denv-gateway-node-1"),
+        ("Service", "denv-gateway-node-2"),
+        ("Service", "side"),
+        ("Service", "voice"),
+        ("StatefulSet", "side"),
+        ("StatefulSet", "voice"),
+    ]
+    for registration in _kube(run):
+        assert registration.parent == site.urn, registration.name
+        assert registration.provider.startswith(provider.urn), registration.name
+
+
+@PREVIEW
+def test_every_registered_object_is_valid_kubernetes(preview: bool) -> None:
+    for registration in _kube(_run(preview)):
+        manifest = _manifest(registration.inputs)
+        assert manifest["kind"] == registration.type.split(":")[-1]
+        try:
+            kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{registration.name}: {error.message} at {list(error.absolute_path)}")
+
+
+def test_stateful_sets_hold_the_placed_replicas_on_their_gpu_shares() -> None:
+    run = _run(preview=False)
+    voice = _manifest(run.named(f"{SITE}-statefulset-voice").inputs)["spec"]
+    side = _manifest(run.named(f"{SITE}-statefulset-side").inputs)["spec"]
+    assert (voice["replicas"], side["replicas"]) == (3, 2)
+    servers = [s["template"]["spec"]["containers"][0] for s in (voice, side)]
+    assert [c["resources"]["limits"] for c in servers] == [
+        {"nvidia.com/gpu": "1"},
+        {"nvidia.com/mig-1g.10gb": "1"},
+    ]
+    assert [c["startupProbe"]["failureThreshold"] for c in servers] == [120, 90]
+    budgets = [run.named(f"{SITE}-poddisruptionbudget-{p}").inputs for p in ("voice", "side")]
+    assert [b["spec"]["minAvailable"] for b in budgets] == [2, 1]
+
+
+def test_the_golden_snapshot_of_registered_inputs() -> None:
+    run = _run(preview=False)
+    snapshot = {
+        r.urn: {"inputs": r.inputs, "ignore_changes": list(r.ignore_changes)}
+        for r in sorted(run.registrations, key=lambda r: r.urn)
+    }
+    text = json.dumps(snapshot, indent=1, sort_keys=True) + "\n"
+    if os.environ.get("DENV_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "registrations changed: DENV_UPDATE_GOLDEN=1 to accept it"
+
+
+@PREVIEW
+def test_two_runs_register_identical_inputs(preview: bool) -> None:
+    first, second = _run(preview), _run(preview)
+    assert _kube(first)
+    assert first.by_urn() == second.by_urn()
+
+
+def test_raising_min_warm_changes_only_the_pool_and_the_gateway() -> None:
+    before = _run(preview=False).by_urn()
+    raised = k8s_args()
+    raised["recipes"][0]["min_warm"] = 3
+    after = _run(False, raised).by_urn()
+    assert set(before) <= set(after)
+    changed = sorted(
+        urn.rsplit("::", 1)[-1] for urn in after if urn in before and after[urn] != before[urn]
+    )
+    added = sorted(urn.rsplit("::", 1)[-1] for urn in set(after) - set(before))
+    gateway = [f"{SITE}-configmap-denv-gateway", f"{SITE}-deployment-denv-gateway"]
+    pool = [f"{SITE}-configmap-voice-agent", f"{SITE}-poddisruptionbudget-voice"]
+    site_changes = [name for name in changed if name.startswith(SITE)]
+    assert site_changes == sorted([*gateway, *pool, f"{SITE}-statefulset-voice"])
+    # elsewhere, only the global balancer may change (its config lists the new replica)
+    assert all(name.startswith("prod-balancer") for name in changed if name not in site_changes)
+    # the new replica's planning node gets its gateway address
+    assert added == [f"{SITE}-service-denv-gateway-node-3"]
+    urns = {urn.rsplit("::", 1)[-1]: urn for urn in after}
+    assert after[urns[f"{SITE}-statefulset-voice"]]["spec"]["replicas"] == 4
+    # the gateway's pods roll only because their config changed
+    deployment = urns[f"{SITE}-deployment-denv-gateway"]
+    old, new = before[deployment]["spec"], after[deployment]["spec"]
+    assert old["template"]["spec"] == new["template"]["spec"]
+    assert {**old, "template": None} == {**new, "template": None}
+
+
+@PREVIEW
+def test_the_kubeconfig_is_a_secret_and_never_in_plaintext(preview: bool) -> None:
+    run = _run(preview)
+    material = [line.strip() for line in KUBECONFIG.splitlines() if "TOKEN" in line]
+    assert material
+    for registration in run.registrations:
+        strings = plain_strings(registration.inputs)
+        assert not any(m in s for m in material for s in strings), registration.name
+    (provider,) = run.of_type(PROVIDER)
+    assert shown(provider.inputs)["kubeconfig"] == "[secret]"
+
+
+def test_replica_and_agent_ports_open_only_to_gateway_pods_and_the_gateway_to_balancers() -> None:
+    run = _run(preview=False)
+    policy = _manifest(run.named(f"{SITE}-networkpolicy-denv-replicas-from-gateway").inputs)
+    gateway = _manifest(run.named(f"{SITE}-deployment-denv-gateway").inputs)
+    replica_pods = [
+        _manifest(run.named(f"{SITE}-statefulset-{p}").inputs)["spec"]["template"]["metadata"]
+        for p in ("voice", "side")
+    ]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert all(selector.items() <= pod["labels"].items() for pod in replica_pods)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    (source,) = rule["from"]
+    assert set(source) == {"podSelector"}
+    gateway_pods = gateway["spec"]["template"]["metadata"]["labels"]
+    assert source["podSelector"]["matchLabels"].items() <= gateway_pods.items()
+    assert not any(
+        source["podSelector"]["matchLabels"].items() <= p["labels"].items() for p in replica_pods
+    )
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100, AGENT_PORT]
+    # SSH does not exist here: no object opens or forwards port 22
+    assert 22 not in {port for r in _kube(run) for port in _ports(_manifest(r.inputs))}
+    hosts = [f"{address}/32" for address in run.outputs["balancer_addresses"]]
+    for node in ("node-0", "node-1", "node-2"):
+        service = run.named(f"{SITE}-service-denv-gateway-{node}").inputs["spec"]
+        assert service["type"] == "LoadBalancer"
+        assert service["loadBalancerSourceRanges"] == hosts
+
+
+def test_balancer_reaches_each_replica_at_its_nodes_gateway_address() -> None:
+    run = _run(preview=False)
+    config = run.outputs["haproxy_config"]
+    services = {
+        r.inputs["metadata"]["labels"]["denv/node"]: r
+        for r in run.of_type("kubernetes:core/v1:Service")
+        if "denv/node" in r.inputs["metadata"]["labels"]
+    }
+    addresses = {}
+    for node, service in services.items():
+        line = next(x for x in config.splitlines() if f"server voice.k8s-use1.{node}.0 " in x)
+        address = line.split()[2].rsplit(":", 1)[0]
+        ports = {p["port"] for p in service.inputs["spec"]["ports"]}
+        assert int(line.split()[2].rsplit(":", 1)[1]) in ports
+        assert f"agent-port {AGENT_PORT}" in line
+        addresses[node] = address
+    assert len(set(addresses.values())) == 3
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+def test_gateway_config_passes_haproxy_check(tmp_path: Path) -> None:
+    config_map = _run(preview=False).named(f"{SITE}-configmap-denv-gateway")
+    check_haproxy_config(RenderedConfig(config_map.inputs["data"]["haproxy.cfg"]), tmp_path)
+
+
+def _bad(args: Any) -> tuple[list[str], Run]:
+    run = Run()
+    with pytest.raises(StackError) as error:
+        run_program(lambda: cluster_outputs(args), preview=False, run=run)
+    return error.value.problems, run
+
+
+def _without_kubeconfig() -> Any:
+    args = k8s_args()
+    del args["sites"][0]["kubeconfig"]
+    return args
+
+
+def _mig_on_l40s() -> Any:
+    args = k8s_args()
+    args["sites"][0]["gpu"] = "L40S"
+    return args
+
+
+def _plain_kubeconfig() -> Any:
+    args = k8s_args()
+    args["sites"][0]["kubeconfig"] = KUBECONFIG
+    return args
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (
+            _without_kubeconfig(),
+            "sites[0].kubeconfig: missing; set it with 'pulumi config set --secret' "
+            "(see docs/stacks.md)",
+        ),
+        (
+            _mig_on_l40s(),
+            'recipes[1].gpu: MIG profile "1g.10gb" does not exist on L40S (L40S has no MIG, '
+            "site k8s-use1); use a whole GPU",
+        ),
+        (
+            _plain_kubeconfig(),
+            "sites[0].kubeconfig: must be a Pulumi secret, never plain text; set it with "
+            "'pulumi config set --secret' (see docs/stacks.md)",
+        ),
+    ],
+    ids=["no kubeconfig", "MIG on L40S", "plain kubeconfig"],
+)
+def test_bad_input_is_one_line_and_registers_nothing(args: Any, problem: str) -> None:
+    problems, run = _bad(args)
+    assert problems == [problem]
+    assert run.registrations == []
+
+
+def test_a_recipe_without_an_image_is_refused_before_any_kubernetes_object() -> None:
+    args = k8s_args()
+    del args["recipes"][0]["image"]
+    problems, run = _bad(args)
+    assert problems == [
+        "recipes[0].image: missing; a kubernetes site (k8s-use1) runs the model server as a "
+        "container: add image: vllm/vllm-openai:v0.11.0"
+    ]
+    assert [r for r in run.registrations if r.name.startswith(SITE)] == []
