@@ -73,6 +73,8 @@ class RecordingMocks(pulumi.runtime.Mocks):
             and state.get("spec", {}).get("type") == "LoadBalancer"
         ):
             state["status"] = {"loadBalancer": {"ingress": [{"ip": _address(args.name)}]}}
+        if args.typ == "pulumi-python:dynamic/lambda:Instance":
+            state["ip"] = _address(args.name)
         return f"{args.name}-id", state
 
     def call(

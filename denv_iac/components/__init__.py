@@ -9,6 +9,7 @@ from denv_iac.components.balancer_host import BalancerHost, BalancerHostArgs
 from denv_iac.components.cluster import Cluster, ClusterArgs, validate_cluster
 from denv_iac.components.joined import ExistingNodesArgs, HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.kubernetes import KubernetesSite, KubernetesSiteArgs
+from denv_iac.components.lambda_cloud import LambdaSite, LambdaSiteArgs
 from denv_iac.components.pool import ReplicaEndpoint, ReplicaEndpointArgs, WarmPool, WarmPoolArgs
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "JoinedSite",
     "KubernetesSite",
     "KubernetesSiteArgs",
+    "LambdaSite",
+    "LambdaSiteArgs",
     "LocalSite",
     "ReplicaEndpoint",
     "ReplicaEndpointArgs",

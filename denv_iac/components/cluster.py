@@ -15,6 +15,7 @@ from denv_iac.components.balancer_host import (
 )
 from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.kubernetes import kubernetes_site
+from denv_iac.components.lambda_cloud import lambda_site
 from denv_iac.components.naming import child_name
 from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
 from denv_iac.components.secrets import (
@@ -64,6 +65,7 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
     "hetzner": _existing_site,
     "joined": _existing_site,
     "kubernetes": kubernetes_site,
+    "lambda": lambda_site,
     "local": _existing_site,
 }
 BUILT_SITE_KINDS = tuple(SITE_BUILDERS)
