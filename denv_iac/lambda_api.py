@@ -1,0 +1,290 @@
+"""A small typed client for Lambda Cloud's REST API: instances, SSH keys, filesystems.
+
+Lambda has no Pulumi or Terraform provider of record; the dynamic providers of LambdaSite call
+this client. Every response is `{"data": ...}` on success and `{"error": {"code", "message",
+"suggestion"}}` on failure; a failure becomes one `LambdaApiError` line naming the operation and
+Lambda's message, never the API key. No Pulumi here.
+"""
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+API_URL = "https://cloud.lambdalabs.com/api/v1"
+NOT_FOUND_CODE = "global/object-does-not-exist"
+# Lambda allows about one request a second, and one launch every 12 s: 429s are expected.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+class LambdaApiError(Exception):
+    """One line: the operation, and what Lambda said went wrong."""
+
+    def __init__(self, operation: str, message: str, status: int = 0, code: str = "") -> None:
+        super().__init__(f"Lambda Cloud {operation}: {message}")
+        self.operation = operation
+        self.status = status
+        self.code = code
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404 or self.code == NOT_FOUND_CODE
+
+
+@dataclass(frozen=True)
+class Instance:
+    id: str
+    name: str
+    status: str  # booting, active, unhealthy, terminating, terminated
+    ip: str  # empty until the instance has booted
+    region: str
+    instance_type: str
+    ssh_key_names: tuple[str, ...]
+    file_system_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SshKey:
+    id: str
+    name: str
+    public_key: str
+
+
+@dataclass(frozen=True)
+class FileSystem:
+    id: str
+    name: str
+    region: str
+    mount_point: str
+    is_in_use: bool
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How hard to try: bounded attempts with exponential backoff, and the launch wait."""
+
+    attempts: int = 5
+    backoff_s: float = 2.0
+    timeout_s: float = 30.0
+    launch_wait_s: float = 1800.0  # a cold GPU VM can take many minutes to boot
+    poll_s: float = 10.0
+
+
+DEFAULT_RETRY = Retry()
+
+
+def _region_name(raw: Any) -> str:
+    return str(raw.get("name", "")) if isinstance(raw, Mapping) else str(raw or "")
+
+
+def _instance(raw: Mapping[str, Any]) -> Instance:
+    return Instance(
+        id=str(raw["id"]),
+        name=str(raw.get("name") or ""),
+        status=str(raw.get("status", "")),
+        ip=str(raw.get("ip") or ""),
+        region=_region_name(raw.get("region")),
+        instance_type=_region_name(raw.get("instance_type")),
+        ssh_key_names=tuple(raw.get("ssh_key_names") or ()),
+        file_system_names=tuple(raw.get("file_system_names") or ()),
+    )
+
+
+def _ssh_key(raw: Mapping[str, Any]) -> SshKey:
+    return SshKey(str(raw["id"]), str(raw["name"]), str(raw.get("public_key", "")))
+
+
+def _file_system(raw: Mapping[str, Any]) -> FileSystem:
+    return FileSystem(
+        id=str(raw["id"]),
+        name=str(raw["name"]),
+        region=_region_name(raw.get("region")),
+        mount_point=str(raw.get("mount_point", "")),
+        is_in_use=bool(raw.get("is_in_use", False)),
+    )
+
+
+def error_message(response: httpx.Response) -> tuple[str, str]:
+    """Lambda's error message (with its suggestion) and code, from any error response."""
+    try:
+        error = response.json().get("error", {})
+    except ValueError:
+        error = {}
+    if not isinstance(error, Mapping) or not error.get("message"):
+        return f"HTTP {response.status_code} {response.reason_phrase}".strip(), ""
+    message = str(error["message"]).rstrip(".")
+    if error.get("suggestion"):
+        message += f" ({str(error['suggestion']).rstrip('.')})"
+    return message, str(error.get("code", ""))
+
+
+class LambdaClient:
+    """Lambda Cloud's API with one API key; `transport` lets tests stand in for Lambda."""
+
+    def __init__(
+        self,
+        api_key: str,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        retry: Retry = DEFAULT_RETRY,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        base_url: str = API_URL,
+    ) -> None:
+        self._http = httpx.Client(
+            base_url=base_url,
+            # The key travels only in this header; httpx never puts headers in its errors.
+            headers={"Authorization": f"Bearer {api_key}", "Accept": "application/json"},
+            transport=transport,
+            timeout=retry.timeout_s,
+        )
+        self._retry, self._sleep, self._clock = retry, sleep, clock
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "LambdaClient":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _call(
+        self, operation: str, method: str, path: str, body: Mapping[str, Any] | None = None
+    ) -> Any:
+        """The `data` of a response, after bounded retries of throttling and server errors."""
+        for attempt in range(1, self._retry.attempts + 1):
+            last = attempt == self._retry.attempts
+            try:
+                response = self._http.request(method, path, json=body)
+            except httpx.TransportError as error:
+                # A lost POST may have happened: only reads are safe to send again.
+                if method != "GET" or last:
+                    raise LambdaApiError(operation, f"{type(error).__name__}: {error}") from None
+                self._sleep(self._backoff(attempt))
+                continue
+            if response.status_code in RETRY_STATUSES and not last:
+                self._sleep(self._delay(response, attempt))
+                continue
+            if response.is_error:
+                message, code = error_message(response)
+                raise LambdaApiError(operation, message, response.status_code, code)
+            return response.json().get("data")
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _backoff(self, attempt: int) -> float:
+        return self._retry.backoff_s * 2.0 ** (attempt - 1)
+
+    def _delay(self, response: httpx.Response, attempt: int) -> float:
+        """The backoff, or longer when Lambda says how long to wait."""
+        try:
+            return max(self._backoff(attempt), float(response.headers.get("Retry-After", 0)))
+        except ValueError:
+            return self._backoff(attempt)
+
+    # Instances
+
+    def list_instances(self) -> list[Instance]:
+        return [_instance(raw) for raw in self._call("list instances", "GET", "/instances")]
+
+    def get_instance(self, instance_id: str) -> Instance:
+        raw = self._call(f"get instance {instance_id}", "GET", f"/instances/{instance_id}")
+        return _instance(raw)
+
+    def launch(
+        self,
+        *,
+        name: str,
+        region: str,
+        instance_type: str,
+        ssh_key_names: Sequence[str],
+        file_system_names: Sequence[str] = (),
+    ) -> str:
+        """The id of one new instance (it is still booting: see `wait_active`)."""
+        body = {
+            "region_name": region,
+            "instance_type_name": instance_type,
+            "ssh_key_names": list(ssh_key_names),
+            "file_system_names": list(file_system_names),
+            "name": name,
+            "quantity": 1,
+        }
+        data = self._call(f"launch {name}", "POST", "/instance-operations/launch", body)
+        return str(data["instance_ids"][0])
+
+    def rename(self, instance_id: str, name: str) -> Instance:
+        raw = self._call(
+            f"rename instance {instance_id}", "POST", f"/instances/{instance_id}", {"name": name}
+        )
+        return _instance(raw)
+
+    def terminate(self, instance_id: str) -> None:
+        """Terminate an instance; one that is already gone counts as terminated."""
+        try:
+            self._call(
+                f"terminate instance {instance_id}",
+                "POST",
+                "/instance-operations/terminate",
+                {"instance_ids": [instance_id]},
+            )
+        except LambdaApiError as error:
+            if not error.not_found:
+                raise
+
+    def wait_active(self, instance_id: str) -> Instance:
+        """The instance once it is active with an address; an error if it dies or takes too long."""
+        deadline = self._clock() + self._retry.launch_wait_s
+        while True:
+            instance = self.get_instance(instance_id)
+            if instance.status == "active" and instance.ip:
+                return instance
+            if instance.status in ("terminating", "terminated"):
+                raise LambdaApiError(
+                    f"launch {instance.name or instance_id}",
+                    f"instance {instance_id} went {instance.status} while booting",
+                )
+            if self._clock() >= deadline:
+                raise LambdaApiError(
+                    f"launch {instance.name or instance_id}",
+                    f"instance {instance_id} still {instance.status or 'pending'} after "
+                    f"{self._retry.launch_wait_s:.0f} s; check the Lambda Cloud console",
+                )
+            self._sleep(self._retry.poll_s)
+
+    # SSH keys
+
+    def list_ssh_keys(self) -> list[SshKey]:
+        return [_ssh_key(raw) for raw in self._call("list SSH keys", "GET", "/ssh-keys")]
+
+    def add_ssh_key(self, name: str, public_key: str) -> SshKey:
+        body = {"name": name, "public_key": public_key}
+        return _ssh_key(self._call(f"add SSH key {name}", "POST", "/ssh-keys", body))
+
+    def delete_ssh_key(self, key_id: str) -> None:
+        """Delete an SSH key; one that is already gone counts as deleted."""
+        try:
+            self._call(f"delete SSH key {key_id}", "DELETE", f"/ssh-keys/{key_id}")
+        except LambdaApiError as error:
+            if not error.not_found:
+                raise
+
+    # Filesystems (regional; they attach to an instance only at launch)
+
+    def list_file_systems(self) -> list[FileSystem]:
+        return [_file_system(raw) for raw in self._call("list filesystems", "GET", "/file-systems")]
+
+    def create_file_system(self, name: str, region: str) -> FileSystem:
+        body = {"name": name, "region": region}
+        return _file_system(self._call(f"create filesystem {name}", "POST", "/filesystems", body))
+
+    def delete_file_system(self, file_system_id: str) -> None:
+        """Delete a filesystem; one that is already gone counts as deleted."""
+        try:
+            self._call(
+                f"delete filesystem {file_system_id}", "DELETE", f"/filesystems/{file_system_id}"
+            )
+        except LambdaApiError as error:
+            if not error.not_found:
+                raise

@@ -1,0 +1,167 @@
+"""LambdaSite in a Cluster under Pulumi's mocks: its dynamic resources, at `up` and at preview."""
+
+import base64
+import copy
+from typing import Any
+
+import pytest
+
+from denv_iac.components.secrets import public_key_of
+from denv_iac.preview import SECRET_MARK, SECRET_SIG
+from denv_iac.spec.reader import StackError
+from tests.components import stacks
+from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
+from tests.components.snapshots import assert_golden, site_snapshot
+
+PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+INSTANCE = "pulumi-python:dynamic/lambda:Instance"
+API_KEY = "test-lambda-api-key-not-a-real-one-0123456789"
+SSH_KEY = stacks._private_key(7)
+LAMBDA_SITE = {
+    "name": "lambda-use1",
+    "kind": "lambda",
+    "region": "us-east-1",
+    "instance_type": "gpu_1x_h100_pcie",
+    "max_nodes": 4,
+    "admin_cidrs": [stacks.ADMIN],
+    "api_key": {"secure": API_KEY},
+    "ssh_private_key": {"secure": SSH_KEY},
+}
+
+
+def lambda_stack() -> dict[str, Any]:
+    """Voice on Lambda H100s, behind a balancer on the Hetzner site of the multicloud stack."""
+    args: dict[str, Any] = dict(stacks.multicloud())
+    hetzner = next(s for s in args["sites"] if s["name"] == "hetzner-fsn")
+    assist = next(r for r in args["recipes"] if r["name"] == "assist")
+    voice = next(r for r in args["recipes"] if r["name"] == "voice")
+    voice["sites"] = ["lambda-use1"]
+    args["sites"] = [copy.deepcopy(LAMBDA_SITE), hetzner]
+    args["recipes"] = [voice, assist | {"image": "vllm/vllm-openai:v0.11.0"}]
+    args["balancer"]["sites"] = ["hetzner-fsn"]
+    return args
+
+
+def _run(preview: bool, args: Any = None) -> Run:
+    return run_program(lambda: cluster_outputs(args or lambda_stack()), preview=preview)
+
+
+@PREVIEW
+def test_one_instance_per_node_launched_with_the_sites_key_and_filesystem(preview: bool) -> None:
+    run = _run(preview)
+    site = run.named("prod-lambda-use1")
+    assert site.type == "denv:index:LambdaSite" and not site.custom
+    assert [r.name for r in run.of_type(INSTANCE)] == [
+        f"prod-lambda-use1-node-{i}" for i in range(3)
+    ]
+    for instance in run.of_type(INSTANCE):
+        assert instance.parent == site.urn
+        assert {k: v for k, v in instance.inputs.items() if k not in ("__provider", "api_key")} == {
+            "name": instance.name,
+            "region": "us-east-1",
+            "instance_type": "gpu_1x_h100_pcie",
+            "ssh_key_names": ["prod-lambda-use1"],
+            "file_system_names": ["prod-lambda-use1-cache"],
+        }
+    cache = run.named("prod-lambda-use1-cache")
+    assert cache.type == "pulumi-python:dynamic/lambda:FileSystem"
+    assert (cache.inputs["name"], cache.inputs["region"]) == ("prod-lambda-use1-cache", "us-east-1")
+    key = run.named("prod-lambda-use1-key")
+    assert key.type == "pulumi-python:dynamic/lambda:SshKey"
+    if not preview:
+        assert key.inputs["public_key"] == public_key_of(SSH_KEY)
+
+
+def test_the_balancer_routes_voice_to_the_lambda_instances_addresses() -> None:
+    run = _run(preview=False)
+    config = run.outputs["haproxy_config"]
+    servers = [line.split()[1:3] for line in config.splitlines() if "server voice." in line]
+    assert [s[0] for s in servers] == [f"voice.lambda-use1.node-{i}.0" for i in range(3)]
+    assert all(
+        address.startswith("198.18.") and address.endswith(":8000") for _, address in servers
+    )
+    assert len({address for _, address in servers}) == 3
+
+
+def test_registered_inputs_match_the_golden_snapshot() -> None:
+    assert_golden(site_snapshot(_run(preview=False), "prod-lambda-use1"), "lambda.json")
+
+
+@PREVIEW
+def test_two_runs_register_identical_inputs(preview: bool) -> None:
+    first, second = _run(preview), _run(preview)
+    assert first.of_type(INSTANCE) != []
+    assert first.by_urn() == second.by_urn()
+
+
+def _site_resources(run: Run) -> dict[str, dict[str, Any]]:
+    return {urn: inputs for urn, inputs in run.by_urn().items() if "::prod-lambda-use1" in urn}
+
+
+def test_raising_min_warm_by_one_adds_exactly_one_instance() -> None:
+    before = _site_resources(_run(preview=False))
+    raised = lambda_stack()
+    raised["recipes"][0]["min_warm"] = 3
+    after = _site_resources(_run(False, raised))
+    assert {urn: after[urn] for urn in before} == before
+    (added,) = set(after) - set(before)
+    assert added.endswith(f"{INSTANCE}::prod-lambda-use1-node-3")
+
+
+def _unwrapped_secrets(value: Any) -> list[str]:
+    """The plaintext inside every secret of serialized inputs."""
+    if isinstance(value, dict):
+        if value.get(SECRET_SIG) == SECRET_MARK:
+            return [str(value.get("value", ""))]
+        return [s for v in value.values() for s in _unwrapped_secrets(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _unwrapped_secrets(v)]
+    return []
+
+
+@PREVIEW
+def test_the_api_key_and_ssh_key_are_secrets_in_every_input(preview: bool) -> None:
+    run = _run(preview)
+    key_lines = SSH_KEY.splitlines()[1:-1]
+    for registration in run.registrations:
+        strings = plain_strings(registration.inputs)
+        assert not any(API_KEY in s for s in strings), registration.name
+        assert not any(line in s for s in strings for line in key_lines), registration.name
+    dynamic = [r for r in run.registrations if r.type.startswith("pulumi-python:dynamic/lambda:")]
+    assert len(dynamic) == 5
+    for registration in dynamic:
+        assert registration.inputs["api_key"][SECRET_SIG] == SECRET_MARK
+        # the serialized provider holds code and settings, never the key it is given
+        (provider,) = _unwrapped_secrets(registration.inputs["__provider"])
+        assert API_KEY.encode() not in base64.b64decode(provider)
+
+
+def _refused(args: Any) -> tuple[list[str], Run]:
+    run = Run()
+    with pytest.raises(StackError) as error:
+        run_program(lambda: cluster_outputs(args), preview=False, run=run)
+    return error.value.problems, run
+
+
+def test_an_unknown_instance_type_is_one_line_and_nothing_is_registered() -> None:
+    args = lambda_stack()
+    args["sites"][0]["instance_type"] = "gpu_1x_h100"
+    del args["recipes"][0]["gpu_models"]  # else the recipe's H100s are missing too
+    problems, run = _refused(args)
+    assert len(problems) == 1
+    assert problems[0].startswith(
+        'sites[0].instance_type: "gpu_1x_h100" is not a GPU offering we know on lambda; use one of '
+    )
+    assert "gpu_1x_h100_pcie" in problems[0]
+    assert run.registrations == []
+
+
+def test_a_missing_or_plaintext_api_key_is_refused_without_echoing_it() -> None:
+    args = lambda_stack()
+    args["sites"][0]["api_key"] = API_KEY
+    problems, run = _refused(args)
+    assert [p.split(":")[0] for p in problems] == ["sites[0].api_key"]
+    assert API_KEY not in problems[0] and run.registrations == []
+    del args["sites"][0]["api_key"]
+    problems, _ = _refused(args)
+    assert problems[0].startswith("sites[0].api_key: missing")
