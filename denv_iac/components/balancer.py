@@ -1,11 +1,13 @@
 """GlobalBalancer: the HAProxy config of the one endpoint, from the pools' replica addresses."""
 
 from collections.abc import Mapping, Sequence
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import pulumi
 
 from denv_iac.balancer import BalancerSettings, RenderedConfig, render_haproxy_config
+from denv_iac.components.naming import child_name
+from denv_iac.components.node_setup import BalancerFiles, NodeSetup
 from denv_iac.components.pool import ReplicaEndpoint
 from denv_iac.dataplane import balancer_pools
 from denv_iac.placement import PlacedReplica, Placement
@@ -34,11 +36,18 @@ def endpoint_url(stack: StackSpec, host: str) -> str:
     return f"{scheme}://{name}{port}"
 
 
+class HostAccess(TypedDict):
+    ssh_user: str
+    ssh_private_key: pulumi.Input[str]  # a secret
+
+
 class GlobalBalancerArgs(TypedDict):
     stack: StackSpec
     placement: Placement
     pools: Sequence[pulumi.Input[list[ReplicaEndpoint]]]  # WarmPool.replicas of every pool
     hosts: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+    # Balancer site -> how to log in to its host, for the hosts the config is installed on.
+    access: NotRequired[Mapping[str, HostAccess]]
 
 
 class GlobalBalancer(pulumi.ComponentResource):
@@ -76,6 +85,20 @@ class GlobalBalancer(pulumi.ComponentResource):
         hosts = [args["hosts"][site] for site in stack.balancer.sites]
         self.host_addresses = pulumi.Output.all(*hosts).apply(lambda a: [str(h) for h in a])
         self.endpoint = self.host_addresses.apply(lambda a: endpoint_url(stack, a[0]))
+        files = pulumi.Output.all(self.haproxy_config, self.map_files).apply(
+            lambda v: BalancerFiles(haproxy_config=v[0], map_files=v[1], map_dir=CONFIG_DIR)
+        )
+        for site, access in sorted(args.get("access", {}).items()):
+            NodeSetup(
+                child_name(name, site, "setup"),
+                {
+                    "host": args["hosts"][site],
+                    "ssh_user": access["ssh_user"],
+                    "ssh_private_key": access["ssh_private_key"],
+                    "balancer": files,
+                },
+                pulumi.ResourceOptions(parent=self),
+            )
         self.register_outputs(
             {
                 "haproxy_config": self.haproxy_config,

@@ -17,6 +17,14 @@ from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.kubernetes import kubernetes_site
 from denv_iac.components.lambda_cloud import lambda_site
 from denv_iac.components.naming import child_name
+from denv_iac.components.node_setup import (
+    SSH_SITE_KINDS,
+    NodeSetup,
+    balancer_ssh_user,
+    node_deploy_specs,
+    node_id,
+    node_ssh_user,
+)
 from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
 from denv_iac.components.secrets import (
     SecretValues,
@@ -32,6 +40,7 @@ from denv_iac.components.security import (
     replica_port,
 )
 from denv_iac.components.site import SiteBuilder, SiteContext
+from denv_iac.node import NodeDeploySpec
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError, read_stack
@@ -159,14 +168,28 @@ class Cluster(pulumi.ComponentResource):
         self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
         stack, placement, secrets = validate_cluster(name, args)
+        node_specs = node_deploy_specs(stack, placement)
         super().__init__("denv:index:Cluster", name, None, opts)
         self._name, self._stack, self._secrets = name, stack, secrets
         hosts = self._balancer_hosts()
-        addresses = self._sites(placement, hosts)
+        addresses = self._sites(placement, hosts, node_specs)
         pools = [self._pool(recipe, placement, addresses).replicas for recipe in stack.recipes]
         balancer = GlobalBalancer(
             child_name(name, "balancer"),
-            {"stack": stack, "placement": placement, "pools": pools, "hosts": hosts},
+            {
+                "stack": stack,
+                "placement": placement,
+                "pools": pools,
+                "hosts": hosts,
+                "access": {
+                    site: {
+                        "ssh_user": balancer_ssh_user(stack.site(site)),
+                        "ssh_private_key": secrets[(site, "ssh_private_key")],
+                    }
+                    for site in stack.balancer.sites
+                    if stack.site(site).kind in SSH_SITE_KINDS
+                },
+            },
             pulumi.ResourceOptions(parent=self),
         )
         self.endpoint = balancer.endpoint
@@ -205,7 +228,10 @@ class Cluster(pulumi.ComponentResource):
         return hosts
 
     def _sites(
-        self, placement: Placement, hosts: dict[str, pulumi.Output[str]]
+        self,
+        placement: Placement,
+        hosts: dict[str, pulumi.Output[str]],
+        node_specs: dict[str, NodeDeploySpec],
     ) -> dict[str, pulumi.Output[dict[str, str]]]:
         """Site name -> its node addresses by node name."""
         addresses = {}
@@ -217,13 +243,41 @@ class Cluster(pulumi.ComponentResource):
                 "secrets": {f: v for (owner, f), v in self._secrets.items() if owner == site.name},
                 "balancer_addresses": hosts,
             }
+            before = set(self._childResources)
             addresses[site.name] = SITE_BUILDERS[site.kind](
                 child_name(self._name, site.name),
                 site,
                 context,
                 pulumi.ResourceOptions(parent=self),
             )
+            if site.kind in SSH_SITE_KINDS:
+                # A builder gives back addresses only: its site component is its one new child.
+                (component,) = self._childResources - before
+                self._node_setups(component, site, context, addresses[site.name], node_specs)
         return addresses
+
+    def _node_setups(
+        self,
+        site_component: pulumi.Resource,
+        site: SiteSpec,
+        context: SiteContext,
+        addresses: pulumi.Output[dict[str, str]],
+        node_specs: dict[str, NodeDeploySpec],
+    ) -> None:
+        """The node deploy on each node, once the node exists (its address says when)."""
+        balancers = sorted(context["balancer_addresses"].items())
+        for node in context["nodes"]:
+            NodeSetup(
+                child_name(self._name, site.name, node.name, "setup"),
+                {
+                    "host": addresses.apply(_node_address(node.name)),
+                    "ssh_user": node_ssh_user(site, node.name),
+                    "ssh_private_key": context["secrets"]["ssh_private_key"],
+                    "node": node_specs[node_id(site.name, node.name)],
+                    "balancer_addresses": pulumi.Output.all(*(a for _, a in balancers)),
+                },
+                pulumi.ResourceOptions(parent=site_component),
+            )
 
     def _pool(
         self,

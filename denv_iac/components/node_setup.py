@@ -277,7 +277,9 @@ class NodeSetup(pulumi.ComponentResource):
             "ssh_private_key": pulumi.Output.secret(args["ssh_private_key"]),
         }
         if "node" in args:
-            props["node"] = spec_to_json(args["node"])
+            # Given on their own: known only once the balancer hosts exist.
+            spec = spec_to_json(args["node"])
+            props["node"] = {k: v for k, v in spec.items() if k != "balancer_addresses"}
             props["balancer_addresses"] = pulumi.Output.from_input(
                 args.get("balancer_addresses", [])
             ).apply(sorted)

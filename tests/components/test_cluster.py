@@ -16,7 +16,13 @@ from tests.components.harness import AMI_ID, Run, cluster_outputs, plain_strings
 PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
 INSTANCE = "aws:ec2/instance:Instance"
 INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
-NODE_CREATES = {INSTANCE, "aws:ebs/volume:Volume", "aws:ec2/volumeAttachment:VolumeAttachment"}
+NODE_CREATES = {
+    INSTANCE,
+    "aws:ebs/volume:Volume",
+    "aws:ec2/volumeAttachment:VolumeAttachment",
+    "denv:index:NodeSetup",
+    "pulumi-python:dynamic/denv:NodeDeployment",
+}
 
 
 def _multicloud(preview: bool, args: Any = None) -> Run:
@@ -40,6 +46,20 @@ def test_multicloud_registers_each_component_once_with_its_children(preview: boo
             ("denv:index:BalancerHost", "prod-balancer-hetzner-fsn"),
             ("denv:index:BalancerHost", "prod-balancer-aws-use1"),
             ("denv:index:GlobalBalancer", "prod-balancer"),
+            *[
+                ("denv:index:NodeSetup", f"prod-{machine}-setup")
+                for machine in (
+                    "aws-use1-node-0",
+                    "aws-use1-node-1",
+                    "aws-use1-node-2",
+                    "hetzner-fsn-gex-1",
+                    "hetzner-fsn-gex-2",
+                    "office-rack-1",
+                    "office-rack-2",
+                    "balancer-aws-use1",
+                    "balancer-hetzner-fsn",
+                )
+            ],
         ]
     )
     urn_of = {r.name: r.urn for r in run.registrations}
@@ -112,12 +132,19 @@ def test_raising_min_warm_only_adds_the_new_node() -> None:
     raised = stacks.multicloud()
     raised["recipes"][0]["min_warm"] = 3
     after = _multicloud(False, raised).by_urn()
-    assert {urn: after[urn] for urn in before} == before
+    changed = sorted(urn.rsplit("::", 1)[-1] for urn in before if after[urn] != before[urn])
+    # The balancer hosts get the config that lists the new replica.
+    assert changed == [
+        "prod-balancer-aws-use1-setup-deploy",
+        "prod-balancer-hetzner-fsn-setup-deploy",
+    ]
     added = sorted(urn.rsplit("::", 1)[-1] for urn in set(after) - set(before))
     assert added == [
         "prod-aws-use1-node-3",
         "prod-aws-use1-node-3-cache",
         "prod-aws-use1-node-3-cache-attach",
+        "prod-aws-use1-node-3-setup",
+        "prod-aws-use1-node-3-setup-deploy",
     ]
     assert {urn.split("::")[-2].split("$")[-1] for urn in set(after) - set(before)} == NODE_CREATES
 
@@ -280,9 +307,9 @@ def test_explicit_providers_reach_every_child() -> None:
         return {"endpoint": cluster.endpoint}
 
     run = run_program(program, preview=False)
-    children = [
-        r for r in run.registrations if r.custom and not r.type.startswith("pulumi:providers:")
-    ]
+    # Dynamic resources (NodeSetup's deploys) run in the program's own provider.
+    own = ("pulumi:providers:", "pulumi-python:dynamic")
+    children = [r for r in run.registrations if r.custom and not r.type.startswith(own)]
     assert len(children) == 39
     for registration in children:
         package = registration.type.split(":")[0]
