@@ -75,6 +75,10 @@ class RecordingMocks(pulumi.runtime.Mocks):
             state["status"] = {"loadBalancer": {"ingress": [{"ip": _address(args.name)}]}}
         if args.typ == "pulumi-python:dynamic/lambda:Instance":
             state["ip"] = _address(args.name)
+        if args.typ == "nebius:index/computeV1Instance:ComputeV1Instance":
+            # Nebius reports an interface's public address with its prefix length.
+            public = {"address": f"{_address(args.name)}/32"}
+            state["status"] = {"networkInterfaces": [{"publicIpAddress": public}]}
         return f"{args.name}-id", state
 
     def call(
@@ -94,6 +98,8 @@ class RecordingMocks(pulumi.runtime.Mocks):
             }, []
         if args.token == "aws:ec2/getSubnet:getSubnet":
             return {"id": args.args["id"], "vpcId": "vpc-0example"}, []
+        if args.token == "nebius:index/getVpcV1Subnet:getVpcV1Subnet":
+            return {"id": args.args["id"], "networkId": "vpcnetwork-e00example"}, []
         # An unanswered invoke would silently yield None and a wrong graph: refuse it.
         raise RuntimeError(f"unmocked invoke {args.token}({args.args})")
 

@@ -124,21 +124,45 @@ def test_a_secret_input_shows_as_secret_never_its_value() -> None:
     assert "hunter2" not in json.dumps(inputs)
 
 
-def test_sites_without_a_component_give_one_line_and_exit_2() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "denv_iac", "plan", "--stack", "voice-multicloud", "--resources"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert result.stdout == ""
-    assert result.stderr.splitlines() == [
-        "error: --resources: no component yet for lambda-use1 (kind lambda), nebius-eun1 "
-        "(kind nebius); the resource graph covers sites of kind aws, hetzner, joined, local"
-    ]
+def test_voice_multicloud_lists_every_site_kinds_resources_with_secrets_masked(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "plan.json"
+    stack_args = ["--stack", "voice-multicloud", "--stacks-dir", str(ROOT / "stacks")]
+    result = _plan(*stack_args, "--resources", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    resources = json.loads(out.read_text())["resources"]
+    types = {r["type"] for r in resources}
+    assert {
+        "denv:index:AwsSite",
+        "denv:index:LambdaSite",
+        "denv:index:NebiusSite",
+        "denv:index:HetznerSite",
+        "denv:index:JoinedSite",
+    } <= types
+    # the machines each cloud site creates for its nodes
+    assert {
+        "aws:ec2/instance:Instance",
+        "pulumi-python:dynamic/lambda:Instance",
+        "nebius:index/computeV1Instance:ComputeV1Instance",
+    } <= types
+    by_name = {r["name"]: r["inputs"] for r in resources}
+    assert by_name["voice-multicloud-lambda-use1-node-0"]["api_key"] == "[secret]"
+    text = yaml.safe_load((ROOT / "stacks" / "Pulumi.voice-multicloud.yaml").read_text())
+    ciphertexts = [v for v in _secure_values(text) if v]
+    assert ciphertexts
+    for ciphertext in ciphertexts:
+        assert ciphertext not in out.read_text() and ciphertext not in result.output
+
+
+def _secure_values(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        if set(value) == {"secure"}:
+            return [str(value["secure"])]
+        return [s for v in value.values() for s in _secure_values(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _secure_values(v)]
+    return []
 
 
 def test_a_plain_plan_does_not_import_pulumi() -> None:

@@ -10,6 +10,7 @@ from denv_iac.components.cluster import Cluster, ClusterArgs, validate_cluster
 from denv_iac.components.joined import ExistingNodesArgs, HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.kubernetes import KubernetesSite, KubernetesSiteArgs
 from denv_iac.components.lambda_cloud import LambdaSite, LambdaSiteArgs
+from denv_iac.components.nebius import NebiusSite, NebiusSiteArgs
 from denv_iac.components.pool import ReplicaEndpoint, ReplicaEndpointArgs, WarmPool, WarmPoolArgs
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "LambdaSite",
     "LambdaSiteArgs",
     "LocalSite",
+    "NebiusSite",
+    "NebiusSiteArgs",
     "ReplicaEndpoint",
     "ReplicaEndpointArgs",
     "WarmPool",

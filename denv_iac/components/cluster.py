@@ -17,6 +17,7 @@ from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.kubernetes import kubernetes_site
 from denv_iac.components.lambda_cloud import lambda_site
 from denv_iac.components.naming import child_name
+from denv_iac.components.nebius import nebius_site
 from denv_iac.components.node_setup import (
     SSH_SITE_KINDS,
     NodeSetup,
@@ -76,6 +77,7 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
     "kubernetes": kubernetes_site,
     "lambda": lambda_site,
     "local": _existing_site,
+    "nebius": nebius_site,
 }
 BUILT_SITE_KINDS = tuple(SITE_BUILDERS)
 

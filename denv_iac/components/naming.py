@@ -44,6 +44,10 @@ def hcloud_labels(stack: str, site: str, role: str) -> dict[str, str]:
     return {key: _LABEL_VALUE.sub("-", value)[:63] for key, value in sorted(labels.items())}
 
 
+# Nebius labels follow the same rules as hcloud's.
+nebius_labels = hcloud_labels
+
+
 def resolved(addresses: Mapping[str, pulumi.Input[str]]) -> pulumi.Output[dict[str, str]]:
     """One Output holding a mapping whose values may each be Outputs."""
     ordered: dict[str, pulumi.Input[str]] = {name: addresses[name] for name in sorted(addresses)}

@@ -1,0 +1,224 @@
+"""Nebius: GPU nodes as compute instances of a GPU platform and preset, with a shared cache."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+import pulumi
+import pulumi_nebius as nebius
+import yaml
+
+from denv_iac.components.naming import child_name, machine_name, nebius_labels, resolved
+from denv_iac.components.secrets import public_key_output
+from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.components.site import SiteContext
+from denv_iac.placement import PlacedNode
+from denv_iac.spec.model import RecipeSpec, SiteSpec
+
+SSH_USER = "ubuntu"  # the login cloud-init creates on every node
+BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
+CACHE_MOUNT_TAG = "denv-cache"
+CACHE_MOUNT_POINT = "/var/cache/denv"  # the parent of the recipes' default cache dirs
+MAX_PORTS_PER_RULE = 8  # Nebius allows at most 8 destination ports in one rule
+
+
+def offering_parts(offering: str) -> tuple[str, str]:
+    """The platform and preset of a Nebius offering written "platform/preset"."""
+    platform, _, preset = offering.partition("/")
+    return platform, preset
+
+
+def cloud_init(public_key: str) -> str:
+    """User data for a node: the login with the site's key, and the cache filesystem mounted.
+
+    Only the public half of the key is here: user data is no place for a secret.
+    """
+    config = {
+        "users": [
+            {
+                "name": SSH_USER,
+                "sudo": "ALL=(ALL) NOPASSWD:ALL",
+                "shell": "/bin/bash",
+                "ssh_authorized_keys": [public_key],
+            }
+        ],
+        # virtiofs is how Nebius shares a filesystem into an instance, by its mount tag.
+        "mounts": [[CACHE_MOUNT_TAG, CACHE_MOUNT_POINT, "virtiofs", "defaults,nofail", "0", "0"]],
+    }
+    return "#cloud-config\n" + yaml.safe_dump(config, sort_keys=True)
+
+
+def port_groups(rule: IngressRule) -> list[list[int]]:
+    """The rule's ports in lists Nebius accepts, in order."""
+    ports = list(range(rule.from_port, rule.to_port + 1))
+    return [ports[i : i + MAX_PORTS_PER_RULE] for i in range(0, len(ports), MAX_PORTS_PER_RULE)]
+
+
+def public_address(status: Any) -> str:
+    """The public IPv4 of an instance's first interface, without its prefix length."""
+    address = str(status.network_interfaces[0].public_ip_address.address)
+    return address.partition("/")[0]
+
+
+class NebiusSiteArgs(TypedDict):
+    stack: str
+    site: SiteSpec
+    recipes: Sequence[RecipeSpec]
+    nodes: Sequence[PlacedNode]  # the placed nodes of this site
+    public_key: pulumi.Input[str]  # OpenSSH public key of the site's SSH key
+    balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+
+
+class NebiusSite(pulumi.ComponentResource):
+    """One compute instance per created node, in the site's project and subnet.
+
+    Each node boots from a disk made from an image family with drivers (the site's
+    `image_family`, `ubuntu22.04-cuda12` by default), runs the offering's platform and preset,
+    has a public address, and mounts the site's one shared filesystem, where weights and compile
+    caches outlive any node. A security group on the subnet's network opens SSH to the admin
+    CIDRs and the replica and agent ports to the balancer hosts only.
+    """
+
+    node_addresses: pulumi.Output[dict[str, str]]
+    """Public address of each node, by node name."""
+
+    def __init__(
+        self, name: str, args: NebiusSiteArgs, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        super().__init__("denv:index:NebiusSite", name, None, opts)
+        site, stack = args["site"], args["stack"]
+        child = pulumi.ResourceOptions(parent=self)
+        labels = nebius_labels(stack, site.name, "gpu-node")
+        cache = nebius.ComputeV1Filesystem(
+            child_name(name, "cache"),
+            parent_id=site.project_id,
+            name=machine_name(stack, site.name, "cache"),
+            type="NETWORK_SSD",
+            size_gibibytes=site.cache_size_gb,
+            labels=labels,
+            opts=child,
+        )
+        group = self._security_group(name, args, labels)
+        user_data = pulumi.Output.from_input(args["public_key"]).apply(cloud_init)
+        platform, preset = offering_parts(site.offering)
+        addresses: dict[str, pulumi.Output[str]] = {}
+        for node in args["nodes"]:
+            if not node.create:
+                continue
+            node_name = child_name(name, node.name)
+            host = machine_name(stack, site.name, node.name)
+            boot = nebius.ComputeV1Disk(
+                child_name(node_name, "boot"),
+                parent_id=site.project_id,
+                name=f"{host}-boot",
+                type="NETWORK_SSD",
+                size_gibibytes=BOOT_DISK_GB,
+                source_image_family=nebius.ComputeV1DiskSourceImageFamilyArgs(
+                    image_family=site.image
+                ),
+                labels=labels,
+                opts=child,
+            )
+            instance = nebius.ComputeV1Instance(
+                node_name,
+                parent_id=site.project_id,
+                name=host,
+                hostname=host,
+                resources=nebius.ComputeV1InstanceResourcesArgs(platform=platform, preset=preset),
+                boot_disk=nebius.ComputeV1InstanceBootDiskArgs(
+                    attach_mode="READ_WRITE",
+                    existing_disk=nebius.ComputeV1InstanceBootDiskExistingDiskArgs(id=boot.id),
+                ),
+                network_interfaces=[
+                    nebius.ComputeV1InstanceNetworkInterfaceArgs(
+                        name="eth0",
+                        subnet_id=site.subnet_id,
+                        ip_address=nebius.ComputeV1InstanceNetworkInterfaceIpAddressArgs(),
+                        public_ip_address=(
+                            nebius.ComputeV1InstanceNetworkInterfacePublicIpAddressArgs()
+                        ),
+                        security_groups=[
+                            nebius.ComputeV1InstanceNetworkInterfaceSecurityGroupArgs(id=group.id)
+                        ],
+                    )
+                ],
+                filesystems=[
+                    nebius.ComputeV1InstanceFilesystemArgs(
+                        attach_mode="READ_WRITE",
+                        mount_tag=CACHE_MOUNT_TAG,
+                        existing_filesystem=(
+                            nebius.ComputeV1InstanceFilesystemExistingFilesystemArgs(id=cache.id)
+                        ),
+                    )
+                ],
+                cloud_init_user_data=user_data,
+                labels=labels | {"denv-node": node.name},
+                opts=child,
+            )
+            addresses[node.name] = instance.status.apply(public_address)
+        self.node_addresses = resolved(addresses)
+        self.register_outputs({"node_addresses": self.node_addresses})
+
+    def _security_group(
+        self, name: str, args: NebiusSiteArgs, labels: dict[str, str]
+    ) -> nebius.VpcV1SecurityGroup:
+        """The nodes' security group: site_ingress_rules as ALLOW rules, and open egress."""
+        site = args["site"]
+        child = pulumi.ResourceOptions(parent=self)
+        subnet = nebius.get_vpc_v1_subnet_output(
+            id=site.subnet_id, opts=pulumi.InvokeOutputOptions(parent=self)
+        )
+        group = nebius.VpcV1SecurityGroup(
+            child_name(name, "sg"),
+            parent_id=site.project_id,
+            network_id=subnet.network_id,
+            name=machine_name(args["stack"], site.name, "gpu-nodes"),
+            labels=labels,
+            opts=child,
+        )
+        balancers = args["balancer_addresses"]
+        rules = site_ingress_rules(site, tuple(args["recipes"]), tuple(balancers))
+        for rule in rules:
+            source = (
+                pulumi.Output.from_input(balancers[rule.source]).apply(lambda a: f"{a}/32")
+                if rule.from_balancer
+                else pulumi.Output.from_input(rule.source)
+            )
+            groups = port_groups(rule)
+            for index, ports in enumerate(groups):
+                suffix = (rule.name,) if len(groups) == 1 else (rule.name, str(index))
+                nebius.VpcV1SecurityRule(
+                    child_name(name, "in", *suffix),
+                    parent_id=group.id,
+                    access="ALLOW",
+                    protocol="TCP",
+                    ingress=nebius.VpcV1SecurityRuleIngressArgs(
+                        destination_ports=ports, source_cidrs=[source]
+                    ),
+                    labels=labels,
+                    opts=child,
+                )
+        nebius.VpcV1SecurityRule(
+            child_name(name, "out"),
+            parent_id=group.id,
+            access="ALLOW",
+            protocol="ANY",
+            egress=nebius.VpcV1SecurityRuleEgressArgs(destination_cidrs=["0.0.0.0/0"]),
+            labels=labels,
+            opts=child,
+        )
+        return group
+
+
+def nebius_site(
+    name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
+) -> pulumi.Output[dict[str, str]]:
+    """Cluster's builder of a Nebius site (see `denv_iac.components.site.SiteBuilder`)."""
+    args: NebiusSiteArgs = {
+        "stack": context["stack"],
+        "site": site,
+        "recipes": context["spec"].recipes,
+        "nodes": context["nodes"],
+        "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
+        "balancer_addresses": context["balancer_addresses"],
+    }
+    return NebiusSite(name, args, opts).node_addresses

@@ -1,0 +1,240 @@
+"""NebiusSite in a Cluster under Pulumi's mocks: instances, disks, filesystem, security group."""
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from denv_iac.components.nebius import (
+    CACHE_MOUNT_POINT,
+    CACHE_MOUNT_TAG,
+    SSH_USER,
+    cloud_init,
+    offering_parts,
+    port_groups,
+)
+from denv_iac.components.secrets import public_key_of
+from denv_iac.components.security import IngressRule
+from denv_iac.spec.reader import StackError
+from tests.components import stacks
+from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
+from tests.components.snapshots import assert_golden, site_snapshot
+
+PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+INSTANCE = "nebius:index/computeV1Instance:ComputeV1Instance"
+DISK = "nebius:index/computeV1Disk:ComputeV1Disk"
+RULE = "nebius:index/vpcV1SecurityRule:VpcV1SecurityRule"
+SSH_KEY = stacks._private_key(8)
+NEBIUS_SITE = {
+    "name": "nebius-eun1",
+    "kind": "nebius",
+    "region": "eu-north1",
+    "project_id": "project-e00example",
+    "subnet_id": "vpcsubnet-e00example",
+    "platform": "gpu-h100-sxm",
+    "preset": "1gpu-16vcpu-200gb",
+    "max_nodes": 4,
+    "admin_cidrs": [stacks.ADMIN],
+    "ssh_private_key": {"secure": SSH_KEY},
+}
+
+
+def nebius_stack() -> dict[str, Any]:
+    """Voice on Nebius H100s, behind a balancer on the Hetzner site of the multicloud stack."""
+    args: dict[str, Any] = dict(stacks.multicloud())
+    hetzner = next(s for s in args["sites"] if s["name"] == "hetzner-fsn")
+    assist = next(r for r in args["recipes"] if r["name"] == "assist")
+    voice = next(r for r in args["recipes"] if r["name"] == "voice")
+    voice["sites"] = ["nebius-eun1"]
+    args["sites"] = [copy.deepcopy(NEBIUS_SITE), hetzner]
+    args["recipes"] = [voice, assist | {"image": "vllm/vllm-openai:v0.11.0"}]
+    args["balancer"]["sites"] = ["hetzner-fsn"]
+    return args
+
+
+def _run(preview: bool, args: Any = None) -> Run:
+    return run_program(lambda: cluster_outputs(args or nebius_stack()), preview=preview)
+
+
+@PREVIEW
+def test_each_node_boots_a_driver_image_and_mounts_the_sites_filesystem(preview: bool) -> None:
+    run = _run(preview)
+    site = run.named("prod-nebius-eun1")
+    assert site.type == "denv:index:NebiusSite" and not site.custom
+    nodes = [f"prod-nebius-eun1-node-{i}" for i in range(3)]
+    assert sorted(r.name for r in run.of_type(INSTANCE)) == nodes
+    assert sorted(r.name for r in run.of_type(DISK)) == [f"{n}-boot" for n in nodes]
+    cache = run.named("prod-nebius-eun1-cache").inputs
+    assert (cache["parentId"], cache["type"], cache["sizeGibibytes"]) == (
+        "project-e00example",
+        "NETWORK_SSD",
+        500,
+    )
+    for name in nodes:
+        boot = run.named(f"{name}-boot").inputs
+        assert boot["sourceImageFamily"] == {"imageFamily": "ubuntu22.04-cuda12"}
+        node = run.named(name)
+        assert node.parent == site.urn
+        inputs = node.inputs
+        assert inputs["parentId"] == "project-e00example"
+        assert inputs["resources"] == {"platform": "gpu-h100-sxm", "preset": "1gpu-16vcpu-200gb"}
+        (interface,) = inputs["networkInterfaces"]
+        assert interface["subnetId"] == "vpcsubnet-e00example"
+        assert interface["publicIpAddress"] == {}
+        assert interface["securityGroups"] == [{"id": "prod-nebius-eun1-sg-id"}]
+        assert inputs["filesystems"] == [
+            {
+                "attachMode": "READ_WRITE",
+                "mountTag": CACHE_MOUNT_TAG,
+                "existingFilesystem": {"id": "prod-nebius-eun1-cache-id"},
+            }
+        ]
+        if not preview:
+            assert inputs["bootDisk"]["existingDisk"] == {"id": f"{name}-boot-id"}
+            assert inputs["labels"]["denv-node"] == name.removeprefix("prod-nebius-eun1-")
+
+
+def test_cloud_init_carries_the_public_key_and_mounts_the_cache() -> None:
+    run = _run(preview=False)
+    user_data = run.named("prod-nebius-eun1-node-0").inputs["cloudInitUserData"]
+    # The SDK keeps user data secret; what it holds is the public half only.
+    assert user_data["value"] == cloud_init(public_key_of(SSH_KEY))
+    for line in SSH_KEY.splitlines()[1:-1]:
+        assert line not in user_data["value"]
+    config = yaml.safe_load(user_data["value"])
+    assert user_data["value"].startswith("#cloud-config\n")
+    (user,) = config["users"]
+    assert (user["name"], user["ssh_authorized_keys"]) == (SSH_USER, [public_key_of(SSH_KEY)])
+    assert config["mounts"] == [
+        [CACHE_MOUNT_TAG, CACHE_MOUNT_POINT, "virtiofs", "defaults,nofail", "0", "0"]
+    ]
+
+
+def test_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins() -> None:
+    run = _run(preview=False)
+    (balancer,) = run.outputs["balancer_addresses"]
+    rules = {r.name.removeprefix("prod-nebius-eun1-"): r.inputs for r in run.of_type(RULE)}
+    assert sorted(rules) == [
+        "in-agent-from-hetzner-fsn",
+        "in-ssh-198-51-100-0-24",
+        "in-voice-from-hetzner-fsn",
+        "out",
+    ]
+    ingress = {name: rule["ingress"] for name, rule in rules.items() if name != "out"}
+    assert ingress == {
+        "in-agent-from-hetzner-fsn": {
+            "destinationPorts": [9100],
+            "sourceCidrs": [f"{balancer}/32"],
+        },
+        "in-ssh-198-51-100-0-24": {"destinationPorts": [22], "sourceCidrs": [stacks.ADMIN]},
+        "in-voice-from-hetzner-fsn": {
+            "destinationPorts": list(range(8000, 8008)),
+            "sourceCidrs": [f"{balancer}/32"],
+        },
+    }
+    assert all(rules[n]["access"] == "ALLOW" and rules[n]["protocol"] == "TCP" for n in ingress)
+    assert rules["out"]["egress"] == {"destinationCidrs": ["0.0.0.0/0"]}
+    group = run.named("prod-nebius-eun1-sg").inputs
+    assert group["networkId"] == "vpcnetwork-e00example"  # the site subnet's network
+    assert all(rule["parentId"] == "prod-nebius-eun1-sg-id" for rule in rules.values())
+
+
+def test_the_balancer_routes_voice_to_the_instances_public_addresses() -> None:
+    run = _run(preview=False)
+    servers = [
+        line.split()[1:3]
+        for line in run.outputs["haproxy_config"].splitlines()
+        if "server voice." in line
+    ]
+    assert sorted(s[0] for s in servers) == [f"voice.nebius-eun1.node-{i}.0" for i in range(3)]
+    # the address without Nebius's /32 suffix
+    assert all(a.startswith("198.18.") and a.endswith(":8000") and "/" not in a for _, a in servers)
+
+
+def test_registered_inputs_match_the_golden_snapshot() -> None:
+    assert_golden(site_snapshot(_run(preview=False), "prod-nebius-eun1"), "nebius.json")
+
+
+@PREVIEW
+def test_two_runs_register_identical_inputs(preview: bool) -> None:
+    first, second = _run(preview), _run(preview)
+    assert first.of_type(INSTANCE) != []
+    assert first.by_urn() == second.by_urn()
+
+
+def _site_resources(run: Run) -> dict[str, dict[str, Any]]:
+    return {urn: inputs for urn, inputs in run.by_urn().items() if "::prod-nebius-eun1" in urn}
+
+
+def test_raising_min_warm_by_one_adds_exactly_one_node() -> None:
+    before = _site_resources(_run(preview=False))
+    raised = nebius_stack()
+    raised["recipes"][0]["min_warm"] = 3
+    after = _site_resources(_run(False, raised))
+    assert {urn: after[urn] for urn in before} == before
+    added = sorted(
+        urn.split("::")[-2].rsplit("$", 1)[-1] + " " + urn.rsplit("::", 1)[-1]
+        for urn in set(after) - set(before)
+    )
+    assert added == [f"{DISK} prod-nebius-eun1-node-3-boot", f"{INSTANCE} prod-nebius-eun1-node-3"]
+
+
+@PREVIEW
+def test_no_ssh_key_plaintext_in_any_registered_input(preview: bool) -> None:
+    run = _run(preview)
+    key_lines = SSH_KEY.splitlines()[1:-1]
+    for registration in run.registrations:
+        strings = plain_strings(registration.inputs)
+        assert not any(line in s for s in strings for line in key_lines), registration.name
+
+
+def test_an_unknown_preset_is_one_line_and_nothing_is_registered() -> None:
+    args = nebius_stack()
+    args["sites"][0]["preset"] = "3gpu-48vcpu"
+    del args["recipes"][0]["gpu_models"]  # else the recipe's H100s are missing too
+    run = Run()
+    with pytest.raises(StackError) as error:
+        run_program(lambda: cluster_outputs(args), preview=False, run=run)
+    (problem,) = error.value.problems
+    assert problem.startswith(
+        'sites[0].preset: "gpu-h100-sxm/3gpu-48vcpu" is not a GPU offering we know on nebius; '
+    )
+    assert "gpu-h100-sxm/1gpu-16vcpu-200gb" in problem
+    assert run.registrations == []
+
+
+@pytest.mark.parametrize(
+    ("ports", "groups"),
+    [
+        ((22, 22), [[22]]),
+        ((8000, 8007), [list(range(8000, 8008))]),
+        ((8000, 8017), [list(range(8000, 8008)), list(range(8008, 8016)), [8016, 8017]]),
+    ],
+)
+def test_port_ranges_split_into_rules_of_at_most_eight_ports(
+    ports: tuple[int, int], groups: list[list[int]]
+) -> None:
+    assert port_groups(IngressRule("r", "d", *ports, "198.51.100.0/24")) == groups
+
+
+def test_eight_gpu_nodes_get_their_replica_ports_in_rules_of_eight() -> None:
+    args = nebius_stack()
+    args["sites"][0]["preset"] = "8gpu-128vcpu-1600gb"
+    run = _run(False, args)
+    voice = sorted(
+        (r.name, r.inputs["ingress"]["destinationPorts"])
+        for r in run.of_type(RULE)
+        if "-in-voice-" in r.name
+    )
+    assert [name for name, _ in voice] == [
+        f"prod-nebius-eun1-in-voice-from-hetzner-fsn-{i}" for i in range(8)
+    ]
+    assert [port for _, ports in voice for port in ports] == list(range(8000, 8064))
+
+
+def test_offering_parts_are_platform_and_preset() -> None:
+    assert offering_parts("gpu-h200-sxm/8gpu-128vcpu-1600gb") == (
+        "gpu-h200-sxm",
+        "8gpu-128vcpu-1600gb",
+    )
