@@ -318,8 +318,8 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
 
 
 def _agent_toml(replica: PlacedReplica, recipe: RecipeSpec) -> str:
-    # JSON strings are valid TOML strings. In the pod the replica's device is the only one
-    # the runtime shows, index 0.
+    # JSON strings are valid TOML strings. The sidecar sees the node's GPUs, not only the
+    # replica's (see _agent_container): GPU 0 is right on one-GPU nodes only.
     lines = [
         f"node = {json.dumps(replica.node)}",
         f'state_file = "{AGENT_RUN_DIR}/state.json"',
@@ -379,7 +379,11 @@ def _agent_container() -> Manifest:
         "command": ["sh", "-c", start],
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            # NVML without compute: the agent reads health, it never runs kernels.
+            # Kubernetes gives the replica's device only to the container that asks for it;
+            # without a device NVML fails and the agent reports every replica down. Until the
+            # agent can follow the replica's device, it watches the node's GPUs, read-only
+            # (NVML without compute): exact on one-GPU nodes.
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
             {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
         ],
         "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
