@@ -48,7 +48,7 @@ def main() -> None:
     "--json",
     "json_file",
     type=click.Path(dir_okay=False, allow_dash=True),
-    help="Also write the plan as JSON to FILE ('-' for standard output).",
+    help="Also write the plan as JSON to FILE ('-' for standard output), resources included.",
 )
 @click.option(
     "--lock",
@@ -76,7 +76,7 @@ def plan(
         result = make_plan(stack, previous)
         resources = (
             _preview(stack, load_stack_config(folder, stack_name), previous)
-            if show_resources
+            if show_resources or json_file
             else None
         )
     except StackError as error:

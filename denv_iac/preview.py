@@ -17,9 +17,7 @@ from google.protobuf import json_format  # type: ignore[import-untyped]
 from pulumi.runtime import rpc
 
 from denv_iac.components import Cluster, ClusterArgs
-from denv_iac.components.cluster import BUILT_SITE_KINDS
 from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import StackError
 
 AMI_ID = "ami-0123456789abcdef0"
 SECRET_SIG = rpc._special_sig_key
@@ -234,19 +232,7 @@ def preview_cluster(name: str, args: Callable[[], ClusterArgs]) -> list[PreviewR
 def preview_stack(
     stack: StackSpec, config: Mapping[str, Any], previous: Sequence[str] = ()
 ) -> list[PreviewResource]:
-    """The resource graph of a stack file's config, as `stacks/__main__.py` would register it.
-
-    A stack with a site kind that has no component yet gives one `StackError` line: its
-    placement is still valid, only its resources cannot be shown.
-    """
-    unbuilt = [f"{s.name} (kind {s.kind})" for s in stack.sites if s.kind not in BUILT_SITE_KINDS]
-    if unbuilt:
-        raise StackError(
-            [
-                f"--resources: no component yet for {', '.join(unbuilt)}; the resource "
-                f"graph covers sites of kind {', '.join(BUILT_SITE_KINDS)}"
-            ]
-        )
+    """The resource graph of a stack file's config, as `stacks/__main__.py` would register it."""
 
     def args() -> ClusterArgs:
         offline = offline_secrets(config)

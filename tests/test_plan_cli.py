@@ -53,6 +53,15 @@ def test_multicloud_plan_json(tmp_path: Path) -> None:
     assert plan["cost"]["usd_per_hour"] > 0
     assert plan["cost"]["usd_per_month"] == pytest.approx(plan["cost"]["usd_per_hour"] * 730, 0.01)
     assert "v1:" not in out.read_text()  # no ciphertext, let alone a secret, in the plan
+    # --json carries the resource graph too: every provider the stack's sites use.
+    types = {r["type"] for r in plan["resources"]}
+    for kind in ("denv:index:AwsSite", "denv:index:LambdaSite", "denv:index:NebiusSite"):
+        assert kind in types
+    assert {"denv:index:HetznerSite", "denv:index:JoinedSite", "denv:index:Cluster"} <= types
+    assert any(t.startswith("aws:ec2/instance") for t in types)
+    assert any(t.startswith("nebius:") for t in types)
+    assert any(t.startswith("hcloud:") for t in types)
+    assert "[secret]" in out.read_text()
 
 
 def write_stack(folder: Path, config: object) -> Path:
@@ -135,7 +144,9 @@ def test_malformed_stack_file(tmp_path: Path, text: str, expected: str) -> None:
 def test_unknown_stack_lists_the_known_ones() -> None:
     result = run("plan", "--stack", "nope")
     assert result.returncode == 2
-    assert "stacks here: local, voice-multicloud" in result.stderr
+    known = sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in STACKS.glob("Pulumi.*.yaml"))
+    assert "local" in known and "voice-multicloud" in known
+    assert f"stacks here: {', '.join(known)}" in result.stderr
 
 
 def test_lock_pins_replicas(tmp_path: Path) -> None:

@@ -79,16 +79,21 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
     "local": _existing_site,
     "nebius": nebius_site,
 }
-BUILT_SITE_KINDS = tuple(SITE_BUILDERS)
+# Sites that create machines with the site's SSH key: a bad key is refused before anything exists.
+KEYED_SITE_KINDS = ("aws", "lambda", "nebius")
 
 
 class ClusterArgs(TypedDict):
     """The `denv:` keys of a stack's config, as plain data (see docs/stacks.md)."""
 
     sites: Sequence[Mapping[str, Any]]
+    """Where GPUs live (`denv:sites`): name, kind and the kind's keys; see docs/stacks.md."""
     recipes: Sequence[Mapping[str, Any]]
+    """What to serve (`denv:recipes`): GPU share, min_warm, spare, sites by tier, image, ports."""
     balancer: Mapping[str, Any]
-    previous: NotRequired[Sequence[str]]  # replica ids of the locked placement
+    """The endpoint (`denv:balancer`): its sites, port, API key digests, TLS, DNS."""
+    previous: NotRequired[Sequence[str]]
+    """Replica ids of the locked placement (`denv plan --lock`): those that still fit stay."""
 
 
 def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement, SecretValues]:
@@ -97,12 +102,6 @@ def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement
     config = {"denv:sites": sites, "denv:recipes": list(args["recipes"]), "denv:balancer": balancer}
     stack = read_stack(name, config)
     problems = [
-        f"sites: {site.name}: kind {site.kind} has no component yet; "
-        f"use one of {', '.join(BUILT_SITE_KINDS)}"
-        for site in stack.sites
-        if site.kind not in BUILT_SITE_KINDS
-    ]
-    problems += [
         f"balancer.sites: {site}: a {stack.site(site).kind} site cannot host the balancer yet; "
         f"use one of {', '.join(HOST_KINDS)}"
         for site in stack.balancer.sites
@@ -122,7 +121,7 @@ def _key_problems(raw_sites: Sequence[Mapping[str, Any]], stack: StackSpec) -> l
     A key given as an Output (the stack program's) is only known later, when it is used.
     """
     hosts = {s for s in stack.balancer.sites if stack.site(s).kind in MACHINE_HOST_KINDS}
-    need_key = hosts | {site.name for site in stack.sites if site.kind == "aws"}
+    need_key = hosts | {site.name for site in stack.sites if site.kind in KEYED_SITE_KINDS}
     problems = []
     for raw in raw_sites:
         value = raw.get("ssh_private_key", {}).get("secure")

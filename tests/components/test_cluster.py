@@ -8,10 +8,14 @@ import pulumi_hcloud
 import pytest
 
 from denv_iac.components import Cluster
+from denv_iac.components.cluster import KEYED_SITE_KINDS, SITE_BUILDERS
 from denv_iac.components.secrets import public_key_of
+from denv_iac.spec.model import SITE_KINDS
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import AMI_ID, Run, cluster_outputs, plain_strings, run_program
+from tests.components.test_lambda import lambda_stack
+from tests.components.test_nebius import nebius_stack
 
 PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
 INSTANCE = "aws:ec2/instance:Instance"
@@ -243,23 +247,21 @@ def test_invalid_stack_names_every_problem_and_registers_nothing() -> None:
     assert run.registrations == []
 
 
-def test_site_kinds_without_a_component_are_refused_before_registering() -> None:
-    args = stacks.multicloud()
-    args["sites"].append(
-        {
-            "name": "lambda-use1",
-            "kind": "lambda",
-            "region": "us-east-1",
-            "instance_type": "gpu_1x_h100_pcie",
-            "max_nodes": 2,
-            "api_key": {"secure": "lambda-api-key"},
-            "ssh_private_key": {"secure": "lambda-ssh-key"},
-        }
-    )
+def test_every_site_kind_has_a_component() -> None:
+    assert sorted(SITE_BUILDERS) == sorted(SITE_KINDS)
+
+
+@pytest.mark.parametrize("kind", KEYED_SITE_KINDS)
+def test_a_bad_ssh_key_on_a_site_that_creates_machines_is_refused_before_registering(
+    kind: str,
+) -> None:
+    args: Any = {"aws": stacks.multicloud, "lambda": lambda_stack, "nebius": nebius_stack}[kind]()
+    site = next(s for s in args["sites"] if s["kind"] == kind)
+    site["ssh_private_key"] = {"secure": "not-a-key"}
     problems, run = _bad(args)
     assert problems == [
-        "sites: lambda-use1: kind lambda has no component yet; "
-        "use one of aws, hetzner, joined, local"
+        f"sites: {site['name']}.ssh_private_key: not an unencrypted OpenSSH or PEM private key; "
+        "set it with 'pulumi config set --secret' from the key file"
     ]
     assert run.registrations == []
 

@@ -19,7 +19,7 @@ from denv_iac.components.node_setup import (
     node_deploy_specs,
     spec_to_json,
 )
-from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target, spec_from_json
+from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import plain_strings, run_program
