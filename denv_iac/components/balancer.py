@@ -4,6 +4,7 @@ from collections.abc import Mapping, Sequence
 from typing import NotRequired, TypedDict
 
 import pulumi
+import pulumi_aws as aws
 
 from denv_iac.balancer import BalancerSettings, RenderedConfig, render_haproxy_config
 from denv_iac.components.naming import child_name
@@ -11,11 +12,13 @@ from denv_iac.components.node_setup import BalancerFiles, NodeSetup
 from denv_iac.components.pool import ReplicaEndpoint
 from denv_iac.dataplane import balancer_pools
 from denv_iac.placement import PlacedReplica, Placement
-from denv_iac.spec.model import StackSpec
+from denv_iac.spec.model import DnsSpec, StackSpec
 
 CONFIG_DIR = "/etc/haproxy/denv"
 TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"
 _DEFAULT_PORT = {"http": 80, "https": 443}
+# Every balancer host serves the same config, so each takes an equal share of clients.
+DNS_WEIGHT = 100
 
 
 def balancer_settings(stack: StackSpec) -> BalancerSettings:
@@ -88,6 +91,8 @@ class GlobalBalancer(pulumi.ComponentResource):
         files = pulumi.Output.all(self.haproxy_config, self.map_files).apply(
             lambda v: BalancerFiles(haproxy_config=v[0], map_files=v[1], map_dir=CONFIG_DIR)
         )
+        if stack.balancer.dns is not None:
+            self._dns(name, stack.balancer.dns, stack, args["hosts"])
         for site, access in sorted(args.get("access", {}).items()):
             NodeSetup(
                 child_name(name, site, "setup"),
@@ -109,3 +114,42 @@ class GlobalBalancer(pulumi.ComponentResource):
                 "api_key_digests": list(stack.balancer.api_key_digests),
             }
         )
+
+    def _dns(
+        self, name: str, dns: DnsSpec, stack: StackSpec, hosts: Mapping[str, pulumi.Input[str]]
+    ) -> None:
+        """One health-checked record per host under the endpoint's name.
+
+        Weighted, equal weights: with several active balancers, DNS then answers with every
+        healthy one, and a host whose check fails drops out; failover routing would hold all
+        clients on one host and leave the others idle. The check is TCP on the endpoint port:
+        the endpoint serves no unauthenticated path (each request is authenticated and routed
+        to a pool), so an HTTP check would read a 401 or 404 as a dead host.
+        """
+        child = pulumi.ResourceOptions(parent=self)
+        for site in stack.balancer.sites:
+            address = pulumi.Output.from_input(hosts[site])
+            check = aws.route53.HealthCheck(
+                child_name(name, site, "health"),
+                type="TCP",
+                ip_address=address,
+                port=stack.balancer.port,
+                failure_threshold=2,
+                request_interval=10,
+                tags={"Name": f"{dns.name} {site}", "denv:site": site},
+                opts=child,
+            )
+            aws.route53.Record(
+                child_name(name, site, "dns"),
+                zone_id=dns.zone_id,
+                name=dns.name,
+                type=address.apply(lambda a: "AAAA" if ":" in a else "A"),
+                ttl=dns.ttl,
+                records=[address],
+                set_identifier=site,
+                health_check_id=check.id,
+                weighted_routing_policies=[
+                    aws.route53.RecordWeightedRoutingPolicyArgs(weight=DNS_WEIGHT)
+                ],
+                opts=child,
+            )
