@@ -2,14 +2,18 @@
 
 import json
 import types
+from pathlib import Path
 from typing import Any
 
 from pulumi.provider.experimental.component import ComponentProvider
 from pulumi.provider.experimental.host import components_from_module
 
+from components import __main__ as hosted
 from denv_iac.components import Cluster, ClusterArgs
 from tests.components import stacks
 from tests.components.harness import cluster_outputs, run_program
+
+ROOT = Path(__file__).parents[2]
 
 
 def test_cluster_schema_has_plain_data_inputs_and_its_outputs() -> None:
@@ -44,3 +48,16 @@ def test_integers_arriving_as_floats_build_the_samecluster_outputs() -> None:
     native = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
     assert wire.by_urn() == native.by_urn()
     assert wire.outputs == native.outputs
+
+
+def test_the_committed_schema_is_the_one_the_components_give() -> None:
+    committed = ROOT / "components" / "schema.json"
+    assert hosted.schema() == committed.read_text(), (
+        "the components' schema changed: regenerate it with "
+        "`.venv/bin/python -m components --schema > components/schema.json` and commit it"
+    )
+
+
+def test_the_package_hosts_its_components_with_the_python_runtime() -> None:
+    assert (ROOT / "components" / "PulumiPlugin.yaml").read_text() == "runtime: python\n"
+    assert sorted(json.loads(hosted.schema())["resources"]) == ["denv:index:Cluster"]
