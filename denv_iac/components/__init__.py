@@ -11,6 +11,7 @@ from denv_iac.components.joined import ExistingNodesArgs, HetznerSite, JoinedSit
 from denv_iac.components.kubernetes import KubernetesSite, KubernetesSiteArgs
 from denv_iac.components.lambda_cloud import LambdaSite, LambdaSiteArgs
 from denv_iac.components.nebius import NebiusSite, NebiusSiteArgs
+from denv_iac.components.node_setup import NodeSetup, NodeSetupArgs
 from denv_iac.components.pool import ReplicaEndpoint, ReplicaEndpointArgs, WarmPool, WarmPoolArgs
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "LocalSite",
     "NebiusSite",
     "NebiusSiteArgs",
+    "NodeSetup",
+    "NodeSetupArgs",
     "ReplicaEndpoint",
     "ReplicaEndpointArgs",
     "WarmPool",
