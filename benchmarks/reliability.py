@@ -30,7 +30,7 @@ from denv_agent.control import ControlFailed, clear_faults, drain, inject_fault,
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.loadgen import LoadReport, run_load
 from denv_iac.local.demo import count_replayed, kill_replica, seen_by_replicas
-from denv_iac.local.netns import NetnsCluster, running_in_netns
+from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.spec.reader import read_stack
 
@@ -398,6 +398,9 @@ def run_all(
     outcomes = []
     for scenario in SCENARIOS:
         if names is not None and scenario.name not in names:
+            continue
+        if scenario.in_netns and (reason := unavailable_reason()) is not None:
+            say(f"{scenario.name:42} skipped: {reason}")
             continue
         outcome = run_scenario(scenario, concurrency, duration_s)
         cut = "" if outcome.streams_cut_ms is None else f" streams_cut_ms={outcome.streams_cut_ms}"
