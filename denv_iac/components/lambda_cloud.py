@@ -14,6 +14,7 @@ import httpx
 import pulumi
 import pulumi.dynamic as dynamic
 
+from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, machine_name, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext
@@ -220,7 +221,7 @@ def _secret_state(opts: pulumi.ResourceOptions | None) -> pulumi.ResourceOptions
     )
 
 
-class LambdaInstance(dynamic.Resource, module="lambda", name="Instance"):
+class LambdaInstance(DynamicResource, module="lambda", name="Instance"):
     """A Lambda instance, active with an address once created."""
 
     name: pulumi.Output[str]
@@ -241,7 +242,7 @@ class LambdaInstance(dynamic.Resource, module="lambda", name="Instance"):
         )
 
 
-class LambdaSshKey(dynamic.Resource, module="lambda", name="SshKey"):
+class LambdaSshKey(DynamicResource, module="lambda", name="SshKey"):
     """An SSH key of the Lambda account, named for the instances launched with it."""
 
     name: pulumi.Output[str]
@@ -258,7 +259,7 @@ class LambdaSshKey(dynamic.Resource, module="lambda", name="SshKey"):
         )
 
 
-class LambdaFileSystem(dynamic.Resource, module="lambda", name="FileSystem"):
+class LambdaFileSystem(DynamicResource, module="lambda", name="FileSystem"):
     """A Lambda filesystem, mounted on the instances launched with it."""
 
     name: pulumi.Output[str]

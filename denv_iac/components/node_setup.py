@@ -19,6 +19,7 @@ import pulumi
 import pulumi.dynamic
 
 from denv_iac.balancer import RenderedConfig
+from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name
 from denv_iac.components.security import replica_port
 from denv_iac.node import (
@@ -229,7 +230,7 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
                 self.runner.stop(target, _node_spec(props))
 
 
-class NodeDeployment(pulumi.dynamic.Resource, module="denv", name="NodeDeployment"):
+class NodeDeployment(DynamicResource, module="denv", name="NodeDeployment"):
     """The dynamic resource behind a NodeSetup: its state is the deploy's inputs."""
 
     applied: pulumi.Output[list[str]]
