@@ -8,13 +8,14 @@ import pulumi_nebius as nebius
 import yaml
 
 from denv_iac.components.naming import child_name, machine_name, nebius_labels, resolved
+from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.security import IngressRule, site_ingress_rules
 from denv_iac.components.site import SiteContext
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
-SSH_USER = "ubuntu"  # the login cloud-init creates on every node
+SSH_USER = CLOUD_SSH_USER  # the login cloud-init creates on every node, and NodeSetup uses
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"
 CACHE_MOUNT_POINT = "/var/cache/denv"  # the parent of the recipes' default cache dirs

@@ -41,9 +41,13 @@ from denv_iac.spec.model import SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError
 
 # Sites whose machines the deploy reaches over SSH; a local site's nodes are this machine.
-SSH_SITE_KINDS = ("aws", "hetzner", "joined")
-# The login of the Deep Learning AMIs and of Ubuntu's AMIs; Hetzner's images log in as root.
-AWS_SSH_USER = "ubuntu"
+SSH_SITE_KINDS = ("aws", "hetzner", "joined", "lambda", "nebius")
+# Sites whose machine images ship the NVIDIA driver: the deploy keeps a working one.
+IMAGE_DRIVER_SITE_KINDS = ("aws", "lambda", "nebius")
+# The login of the Deep Learning AMIs, Lambda's images and the user Nebius nodes get from
+# cloud-init; Hetzner's images log in as root.
+CLOUD_SSH_USER = "ubuntu"
+CLOUD_SITE_KINDS = ("aws", "lambda", "nebius")
 HCLOUD_SSH_USER = "root"
 # A change of these re-runs the deploy in place; another host is another machine.
 UPDATE_ON = ("ssh_user", "ssh_private_key", "node", "balancer_addresses", "balancer")
@@ -93,7 +97,12 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
         )
         name = node_id(node.site, node.name)
         try:
-            specs[name] = NodeDeploySpec(node_id=name, mig=mig, replicas=replicas)
+            specs[name] = NodeDeploySpec(
+                node_id=name,
+                image_driver=stack.site(node.site).kind in IMAGE_DRIVER_SITE_KINDS,
+                mig=mig,
+                replicas=replicas,
+            )
         except NodeSpecError as error:
             where = f"sites: {node.site}.{node.name}"
             raise StackError([f"{where}: {p}" for p in error.problems]) from None
@@ -111,15 +120,15 @@ def _imageless(stack: StackSpec, placement: Placement) -> dict[str, set[str]]:
 
 def node_ssh_user(site: SiteSpec, node: str) -> str:
     """Who the deploy logs in as on a GPU node of the site."""
-    if site.kind == "aws":
-        return AWS_SSH_USER
+    if site.kind in CLOUD_SITE_KINDS:
+        return CLOUD_SSH_USER
     return next(n.ssh_user for n in site.nodes if n.name == node)
 
 
 def balancer_ssh_user(site: SiteSpec) -> str:
     """Who the deploy logs in as on the site's balancer host (see BalancerHost)."""
     if site.kind == "aws":
-        return AWS_SSH_USER
+        return CLOUD_SSH_USER
     if site.kind == "hetzner":
         return HCLOUD_SSH_USER
     return site.nodes[0].ssh_user

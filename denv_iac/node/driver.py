@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 
@@ -81,6 +82,20 @@ def installed_driver_packages(facts: NodeFacts) -> list[str]:
 def package_branch(version: str) -> str:
     upstream = version.split(":", 1)[-1]
     return upstream.split(".", 1)[0]
+
+
+def branch_for(facts: NodeFacts, spec: NodeDeploySpec) -> NodeDeploySpec:
+    """`spec` pinned to the branch the node has, when the machine image ships the driver.
+
+    The image's driver is matched to its kernel and tested by its vendor: replacing it with
+    another branch buys a reboot and nothing else. The running branch counts, else the packaged
+    one (a broken driver is repaired within its branch); with no driver at all, the pin stands.
+    """
+    if not spec.image_driver:
+        return spec
+    main = main_package(facts)
+    branch = facts.driver_branch if facts.smi_ok else package_branch(main[1]) if main else ""
+    return dataclasses.replace(spec, driver_branch=branch) if branch.isdigit() else spec
 
 
 def verify_command(spec: NodeDeploySpec) -> str:

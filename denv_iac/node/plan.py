@@ -46,6 +46,7 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
         steps.append(
             Step("base", f"install {' '.join(missing)}", (apt_install(*missing),), uses_apt=True)
         )
+    spec = driver.branch_for(facts, spec)
     steps += driver.keyring_steps(facts, spec)
     steps += driver.plan(facts, spec)
     steps += mig.plan(facts, spec)

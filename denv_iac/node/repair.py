@@ -205,9 +205,9 @@ def repair_node(
     if level is RepairLevel.REBOOT and not target.is_ssh:
         raise RepairRefused(f"--level reboot: {target.host} is not a machine of its own; use SSH")
     result = RepairReport(level)
-    repair = _Repair(spec, level)
     with connect(target) as session:
         facts = session.facts(fact_query(spec))
+        repair = _Repair(driver.branch_for(facts, spec), level)
         for name, action in repair.steps():
             try:
                 step = StepReport(name, "ok", action(session, facts))

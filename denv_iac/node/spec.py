@@ -88,6 +88,9 @@ class NodeDeploySpec:
     node_id: str
     driver_branch: str = "580"
     open_modules: bool = True
+    # The machine image ships the driver (AWS Deep Learning AMIs, Lambda Stack, Nebius CUDA
+    # images): the branch it has is verified and kept; the pinned one only replaces no driver.
+    image_driver: bool = False
     mig: tuple[MigSlice, ...] = ()
     cache: CacheDirs = field(default_factory=CacheDirs)
     agent: AgentSettings = field(default_factory=AgentSettings)
@@ -119,6 +122,9 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
         problems.append(f"node_id {spec.node_id!r}: use letters, digits, '.', '_' or '-'")
     if not spec.driver_branch.isdigit():
         problems.append(f"driver_branch {spec.driver_branch!r}: give the branch number, e.g. '580'")
+    for flag in ("open_modules", "image_driver"):
+        if not isinstance(getattr(spec, flag), bool):
+            problems.append(f"{flag} {getattr(spec, flag)!r}: give true or false")
     for mig_slice in spec.mig:
         if mig_slice.gpu < 0:
             problems.append(f"mig gpu {mig_slice.gpu}: use an nvidia-smi index, 0 or more")

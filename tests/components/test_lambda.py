@@ -104,8 +104,13 @@ def test_raising_min_warm_by_one_adds_exactly_one_instance() -> None:
     raised["recipes"][0]["min_warm"] = 3
     after = _site_resources(_run(False, raised))
     assert {urn: after[urn] for urn in before} == before
-    (added,) = set(after) - set(before)
-    assert added.endswith(f"{INSTANCE}::prod-lambda-use1-node-3")
+    added = sorted(urn.rsplit("::", 1)[-1] for urn in set(after) - set(before))
+    # the instance, and the node deploy that sets it up once it has an address
+    assert added == [
+        "prod-lambda-use1-node-3",
+        "prod-lambda-use1-node-3-setup",
+        "prod-lambda-use1-node-3-setup-deploy",
+    ]
 
 
 def _unwrapped_secrets(value: Any) -> list[str]:

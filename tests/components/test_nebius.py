@@ -25,6 +25,8 @@ PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"
 INSTANCE = "nebius:index/computeV1Instance:ComputeV1Instance"
 DISK = "nebius:index/computeV1Disk:ComputeV1Disk"
 RULE = "nebius:index/vpcV1SecurityRule:VpcV1SecurityRule"
+NODE_SETUP = "denv:index:NodeSetup"
+NODE_DEPLOYMENT = "pulumi-python:dynamic/denv:NodeDeployment"
 SSH_KEY = stacks._private_key(8)
 NEBIUS_SITE = {
     "name": "nebius-eun1",
@@ -177,7 +179,12 @@ def test_raising_min_warm_by_one_adds_exactly_one_node() -> None:
         urn.split("::")[-2].rsplit("$", 1)[-1] + " " + urn.rsplit("::", 1)[-1]
         for urn in set(after) - set(before)
     )
-    assert added == [f"{DISK} prod-nebius-eun1-node-3-boot", f"{INSTANCE} prod-nebius-eun1-node-3"]
+    assert added == [
+        f"{NODE_SETUP} prod-nebius-eun1-node-3-setup",
+        f"{DISK} prod-nebius-eun1-node-3-boot",
+        f"{INSTANCE} prod-nebius-eun1-node-3",
+        f"{NODE_DEPLOYMENT} prod-nebius-eun1-node-3-setup-deploy",
+    ]
 
 
 @PREVIEW

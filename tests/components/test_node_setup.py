@@ -22,7 +22,9 @@ from denv_iac.components.node_setup import (
 from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
-from tests.components.harness import plain_strings, run_program
+from tests.components.harness import cluster_outputs, plain_strings, run_program
+from tests.components.test_lambda import lambda_stack
+from tests.components.test_nebius import nebius_stack
 from tests.node import test_chroot_deploy as chroot
 
 KEY = stacks.SSH_KEYS["office"]
@@ -298,3 +300,25 @@ def test_create_then_update_through_chroot_converges_and_the_second_run_applies_
     assert not any(unit.exists() for unit in units)
     assert "nvidia-open" in chroot.versions(root)  # the driver stays
     assert os.path.isfile(root / "etc/denv/agent.toml")
+
+
+@pytest.mark.parametrize(
+    ("stack", "instance_type"),
+    [
+        (lambda_stack, "pulumi-python:dynamic/lambda:Instance"),
+        (nebius_stack, "nebius:index/computeV1Instance:ComputeV1Instance"),
+    ],
+    ids=["lambda", "nebius"],
+)
+def test_nodes_a_cloud_creates_are_set_up_as_ubuntu_keeping_the_images_driver(
+    stack: Callable[[], dict[str, Any]], instance_type: str
+) -> None:
+    run = run_program(lambda: cluster_outputs(stack()), preview=False)
+    instances = {r.name: r.urn for r in run.of_type(instance_type)}
+    assert instances
+    deploys = {r.name: r for r in run.of_type(DEPLOYMENT)}
+    for name in instances:
+        deploy = deploys[f"{name}-setup-deploy"]
+        assert deploy.inputs["ssh_user"] == "ubuntu"
+        assert deploy.inputs["node"]["image_driver"] is True
+        assert deploy.inputs["host"].startswith("198.18.")  # the instance's address, once known

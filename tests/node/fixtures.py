@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from denv_iac.node import agent, firewall, replicas
+from denv_iac.node import agent, driver, firewall, replicas
 from denv_iac.node.facts import AGENT_VENV, GpuInfo, MigDevice, NodeFacts
 from denv_iac.node.plan import BASE_PACKAGES, fact_query
 from denv_iac.node.spec import NodeDeploySpec
@@ -79,7 +79,8 @@ def converged(
     files[agent.TOKEN] = "token-present"
     files.update({c.path: c.sha256 for c in firewall.files(spec)})
     layout = spec.mig_layout()
-    version = facts.driver_version if facts.driver_branch == spec.driver_branch else "580.95.05"
+    branch = driver.branch_for(facts, spec).driver_branch
+    version = facts.driver_version if facts.driver_branch == branch else "580.95.05"
     gpus = [
         dataclasses.replace(
             gpu,

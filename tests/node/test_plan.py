@@ -101,6 +101,54 @@ def test_working_driver_of_the_branch_is_verified_not_reinstalled() -> None:
     assert plan_node(after, spec()) == []
 
 
+# Lambda Stack's driver: another branch than the pin, from the image, matched to its kernel.
+LAMBDA_STACK_570 = {
+    "nvidia-driver-570-server-open": "570.172.08-0ubuntu1",
+    "nvidia-utils-570-server": "570.172.08-0ubuntu1",
+}
+
+
+def test_image_driver_of_another_branch_is_verified_and_kept() -> None:
+    facts = node_facts(driver="570.172.08", packages=LAMBDA_STACK_570)
+    steps = plan_node(facts, spec(image_driver=True))
+    assert not [s for s in steps if s.area == "driver" and "persistence" not in s.title]
+    assert "purge" not in joined(steps) and not [s for s in steps if s.reboot]
+    after = converged(facts, spec(image_driver=True), RUNTIME)
+    assert after.driver_version == "570.172.08"
+    assert plan_node(after, spec(image_driver=True)) == []
+    # The same node joined without image_driver gets the pinned branch instead.
+    assert "driver: purge 2 other driver packages" in titles(plan_node(facts, spec()))
+
+
+def test_image_driver_that_stopped_answering_is_repaired_within_its_branch() -> None:
+    facts = node_facts(
+        packages=LAMBDA_STACK_570,
+        smi_error="Failed to initialize NVML: Driver/library version mismatch",
+    )
+    steps = [s for s in plan_node(facts, spec(image_driver=True)) if s.area == "driver"]
+    assert titles(steps)[:2] == [
+        "driver: reload the kernel modules",
+        "driver: verify branch 570 through NVML",
+    ]
+
+
+def test_image_without_a_driver_gets_the_pinned_branch() -> None:
+    steps = plan_node(node_facts(), spec(image_driver=True))
+    assert "driver: pin branch 580 and install nvidia-open" in titles(steps)
+
+
+def test_image_driver_on_an_nvswitch_board_gets_fabric_manager_of_its_own_version() -> None:
+    facts = node_facts(gpus=8, nvswitches=4, driver="570.172.08", packages=LAMBDA_STACK_570)
+    fm = [s for s in plan_node(facts, spec(image_driver=True)) if "NSCQ" in s.title]
+    assert (
+        fm[0]
+        .commands[0]
+        .endswith(
+            "nvidia-fabricmanager-570=570.172.08-0ubuntu1 libnvidia-nscq-570=570.172.08-0ubuntu1"
+        )
+    )
+
+
 def test_nvswitch_board_gets_fabric_manager_at_the_drivers_exact_version() -> None:
     installed = {"nvidia-open": "580.95.05-1", "cuda-keyring": "1.1-1"}
     facts = node_facts(os=UBUNTU_2404, gpus=8, nvswitches=4, driver="580.95.05", packages=installed)
