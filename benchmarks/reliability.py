@@ -215,9 +215,10 @@ class Scenario:
     slow_sites: tuple[str, ...] = ()  # sites HAProxy reaches through a delay proxy
     # Undone before the replicas' logs are read.
     undo: Fault | None = None
-    # A link fault: streams on the faulty replica stall rather than end. A failed request
-    # that the faulty replica's own log shows it received is one of those: aborted, not lost.
-    stalls_streams: bool = False
+    # A link fault: streams to the replica behind the faulty link stall rather than end (cut
+    # link), or may (lossy link: TCP's retransmission backoff). A failed request that this
+    # replica's own log shows it received, and no other, is one of those: aborted, not lost.
+    stalls_on: str | None = None
     aborted_allowed: bool = True
 
 
@@ -239,7 +240,7 @@ SCENARIOS = (
         detect_within_ms=1500,
         in_netns=True,
         undo=site_link_restored,
-        stalls_streams=True,
+        stalls_on=FAULTY_IN_SITE,
     ),
     Scenario(
         f"site lossy ({LOSS_PERCENT}% loss) and slow (+{SLOWER_MS} ms)",
@@ -249,6 +250,7 @@ SCENARIOS = (
         in_netns=True,
         slow_sites=(FAULTY_SITE,),
         undo=site_link_restored,
+        stalls_on=FAULTY_IN_SITE,
     ),
     Scenario("node repaired under load", node_repaired, FAULTY, True, aborted_allowed=False),
 )
@@ -361,7 +363,7 @@ def _count(
     stalled = {
         r.request_id
         for r in results
-        if scenario.stalls_streams and r.error and seen.get(r.request_id) == [scenario.faulty]
+        if scenario.stalls_on and r.error and seen.get(r.request_id) == [scenario.stalls_on]
     }
     aborted = {r.request_id for r in results if r.error == "aborted"} | stalled
     failed = [r for r in results if r.error and r.request_id not in aborted]

@@ -6,6 +6,12 @@ points here, and each listened port forwards to the same port at the site. Bytes
 order and the pace they came at; only their arrival moves later, in each direction. The TCP
 handshake with the proxy itself is not delayed.
 
+The balancer's own connect timeout would see a handshake lost on the link, but the proxy
+completes the balancer's handshake at once. So the proxy bounds its own connect to the site the
+same way (`--connect-timeout-ms`): one that does not complete in time resets the balancer's
+connection before any answer byte, which the balancer retries on another replica, as it would
+its own failed connect.
+
     python -m denv_iac.local.delay_proxy --listen 10.231.1.1 --to 10.231.1.2 --port 8001
 
 It prints one ready line, then reads lines from stdin, each a new one-way delay in
@@ -71,16 +77,17 @@ class _Route:
     target_host: str
     port: int
     delay: Delay
+    connect_timeout_s: float | None
 
 
 async def _relay(
     route: _Route, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
 ) -> None:
     try:
-        upstream_reader, upstream_writer = await asyncio.open_connection(
-            route.target_host, route.port
+        upstream_reader, upstream_writer = await asyncio.wait_for(
+            asyncio.open_connection(route.target_host, route.port), route.connect_timeout_s
         )
-    except OSError:
+    except (OSError, TimeoutError):
         client_writer.transport.abort()
         return
     pipes = [
@@ -107,11 +114,18 @@ async def _read_delays(delay: Delay) -> None:
         delay.seconds = float(line) / 1000
 
 
-async def serve(listen_host: str, target_host: str, ports: list[int], delay_ms: float) -> None:
+async def serve(
+    listen_host: str,
+    target_host: str,
+    ports: list[int],
+    delay_ms: float,
+    connect_timeout_ms: float | None = None,
+) -> None:
     delay = Delay(delay_ms / 1000)
+    timeout_s = None if connect_timeout_ms is None else connect_timeout_ms / 1000
     servers = []
     for port in ports:
-        relay = functools.partial(_relay, _Route(target_host, port, delay))
+        relay = functools.partial(_relay, _Route(target_host, port, delay, timeout_s))
         servers.append(await asyncio.start_server(relay, listen_host, port, reuse_address=True))
     print(f"{READY_LINE} ports={','.join(map(str, ports))}", flush=True)
     await _read_delays(delay)
@@ -128,6 +142,7 @@ class DelayProxyProcess:
         target_host: str,
         ports: list[int],
         command_prefix: tuple[str, ...] = (),
+        connect_timeout_ms: float | None = None,
     ) -> None:
         self.command = [
             *command_prefix,
@@ -135,6 +150,8 @@ class DelayProxyProcess:
             *(f"--listen={listen_host}", f"--to={target_host}"),
             *(f"--port={port}" for port in ports),
         ]
+        if connect_timeout_ms is not None:
+            self.command.append(f"--connect-timeout-ms={connect_timeout_ms}")
         self._process: subprocess.Popen[str] | None = None
 
     @property
@@ -191,9 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--to", required=True, help="address to forward to, same port")
     parser.add_argument("--port", type=int, action="append", required=True, help="repeatable")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay at start")
+    parser.add_argument(
+        "--connect-timeout-ms",
+        type=float,
+        help="reset the client when the connect to --to takes longer (default: wait)",
+    )
     args = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.listen, args.to, args.port, args.delay_ms))
+        asyncio.run(serve(args.listen, args.to, args.port, args.delay_ms, args.connect_timeout_ms))
 
 
 if __name__ == "__main__":

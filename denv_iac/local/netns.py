@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import ParamSpec, TypeVar
 
+from denv_iac.balancer.model import BalancerSettings
 from denv_iac.local.delay_proxy import DelayProxyProcess
 from denv_iac.local.runner import (
     AgentState,
@@ -337,7 +338,14 @@ class NetnsCluster(LocalCluster):
             link = self.lab.links[site]
             mine = [r for r in replicas if r.site == site]
             ports = sorted({r.port for r in mine} | {r.agent_port for r in mine})
-            proxy = DelayProxyProcess(link.balancer_end, link.address, ports, self.balancer.prefix)
+            proxy = DelayProxyProcess(
+                link.balancer_end,
+                link.address,
+                ports,
+                self.balancer.prefix,
+                # The runner's HAProxy keeps the default connect timeout; the proxy takes it on.
+                connect_timeout_ms=BalancerSettings.connect_timeout_ms,
+            )
             self._proxies[site] = proxy  # before start: down() stops a half-started one too
             proxy.start()
         return super()._start_haproxy(replicas, agents, progress)

@@ -146,6 +146,36 @@ def test_the_delay_proxy_adds_its_delay_each_way() -> None:
 
 
 @needs_netns
+def test_the_delay_proxy_resets_its_client_when_the_site_does_not_answer_the_handshake() -> None:
+    # The balancer's connect timeout stands behind the proxy: a silent link must look like a
+    # failed connect (a reset before any answer, retried elsewhere), not like a hung replica.
+    with NetnsLab(["east"]) as lab:
+        link = lab.links["east"]
+        server, port = _listening_in(link.namespace, link.address)
+        proxy = DelayProxyProcess(
+            link.balancer_end, link.address, [port], lab.balancer_host.prefix, 100
+        )
+        try:
+            proxy.start()
+            url = f"http://{link.balancer_end}:{port}/"
+            assert lab.call(_get, url) == 200
+            lab.cut("east")
+
+            def refused_within() -> float:
+                start = time.perf_counter()
+                with pytest.raises(httpx.TransportError) as caught:
+                    _get(url, 5.0)
+                assert not isinstance(caught.value, httpx.TimeoutException)
+                return time.perf_counter() - start
+
+            assert lab.call(refused_within) < 2.0
+        finally:
+            proxy.stop()
+            server.kill()
+            server.wait()
+
+
+@needs_netns
 def test_loss_rules_come_and_go() -> None:
     with NetnsLab(["east"]) as lab:
         namespace = lab.links["east"].namespace
