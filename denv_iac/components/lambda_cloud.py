@@ -23,6 +23,7 @@ from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import SiteSpec
 
 API_KEY = "api_key"
+LAMBDA_NFS = "/lambda/nfs"  # Lambda mounts each filesystem at /lambda/nfs/<its name>
 # Lambda names allow letters, digits and '-', starting with a letter, at most 60 characters.
 _NAME_CHARACTERS = re.compile(r"[^A-Za-z0-9-]")
 _NAME_LENGTH = 60
@@ -34,6 +35,16 @@ def lambda_name(*parts: str) -> str:
     if not name[:1].isalpha():
         name = f"denv-{name}"
     return name[:_NAME_LENGTH].rstrip("-")
+
+
+def cache_file_system_name(stack: str, site: str) -> str:
+    """The name of the site's cache filesystem; names are unique per Lambda account."""
+    return lambda_name(stack, site, "cache")
+
+
+def cache_root(stack: str, site: SiteSpec) -> str:
+    """Where Lambda mounts the site's cache filesystem on every instance launched with it."""
+    return f"{LAMBDA_NFS}/{cache_file_system_name(stack, site.name)}"
 
 
 def changed_keys(
@@ -325,7 +336,7 @@ class LambdaSite(pulumi.ComponentResource):
             child_name(name, "cache"),
             {
                 API_KEY: api_key,
-                "name": lambda_name(stack, site.name, "cache"),
+                "name": cache_file_system_name(stack, site.name),
                 "region": site.region,
             },
             child,

@@ -18,7 +18,7 @@ from denv_iac.spec.model import RecipeSpec, SiteSpec
 SSH_USER = CLOUD_SSH_USER  # the login cloud-init creates on every node, and NodeSetup uses
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"
-CACHE_MOUNT_POINT = "/var/cache/denv"  # the parent of the recipes' default cache dirs
+CACHE_MOUNT_POINT = "/var/cache/denv"  # the node deploy puts the replicas' caches under it
 MAX_PORTS_PER_RULE = 8  # Nebius allows at most 8 destination ports in one rule
 
 
@@ -26,6 +26,11 @@ def offering_parts(offering: str) -> tuple[str, str]:
     """The platform and preset of a Nebius offering written "platform/preset"."""
     platform, _, preset = offering.partition("/")
     return platform, preset
+
+
+def cache_root(stack: str, site: SiteSpec) -> str:
+    """Where cloud-init mounts the site's shared cache filesystem on every node."""
+    return CACHE_MOUNT_POINT
 
 
 def cloud_init(public_key: str) -> str:

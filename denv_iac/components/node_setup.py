@@ -23,6 +23,7 @@ from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name
 from denv_iac.components.security import replica_port
 from denv_iac.node import (
+    CacheDirs,
     MigSlice,
     NodeDeploySpec,
     NodeSpecError,
@@ -58,11 +59,16 @@ def node_id(site: str, node: str) -> str:
     return f"{site}.{node}"
 
 
-def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeDeploySpec]:
+def node_deploy_specs(
+    stack: StackSpec, placement: Placement, cache_roots: Mapping[str, str] | None = None
+) -> dict[str, NodeDeploySpec]:
     """What each placed node on an SSH site runs, by node id; StackError if one cannot run it.
 
+    `cache_roots`: by site name, where the site mounts persistent cache storage on its nodes;
+    the replicas' weights and compile caches go under it (elsewhere: the node's own disk).
     The balancer addresses are left out: they are known only once the hosts exist.
     """
+    cache_roots = cache_roots or {}
     recipes = {recipe.name: recipe for recipe in stack.recipes}
     problems = [
         f"recipes: {name}: give an image; its replicas run in containers on "
@@ -101,6 +107,11 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 node_id=name,
                 image_driver=stack.site(node.site).kind in IMAGE_DRIVER_SITE_KINDS,
                 mig=mig,
+                cache=(
+                    CacheDirs.under(cache_roots[node.site])
+                    if node.site in cache_roots
+                    else CacheDirs()
+                ),
                 replicas=replicas,
             )
         except NodeSpecError as error:

@@ -43,6 +43,11 @@ class CacheDirs:
     vllm_cache: str = "/var/lib/denv/cache/vllm"
     inductor_cache: str = "/var/lib/denv/cache/torchinductor"
 
+    @classmethod
+    def under(cls, root: str) -> CacheDirs:
+        """The three folders under `root`, where a site mounts its persistent cache storage."""
+        return cls(f"{root}/huggingface", f"{root}/vllm", f"{root}/torchinductor")
+
     def env(self) -> dict[str, str]:
         return dict(zip(CACHE_ENV, self.paths(), strict=True))
 

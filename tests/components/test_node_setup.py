@@ -303,15 +303,20 @@ def test_create_then_update_through_chroot_converges_and_the_second_run_applies_
 
 
 @pytest.mark.parametrize(
-    ("stack", "instance_type"),
+    ("stack", "instance_type", "cache_root"),
     [
-        (lambda_stack, "pulumi-python:dynamic/lambda:Instance"),
-        (nebius_stack, "nebius:index/computeV1Instance:ComputeV1Instance"),
+        # Lambda mounts a filesystem at /lambda/nfs/<name>; cloud-init mounts Nebius's.
+        (
+            lambda_stack,
+            "pulumi-python:dynamic/lambda:Instance",
+            "/lambda/nfs/prod-lambda-use1-cache",
+        ),
+        (nebius_stack, "nebius:index/computeV1Instance:ComputeV1Instance", "/var/cache/denv"),
     ],
     ids=["lambda", "nebius"],
 )
 def test_nodes_a_cloud_creates_are_set_up_as_ubuntu_keeping_the_images_driver(
-    stack: Callable[[], dict[str, Any]], instance_type: str
+    stack: Callable[[], dict[str, Any]], instance_type: str, cache_root: str
 ) -> None:
     run = run_program(lambda: cluster_outputs(stack()), preview=False)
     instances = {r.name: r.urn for r in run.of_type(instance_type)}
@@ -322,3 +327,9 @@ def test_nodes_a_cloud_creates_are_set_up_as_ubuntu_keeping_the_images_driver(
         assert deploy.inputs["ssh_user"] == "ubuntu"
         assert deploy.inputs["node"]["image_driver"] is True
         assert deploy.inputs["host"].startswith("198.18.")  # the instance's address, once known
+        # Weights and compile caches on the site's shared filesystem: a replacement finds them.
+        assert deploy.inputs["node"]["cache"] == {
+            "hf_home": f"{cache_root}/huggingface",
+            "vllm_cache": f"{cache_root}/vllm",
+            "inductor_cache": f"{cache_root}/torchinductor",
+        }
