@@ -108,13 +108,15 @@ class RecordingMonitor(pulumi.runtime.mocks.MockMonitor):
     def __init__(self, mocks: RecordingMocks) -> None:
         super().__init__(mocks)
         self.registrations: list[Registration] = []
+        self._urns: set[str] = set()  # a set: a large stack must not cost a scan per resource
 
     def RegisterResource(self, request: Any) -> Any:
         urn = self.make_urn(request.parent, request.type, request.name)
         if request.type != "pulumi:pulumi:Stack":
             # The stock mock accepts a duplicate URN; the real engine refuses the whole update.
-            if any(r.urn == urn for r in self.registrations):
+            if urn in self._urns:
                 raise RuntimeError(f"duplicate URN {urn}")
+            self._urns.add(urn)
             self.registrations.append(
                 Registration(
                     urn,

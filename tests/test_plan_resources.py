@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pulumi
+import pytest
 import yaml
 from click.testing import CliRunner
 from rich.console import Console
@@ -171,3 +172,13 @@ def test_a_plain_plan_does_not_import_pulumi() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_a_duplicate_urn_is_refused_as_the_engine_would() -> None:
+    def program() -> dict[str, pulumi.Output[Any]]:
+        first = pulumi.CustomResource("test:index:Thing", "thing", {"size": 1})
+        pulumi.CustomResource("test:index:Thing", "thing", {"size": 2})
+        return {"id": first.id}
+
+    with pytest.raises(Exception, match=r"duplicate URN .*test:index:Thing::thing"):
+        run_program(program, preview=True)
