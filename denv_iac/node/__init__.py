@@ -11,6 +11,7 @@ from denv_iac.node.repair import RepairLevel, RepairReport, StepReport, repair_n
 from denv_iac.node.spec import (
     AgentSettings,
     CacheDirs,
+    CacheVolume,
     MigSlice,
     NodeDeploySpec,
     NodeSpecError,
@@ -23,6 +24,7 @@ from denv_iac.node.steps import FileContent, Step
 __all__ = [
     "AgentSettings",
     "CacheDirs",
+    "CacheVolume",
     "FileContent",
     "GpuInfo",
     "MigDevice",

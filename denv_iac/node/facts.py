@@ -57,6 +57,9 @@ class NodeFacts:
     dirs: frozenset[str] = frozenset()
     active_units: frozenset[str] = frozenset()
     replica_units: frozenset[str] = frozenset()  # denv-replica-*.service files present
+    block_devices: Mapping[str, str] = field(default_factory=dict)  # present -> fs type or ""
+    mounted: frozenset[str] = frozenset()  # the asked-about paths that are mount points
+    fstab_lines: frozenset[str] = frozenset()  # the asked-about lines /etc/fstab holds
     runtime_configured: bool = False  # the container engine knows the nvidia runtime
     agent_version: str | None = None
 
@@ -76,6 +79,9 @@ class FactQuery:
     links: tuple[str, ...] = ()
     dirs: tuple[str, ...] = ()
     units: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    mounts: tuple[str, ...] = ()
+    fstab_lines: tuple[str, ...] = ()
 
 
 def probe_script(query: FactQuery) -> str:
@@ -112,6 +118,15 @@ for l in {words(query.links)}; do
   if [ -L "$l" ]; then printf 'link\\t%s\\t%s\\n' "$l" "$(readlink "$l")"; fi
 done
 for d in {words(query.dirs)}; do if [ -d "$d" ]; then printf 'dir\\t%s\\n' "$d"; fi; done
+for b in {words(query.devices)}; do
+  if [ -b "$b" ]; then printf 'blockdev\\t%s\\t%s\\n' "$b" "$(blkid -o value -s TYPE "$b")"; fi
+done
+for m in {words(query.mounts)}; do
+  if mountpoint -q "$m" 2>/dev/null; then printf 'mounted\\t%s\\n' "$m"; fi
+done
+for l in {words(query.fstab_lines)}; do
+  if grep -qxF -- "$l" /etc/fstab 2>/dev/null; then printf 'fstab\\t%s\\n' "$l"; fi
+done
 for u in /etc/systemd/system/denv-replica-*.service; do
   if [ -f "$u" ]; then printf 'replica_unit\\t%s\\n' "${{u##*/}}"; fi
 done
@@ -141,6 +156,9 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
     dirs: set[str] = set()
     active: set[str] = set()
     replica_units: set[str] = set()
+    block_devices: dict[str, str] = {}
+    mounted: set[str] = set()
+    fstab_lines: set[str] = set()
     for line in lines:
         kind, _, rest = line.rstrip("\n").partition("\t")
         parts = rest.split("\t")
@@ -168,6 +186,13 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
             active.add(rest)
         elif kind == "replica_unit":
             replica_units.add(rest)
+        elif kind == "blockdev" and parts[0]:
+            # A blank device has no type: its line may come without the trailing field.
+            block_devices[parts[0]] = parts[1] if len(parts) > 1 else ""
+        elif kind == "mounted":
+            mounted.add(rest)
+        elif kind == "fstab":
+            fstab_lines.add(rest)
     smi_ok = values.get("smi_rc") == "0"
     gpus = _parse_gpus(smi_lines, smil_lines) if smi_ok else ()
     agent = _AGENT_DIST.search(values.get("agent", ""))
@@ -192,6 +217,9 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
         dirs=frozenset(dirs),
         active_units=frozenset(active),
         replica_units=frozenset(replica_units),
+        block_devices=block_devices,
+        mounted=frozenset(mounted),
+        fstab_lines=frozenset(fstab_lines),
         runtime_configured="runtime" in flags,
         agent_version=agent.group(1) if agent else None,
     )

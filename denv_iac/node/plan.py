@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from denv_iac.node import agent, driver, firewall, mig, replicas, runtime
+from denv_iac.node import agent, cache, driver, firewall, mig, replicas, runtime
 from denv_iac.node.driver import FABRICMANAGER, PERSISTENCED, UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
 from denv_iac.node.spec import NodeDeploySpec
@@ -15,6 +15,7 @@ BASE_PACKAGES = ("ca-certificates", "curl", "python3", "python3-venv", "nftables
 def fact_query(spec: NodeDeploySpec) -> FactQuery:
     """Every path and unit plan_node compares against, for the probe to read."""
     files = [*agent.files(spec), *replicas.files(spec), *firewall.files(spec)]
+    volume = spec.cache_volume
     units = [
         PERSISTENCED,
         FABRICMANAGER,
@@ -28,6 +29,9 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
         links=(agent.COMMAND_LINK, *(wants_link(u) for u in units)),
         dirs=(AGENT_VENV, *spec.cache.paths()),
         units=tuple(units),
+        devices=(volume.device,) if volume else (),
+        mounts=(volume.mount_point,) if volume else (),
+        fstab_lines=(cache.fstab_line(volume),) if volume else (),
     )
 
 
@@ -50,6 +54,7 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     steps += driver.keyring_steps(facts, spec)
     steps += driver.plan(facts, spec)
     steps += mig.plan(facts, spec)
+    steps += cache.plan(facts, spec)  # before the replicas make their cache dirs on it
     steps += runtime.plan(facts, spec)
     steps += agent.plan(facts, spec)
     steps += replicas.plan(facts, spec)

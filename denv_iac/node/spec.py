@@ -56,6 +56,18 @@ class CacheDirs:
 
 
 @dataclass(frozen=True)
+class CacheVolume:
+    """A block device for the caches: given a filesystem when it has none, mounted at boot.
+
+    `device` must name this volume and no other, whatever order the kernel finds disks in
+    (`/dev/disk/by-id/...`): a blank device is formatted.
+    """
+
+    device: str
+    mount_point: str = "/var/cache/denv"
+
+
+@dataclass(frozen=True)
 class AgentSettings:
     """The node agent: which release to install, and extra tables of its TOML config
     (e.g. {"intervals": {"health_s": 0.5}, "thresholds": {"fail_after": 2}})."""
@@ -98,6 +110,7 @@ class NodeDeploySpec:
     image_driver: bool = False
     mig: tuple[MigSlice, ...] = ()
     cache: CacheDirs = field(default_factory=CacheDirs)
+    cache_volume: CacheVolume | None = None
     agent: AgentSettings = field(default_factory=AgentSettings)
     replicas: tuple[ReplicaSpec, ...] = ()
     balancer_addresses: tuple[str, ...] = ()
@@ -121,6 +134,10 @@ class NodeDeploySpec:
         return layout
 
 
+def _has_blank(text: str) -> bool:
+    return any(character.isspace() for character in text)
+
+
 def _problems(spec: NodeDeploySpec) -> list[str]:
     problems: list[str] = []
     if not _ID.match(spec.node_id):
@@ -137,6 +154,19 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
             problems.append(f"mig profile {mig_slice.profile!r}: use a MIG profile such as 1g.10gb")
         if mig_slice.instances < 1:
             problems.append(f"mig {mig_slice.profile} instances: give 1 or more")
+    volume = spec.cache_volume
+    if volume is not None:
+        # Both go into /etc/fstab, whose fields are separated by blanks.
+        if not volume.device.startswith("/dev/") or _has_blank(volume.device):
+            problems.append(
+                f"cache_volume device {volume.device!r}: give a path under /dev/, without blanks"
+            )
+        mount = volume.mount_point
+        if not mount.startswith("/") or mount == "/" or _has_blank(mount):
+            problems.append(
+                f"cache_volume mount_point {mount!r}: give an absolute path other than /, "
+                "without blanks"
+            )
     for path in spec.cache.paths():
         if not path.startswith("/"):
             problems.append(f"cache dir {path!r}: give an absolute path")
@@ -216,6 +246,9 @@ def spec_from_json(data: Mapping[str, Any]) -> NodeDeploySpec:
             **data,
             "mig": tuple(MigSlice(**m) for m in data.get("mig", ())),
             "cache": CacheDirs(**data.get("cache", {})),
+            "cache_volume": CacheVolume(**data["cache_volume"])
+            if data.get("cache_volume")
+            else None,
             "agent": agent,
             "replicas": replicas,
             "balancer_addresses": tuple(data.get("balancer_addresses", ())),
