@@ -8,10 +8,11 @@ import pulumi_aws as aws
 
 from denv_iac.components.naming import aws_tags, child_name, resolved
 from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.node import CACHE_MOUNT_POINT
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
-CACHE_DEVICE = "/dev/sdf"
+CACHE_DEVICE = "/dev/sdf"  # the name at attach; see ebs_device for where the node sees it
 ROOT_VOLUME_GB = 200  # the Deep Learning AMI and container images
 
 
@@ -103,6 +104,20 @@ def vpc_of(subnet_id: str, region: str, parent: pulumi.Resource) -> pulumi.Outpu
     return subnet.vpc_id
 
 
+def ebs_device(volume_id: str) -> str:
+    """Where an EBS volume shows on a Nitro instance: its NVMe serial is the volume id.
+
+    The device name given at attach (`/dev/sdf`) is not where it shows, and NVMe names
+    (`/dev/nvme1n1`) follow discovery order; this path names the one volume only.
+    """
+    return f"/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"
+
+
+def cache_root(stack: str, site: SiteSpec) -> str:
+    """Where the node deploy mounts each node's cache volume."""
+    return CACHE_MOUNT_POINT
+
+
 class AwsSiteArgs(TypedDict):
     stack: str
     site: SiteSpec
@@ -117,6 +132,8 @@ class AwsSite(pulumi.ComponentResource):
 
     node_addresses: pulumi.Output[dict[str, str]]
     """Public address of each node, by node name."""
+    cache_devices: pulumi.Output[dict[str, str]]
+    """The block device of each node's cache volume, by node name."""
 
     def __init__(
         self, name: str, args: AwsSiteArgs, opts: pulumi.ResourceOptions | None = None
@@ -138,6 +155,7 @@ class AwsSite(pulumi.ComponentResource):
         key = site_key_pair(self, name, stack, site, args["public_key"])
         ami = pinned_ami(site.image, site.region, self)
         addresses: dict[str, pulumi.Output[str]] = {}
+        devices: dict[str, pulumi.Output[str]] = {}
         for node in args["nodes"]:
             if not node.create:
                 continue
@@ -178,5 +196,9 @@ class AwsSite(pulumi.ComponentResource):
                 opts=child,
             )
             addresses[node.name] = instance.public_ip
+            devices[node.name] = cache.id.apply(ebs_device)
         self.node_addresses = resolved(addresses)
-        self.register_outputs({"node_addresses": self.node_addresses})
+        self.cache_devices = resolved(devices)
+        self.register_outputs(
+            {"node_addresses": self.node_addresses, "cache_devices": self.cache_devices}
+        )

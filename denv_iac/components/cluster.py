@@ -6,6 +6,7 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
+from denv_iac.components.aws import cache_root as aws_cache_root
 from denv_iac.components.balancer import GlobalBalancer
 from denv_iac.components.balancer_host import (
     HOST_KINDS,
@@ -23,6 +24,7 @@ from denv_iac.components.nebius import nebius_site
 from denv_iac.components.node_setup import (
     SSH_SITE_KINDS,
     NodeSetup,
+    NodeSetupArgs,
     balancer_ssh_user,
     node_deploy_specs,
     node_id,
@@ -42,7 +44,7 @@ from denv_iac.components.security import (
     PORTS_PER_GPU,
     replica_port,
 )
-from denv_iac.components.site import SiteBuilder, SiteContext
+from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
 from denv_iac.node import NodeDeploySpec
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
@@ -53,7 +55,7 @@ _EXISTING_NODE_SITES = {"hetzner": HetznerSite, "joined": JoinedSite, "local": L
 
 def _aws_site(
     name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
-) -> pulumi.Output[dict[str, str]]:
+) -> SiteNodes:
     args: AwsSiteArgs = {
         "stack": context["stack"],
         "site": site,
@@ -62,14 +64,15 @@ def _aws_site(
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "balancer_addresses": context["balancer_addresses"],
     }
-    return AwsSite(name, args, opts).node_addresses
+    component = AwsSite(name, args, opts)
+    return SiteNodes(component.node_addresses, component.cache_devices)
 
 
 def _existing_site(
     name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
-) -> pulumi.Output[dict[str, str]]:
+) -> SiteNodes:
     component = _EXISTING_NODE_SITES[site.kind]
-    return component(name, {"nodes": context["nodes"]}, opts).node_addresses
+    return SiteNodes(component(name, {"nodes": context["nodes"]}, opts).node_addresses)
 
 
 SITE_BUILDERS: dict[str, SiteBuilder] = {
@@ -83,6 +86,7 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
 }
 # Where a site kind mounts its persistent cache storage on its nodes, from the stack and site.
 CACHE_ROOTS: dict[str, Callable[[str, SiteSpec], str]] = {
+    "aws": aws_cache_root,
     "lambda": lambda_cache_root,
     "nebius": nebius_cache_root,
 }
@@ -257,16 +261,17 @@ class Cluster(pulumi.ComponentResource):
                 "balancer_addresses": hosts,
             }
             before = set(self._childResources)
-            addresses[site.name] = SITE_BUILDERS[site.kind](
+            nodes = SITE_BUILDERS[site.kind](
                 child_name(self._name, site.name),
                 site,
                 context,
                 pulumi.ResourceOptions(parent=self),
             )
+            addresses[site.name] = nodes.addresses
             if site.kind in SSH_SITE_KINDS:
-                # A builder gives back addresses only: its site component is its one new child.
+                # A builder gives back what its nodes are: its site component is its one new child.
                 (component,) = self._childResources - before
-                self._node_setups(component, site, context, addresses[site.name], node_specs)
+                self._node_setups(component, site, context, nodes, node_specs)
         return addresses
 
     def _node_setups(
@@ -274,21 +279,24 @@ class Cluster(pulumi.ComponentResource):
         site_component: pulumi.Resource,
         site: SiteSpec,
         context: SiteContext,
-        addresses: pulumi.Output[dict[str, str]],
+        nodes: SiteNodes,
         node_specs: dict[str, NodeDeploySpec],
     ) -> None:
         """The node deploy on each node, once the node exists (its address says when)."""
         balancers = sorted(context["balancer_addresses"].items())
         for node in context["nodes"]:
+            args: NodeSetupArgs = {
+                "host": nodes.addresses.apply(_node_address(node.name)),
+                "ssh_user": node_ssh_user(site, node.name),
+                "ssh_private_key": context["secrets"]["ssh_private_key"],
+                "node": node_specs[node_id(site.name, node.name)],
+                "balancer_addresses": pulumi.Output.all(*(a for _, a in balancers)),
+            }
+            if nodes.cache_devices is not None:
+                args["cache_device"] = nodes.cache_devices.apply(_node_cache_device(node.name))
             NodeSetup(
                 child_name(self._name, site.name, node.name, "setup"),
-                {
-                    "host": addresses.apply(_node_address(node.name)),
-                    "ssh_user": node_ssh_user(site, node.name),
-                    "ssh_private_key": context["secrets"]["ssh_private_key"],
-                    "node": node_specs[node_id(site.name, node.name)],
-                    "balancer_addresses": pulumi.Output.all(*(a for _, a in balancers)),
-                },
+                args,
                 pulumi.ResourceOptions(parent=site_component),
             )
 
@@ -320,5 +328,12 @@ class Cluster(pulumi.ComponentResource):
 def _node_address(node: str) -> Callable[[dict[str, str]], str]:
     def pick(addresses: dict[str, str]) -> str:
         return addresses[node]
+
+    return pick
+
+
+def _node_cache_device(node: str) -> Callable[[dict[str, str]], str]:
+    def pick(devices: dict[str, str]) -> str:
+        return devices.get(node, "")  # a node the site did not create has no volume of its own
 
     return pick

@@ -15,7 +15,7 @@ import pulumi_kubernetes as k8s
 from denv_iac import kube_manifests
 from denv_iac.components.aws import _cidr_of
 from denv_iac.components.naming import child_name, resolved
-from denv_iac.components.site import SiteContext
+from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.placement import PlacedReplica, place_replicas
 from denv_iac.spec.model import SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError
@@ -102,7 +102,7 @@ def _load_balancer_address(service: k8s.core.v1.Service) -> pulumi.Output[str]:
 
 def kubernetes_site(
     name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
-) -> pulumi.Output[dict[str, str]]:
+) -> SiteNodes:
     """Cluster's builder for kubernetes sites."""
     stack = context["spec"]
     # The site context carries nodes, not replicas: place again, and make sure it is the
@@ -125,4 +125,4 @@ def kubernetes_site(
         "kubeconfig": context["secrets"]["kubeconfig"],
         "balancer_addresses": context["balancer_addresses"],
     }
-    return KubernetesSite(name, args, opts).node_addresses
+    return SiteNodes(KubernetesSite(name, args, opts).node_addresses)

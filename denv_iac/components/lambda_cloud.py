@@ -17,7 +17,7 @@ import pulumi.dynamic as dynamic
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, machine_name, resolved
 from denv_iac.components.secrets import public_key_output
-from denv_iac.components.site import SiteContext
+from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.lambda_api import DEFAULT_RETRY, Instance, LambdaApiError, LambdaClient, Retry
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import SiteSpec
@@ -364,7 +364,7 @@ class LambdaSite(pulumi.ComponentResource):
 
 def lambda_site(
     name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
-) -> pulumi.Output[dict[str, str]]:
+) -> SiteNodes:
     """Cluster's builder of a Lambda site (see `denv_iac.components.site.SiteBuilder`)."""
     args: LambdaSiteArgs = {
         "stack": context["stack"],
@@ -373,4 +373,4 @@ def lambda_site(
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "api_key": context["secrets"][API_KEY],
     }
-    return LambdaSite(name, args, opts).node_addresses
+    return SiteNodes(LambdaSite(name, args, opts).node_addresses)

@@ -11,14 +11,15 @@ from denv_iac.components.naming import child_name, machine_name, nebius_labels, 
 from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.security import IngressRule, site_ingress_rules
-from denv_iac.components.site import SiteContext
+from denv_iac.components.site import SiteContext, SiteNodes
+from denv_iac.node import CACHE_MOUNT_POINT as DEFAULT_CACHE_MOUNT
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
 SSH_USER = CLOUD_SSH_USER  # the login cloud-init creates on every node, and NodeSetup uses
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"
-CACHE_MOUNT_POINT = "/var/cache/denv"  # the node deploy puts the replicas' caches under it
+CACHE_MOUNT_POINT = DEFAULT_CACHE_MOUNT  # the node deploy puts the replicas' caches under it
 MAX_PORTS_PER_RULE = 8  # Nebius allows at most 8 destination ports in one rule
 
 
@@ -217,7 +218,7 @@ class NebiusSite(pulumi.ComponentResource):
 
 def nebius_site(
     name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
-) -> pulumi.Output[dict[str, str]]:
+) -> SiteNodes:
     """Cluster's builder of a Nebius site (see `denv_iac.components.site.SiteBuilder`)."""
     args: NebiusSiteArgs = {
         "stack": context["stack"],
@@ -227,4 +228,4 @@ def nebius_site(
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "balancer_addresses": context["balancer_addresses"],
     }
-    return NebiusSite(name, args, opts).node_addresses
+    return SiteNodes(NebiusSite(name, args, opts).node_addresses)

@@ -51,7 +51,14 @@ CLOUD_SSH_USER = "ubuntu"
 CLOUD_SITE_KINDS = ("aws", "lambda", "nebius")
 HCLOUD_SSH_USER = "root"
 # A change of these re-runs the deploy in place; another host is another machine.
-UPDATE_ON = ("ssh_user", "ssh_private_key", "node", "balancer_addresses", "balancer")
+UPDATE_ON = (
+    "ssh_user",
+    "ssh_private_key",
+    "node",
+    "balancer_addresses",
+    "cache_device",
+    "balancer",
+)
 REPLACE_ON = ("host",)
 
 
@@ -206,7 +213,14 @@ def _integers(value: Any) -> Any:
 
 def _node_spec(props: Mapping[str, Any]) -> NodeDeploySpec:
     addresses = [str(a) for a in props.get("balancer_addresses") or ()]
-    return spec_from_json({**_integers(props["node"]), "balancer_addresses": sorted(addresses)})
+    device = props.get("cache_device")
+    return spec_from_json(
+        {
+            **_integers(props["node"]),
+            "balancer_addresses": sorted(addresses),
+            "cache_volume": {"device": device} if device else None,
+        }
+    )
 
 
 class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
@@ -277,6 +291,8 @@ class NodeSetupArgs(TypedDict):
     ssh_private_key: pulumi.Input[str]  # kept a secret end to end
     node: NotRequired[NodeDeploySpec]  # a GPU node: what it runs
     balancer_addresses: NotRequired[pulumi.Input[Sequence[str]]]  # who may reach its replicas
+    # The node's own cache volume, a block device ("": none), mounted where `node` keeps caches.
+    cache_device: NotRequired[pulumi.Input[str]]
     balancer: NotRequired[pulumi.Input[BalancerFiles]]  # a balancer host: what HAProxy serves
 
 
@@ -304,6 +320,8 @@ class NodeSetup(pulumi.ComponentResource):
             props["balancer_addresses"] = pulumi.Output.from_input(
                 args.get("balancer_addresses", [])
             ).apply(sorted)
+            if "cache_device" in args:
+                props["cache_device"] = args["cache_device"]
         else:
             props["balancer"] = args["balancer"]
         deployment = NodeDeployment(

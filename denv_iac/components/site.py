@@ -1,6 +1,7 @@
 """The contract between Cluster and a site component: what a site is given, what it gives back."""
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypedDict
 
 import pulumi
@@ -19,7 +20,14 @@ class SiteContext(TypedDict):
     balancer_addresses: Mapping[str, pulumi.Output[str]]  # balancer site -> host address
 
 
-# Makes a site's component (name, site, context, opts) and gives its node addresses by name.
-SiteBuilder = Callable[
-    [str, SiteSpec, SiteContext, pulumi.ResourceOptions], pulumi.Output[dict[str, str]]
-]
+@dataclass(frozen=True)
+class SiteNodes:
+    """What a site component gives back about its nodes, by node name."""
+
+    addresses: pulumi.Output[dict[str, str]]
+    # The block device of each node's own cache volume, where the site gives nodes one (AWS).
+    cache_devices: pulumi.Output[dict[str, str]] | None = None
+
+
+# Makes a site's component (name, site, context, opts) and gives back what its nodes are.
+SiteBuilder = Callable[[str, SiteSpec, SiteContext, pulumi.ResourceOptions], SiteNodes]

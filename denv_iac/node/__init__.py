@@ -9,6 +9,7 @@ from denv_iac.node.facts import GpuInfo, MigDevice, NodeFacts, parse_facts
 from denv_iac.node.plan import fact_query, plan_node
 from denv_iac.node.repair import RepairLevel, RepairReport, StepReport, repair_node
 from denv_iac.node.spec import (
+    CACHE_MOUNT_POINT,
     AgentSettings,
     CacheDirs,
     CacheVolume,
@@ -22,6 +23,7 @@ from denv_iac.node.spec import (
 from denv_iac.node.steps import FileContent, Step
 
 __all__ = [
+    "CACHE_MOUNT_POINT",
     "AgentSettings",
     "CacheDirs",
     "CacheVolume",

@@ -55,6 +55,10 @@ class CacheDirs:
         return (self.hf_home, self.vllm_cache, self.inductor_cache)
 
 
+# Where a site's persistent cache storage is mounted when the site does not say otherwise.
+CACHE_MOUNT_POINT = "/var/cache/denv"
+
+
 @dataclass(frozen=True)
 class CacheVolume:
     """A block device for the caches: given a filesystem when it has none, mounted at boot.
@@ -64,7 +68,7 @@ class CacheVolume:
     """
 
     device: str
-    mount_point: str = "/var/cache/denv"
+    mount_point: str = CACHE_MOUNT_POINT
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from denv_iac.balancer import RenderedConfig
+from denv_iac.components.aws import ebs_device
 from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import (
     DeployRunner,
@@ -19,7 +20,7 @@ from denv_iac.components.node_setup import (
     node_deploy_specs,
     spec_to_json,
 )
-from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
+from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import cluster_outputs, plain_strings, run_program
@@ -102,6 +103,37 @@ def test_create_runs_the_node_deploy_with_the_key_in_a_0600_file_removed_after()
     assert result.outs is not None and result.outs["applied"] == ["node: step 0", "node: step 1"]
 
 
+def test_a_cache_device_reaches_the_deploy_as_the_nodes_cache_volume() -> None:
+    recorder = Recorder()
+    device = "/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_vol0123456789abcdef0"
+    NodeSetupProvider(recorder.runner()).create({**NODE, "cache_device": device})
+    NodeSetupProvider(recorder.runner()).create({**NODE, "cache_device": ""})
+    (_, _, with_volume), (_, _, without) = recorder.calls
+    assert with_volume.cache_volume == CacheVolume(device, "/var/cache/denv")
+    assert without.cache_volume is None
+
+
+def test_aws_nodes_mount_their_ebs_cache_volume_where_their_caches_are() -> None:
+    run = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
+    volumes = {r.name: r.urn for r in run.of_type("aws:ebs/volume:Volume")}
+    deploys = {r.name: r.inputs for r in run.of_type(DEPLOYMENT)}
+    assert volumes
+    for volume in volumes:  # the mocks give each volume the id "<name>-id"
+        node = volume.removesuffix("-cache")
+        deploy = deploys[f"{node}-setup-deploy"]
+        serial = f"{volume}-id".replace("-", "")
+        assert deploy["cache_device"] == f"/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{serial}"
+        assert deploy["node"]["cache"]["hf_home"] == "/var/cache/denv/huggingface"
+    joined = [d for name, d in deploys.items() if name.startswith("prod-office-")]
+    assert joined and all("cache_device" not in d for d in joined)
+
+
+def test_an_ebs_volume_shows_by_its_id_on_a_nitro_instance() -> None:
+    assert ebs_device("vol-0123456789abcdef0") == (
+        "/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_vol0123456789abcdef0"
+    )
+
+
 def test_the_key_file_is_removed_when_the_deploy_fails() -> None:
     recorder = Recorder(fail=True)
     with pytest.raises(RuntimeError, match="start failed"):
@@ -141,6 +173,7 @@ def _changed_node(**fields: Any) -> dict[str, Any]:
         (_changed_node(replicas=(dataclasses.replace(SPEC.replicas[0], port=8001),)), []),
         (_changed_node(replicas=(dataclasses.replace(SPEC.replicas[0], command=("x",)),)), []),
         ({**NODE, "balancer_addresses": ["203.0.113.9"]}, []),
+        ({**NODE, "cache_device": "/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_vol1"}, []),
         ({**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}, []),
         (
             {**BALANCER, "balancer": {**BALANCER["balancer"], "haproxy_config": "global\n#2\n"}},
@@ -156,6 +189,7 @@ def _changed_node(**fields: Any) -> dict[str, Any]:
         "replica-port",
         "replica-command",
         "balancer-addresses",
+        "cache-device",
         "ssh-key",
         "haproxy-config",
     ],
