@@ -36,7 +36,7 @@ from denv_iac.node import (
 )
 from denv_iac.node.deploy import connect, quiet_progress
 from denv_iac.node.plan import fact_query
-from denv_iac.node.replicas import _stale as stale_replica_steps
+from denv_iac.node.replicas import stale_steps as stale_replica_steps
 from denv_iac.placement import Placement
 from denv_iac.spec.model import SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError

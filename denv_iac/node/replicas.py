@@ -109,7 +109,7 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
                 (f"mkdir -p -m 0755 {quoted}",),
             )
         )
-    steps += _stale(facts, spec)
+    steps += stale_steps(facts, spec)
     launcher = files(spec)[0]
     launcher_changed = facts.files.get(LAUNCHER) != launcher.sha256
     if launcher_changed:
@@ -158,7 +158,7 @@ def _replica(
     return steps
 
 
-def _stale(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+def stale_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     """Units of replicas placed elsewhere now: stop them and remove their files."""
     wanted = {replica.unit for replica in spec.replicas}
     steps = []
