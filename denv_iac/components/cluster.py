@@ -22,6 +22,7 @@ from denv_iac.components.naming import child_name
 from denv_iac.components.nebius import cache_root as nebius_cache_root
 from denv_iac.components.nebius import nebius_site
 from denv_iac.components.node_setup import (
+    CLOUD_SITE_KINDS,
     SSH_SITE_KINDS,
     NodeSetup,
     NodeSetupArgs,
@@ -91,7 +92,7 @@ CACHE_ROOTS: dict[str, Callable[[str, SiteSpec], str]] = {
     "nebius": nebius_cache_root,
 }
 # Sites that create machines with the site's SSH key: a bad key is refused before anything exists.
-KEYED_SITE_KINDS = ("aws", "lambda", "nebius")
+KEYED_SITE_KINDS = CLOUD_SITE_KINDS
 
 
 class ClusterArgs(TypedDict):

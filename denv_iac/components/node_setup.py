@@ -43,13 +43,12 @@ from denv_iac.spec.reader import StackError
 
 # Sites whose machines the deploy reaches over SSH; a local site's nodes are this machine.
 SSH_SITE_KINDS = ("aws", "hetzner", "joined", "lambda", "nebius")
-# Sites whose machine images ship the NVIDIA driver: the deploy keeps a working one.
-IMAGE_DRIVER_SITE_KINDS = ("aws", "lambda", "nebius")
-# The login of the Deep Learning AMIs, Lambda's images and the user Nebius nodes get from
-# cloud-init; Hetzner's images log in as root.
-CLOUD_SSH_USER = "ubuntu"
+# Sites that create their machines from a provider's image, with the site's SSH key. The
+# image ships the NVIDIA driver (the deploy keeps a working one) and logs in as CLOUD_SSH_USER:
+# the Deep Learning AMIs, Lambda's images, and the user cloud-init makes on Nebius nodes.
 CLOUD_SITE_KINDS = ("aws", "lambda", "nebius")
-HCLOUD_SSH_USER = "root"
+CLOUD_SSH_USER = "ubuntu"
+HCLOUD_SSH_USER = "root"  # Hetzner's images
 # A change of these re-runs the deploy in place; another host is another machine.
 UPDATE_ON = (
     "ssh_user",
@@ -112,7 +111,7 @@ def node_deploy_specs(
         try:
             specs[name] = NodeDeploySpec(
                 node_id=name,
-                image_driver=stack.site(node.site).kind in IMAGE_DRIVER_SITE_KINDS,
+                image_driver=stack.site(node.site).kind in CLOUD_SITE_KINDS,
                 mig=mig,
                 cache=(
                     CacheDirs.under(cache_roots[node.site])
