@@ -2,7 +2,7 @@
 
 A cloud node's weights and compile caches belong on a volume that outlives the machine (an EBS
 volume on AWS), so that a replacement attached to it starts warm. Formatting is guarded twice:
-it is planned only when the probe found no filesystem, and its command checks again on the node,
+it is planned only when the probe found no filesystem, and its command probes again on the node,
 so a volume that holds caches is never formatted.
 """
 
@@ -36,8 +36,9 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
             f'[ "$i" -lt {ATTACH_WAIT_S} ] || {{ echo "{volume.device} not attached after '
             f'{ATTACH_WAIT_S} s"; exit 1; }}; i=$((i+1)); sleep 1; done'
         )
-        # blkid exits non-zero only when it finds no filesystem signature on the device.
-        mkfs = f"blkid {device} >/dev/null || mkfs.ext4 -q -L {LABEL} {device}"
+        # blkid -p probes the device itself (no cache) and exits non-zero only when it finds no
+        # signature on it: no filesystem, and no partition table either.
+        mkfs = f"blkid -p {device} >/dev/null || mkfs.ext4 -q -L {LABEL} {device}"
         steps.append(Step("cache", f"give {volume.device} a filesystem if blank", (wait, mkfs)))
     line = fstab_line(volume)
     if line not in facts.fstab_lines:

@@ -39,7 +39,7 @@ def test_the_format_command_checks_again_on_the_node() -> None:
     (step, *_) = plan_cache(node_facts(), SPEC)  # not attached yet: waited for, bounded
     wait, mkfs = step.commands
     assert f"until [ -b {DEVICE} ]" in wait and "not attached after 300 s" in wait
-    assert mkfs == f"blkid {DEVICE} >/dev/null || mkfs.ext4 -q -L denv-cache {DEVICE}"
+    assert mkfs == f"blkid -p {DEVICE} >/dev/null || mkfs.ext4 -q -L denv-cache {DEVICE}"
 
 
 def test_a_volume_with_caches_is_never_formatted_only_mounted() -> None:
