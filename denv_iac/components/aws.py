@@ -8,7 +8,6 @@ import pulumi_aws as aws
 
 from denv_iac.components.naming import aws_tags, child_name, resolved
 from denv_iac.components.security import IngressRule, site_ingress_rules
-from denv_iac.node import CACHE_MOUNT_POINT
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
@@ -111,11 +110,6 @@ def ebs_device(volume_id: str) -> str:
     (`/dev/nvme1n1`) follow discovery order; this path names the one volume only.
     """
     return f"/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"
-
-
-def cache_root(stack: str, site: SiteSpec) -> str:
-    """Where the node deploy mounts each node's cache volume."""
-    return CACHE_MOUNT_POINT
 
 
 class AwsSiteArgs(TypedDict):

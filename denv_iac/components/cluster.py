@@ -6,7 +6,6 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
-from denv_iac.components.aws import cache_root as aws_cache_root
 from denv_iac.components.balancer import GlobalBalancer
 from denv_iac.components.balancer_host import (
     HOST_KINDS,
@@ -16,10 +15,8 @@ from denv_iac.components.balancer_host import (
 )
 from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
 from denv_iac.components.kubernetes import kubernetes_site
-from denv_iac.components.lambda_cloud import cache_root as lambda_cache_root
 from denv_iac.components.lambda_cloud import lambda_site
 from denv_iac.components.naming import child_name
-from denv_iac.components.nebius import cache_root as nebius_cache_root
 from denv_iac.components.nebius import nebius_site
 from denv_iac.components.node_setup import (
     CLOUD_SITE_KINDS,
@@ -84,12 +81,6 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
     "lambda": lambda_site,
     "local": _existing_site,
     "nebius": nebius_site,
-}
-# Where a site kind mounts its persistent cache storage on its nodes, from the stack and site.
-CACHE_ROOTS: dict[str, Callable[[str, SiteSpec], str]] = {
-    "aws": aws_cache_root,
-    "lambda": lambda_cache_root,
-    "nebius": nebius_cache_root,
 }
 # Sites that create machines with the site's SSH key: a bad key is refused before anything exists.
 KEYED_SITE_KINDS = CLOUD_SITE_KINDS
@@ -181,12 +172,7 @@ class Cluster(pulumi.ComponentResource):
         self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
         stack, placement, secrets = validate_cluster(name, args)
-        cache_roots = {
-            site.name: CACHE_ROOTS[site.kind](name, site)
-            for site in stack.sites
-            if site.kind in CACHE_ROOTS
-        }
-        node_specs = node_deploy_specs(stack, placement, cache_roots)
+        node_specs = node_deploy_specs(stack, placement)
         super().__init__("denv:index:Cluster", name, None, opts)
         self._name, self._stack, self._secrets = name, stack, secrets
         hosts = self._balancer_hosts()

@@ -42,9 +42,9 @@ def cache_file_system_name(stack: str, site: str) -> str:
     return lambda_name(stack, site, "cache")
 
 
-def cache_root(stack: str, site: SiteSpec) -> str:
+def cache_mount_point(stack: str, site: str) -> str:
     """Where Lambda mounts the site's cache filesystem on every instance launched with it."""
-    return f"{LAMBDA_NFS}/{cache_file_system_name(stack, site.name)}"
+    return f"{LAMBDA_NFS}/{cache_file_system_name(stack, site)}"
 
 
 def changed_keys(

@@ -12,14 +12,12 @@ from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.security import IngressRule, site_ingress_rules
 from denv_iac.components.site import SiteContext, SiteNodes
-from denv_iac.node import CACHE_MOUNT_POINT as DEFAULT_CACHE_MOUNT
+from denv_iac.node import CACHE_MOUNT_POINT
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
-SSH_USER = CLOUD_SSH_USER  # the login cloud-init creates on every node, and NodeSetup uses
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"
-CACHE_MOUNT_POINT = DEFAULT_CACHE_MOUNT  # the node deploy puts the replicas' caches under it
 MAX_PORTS_PER_RULE = 8  # Nebius allows at most 8 destination ports in one rule
 
 
@@ -27,11 +25,6 @@ def offering_parts(offering: str) -> tuple[str, str]:
     """The platform and preset of a Nebius offering written "platform/preset"."""
     platform, _, preset = offering.partition("/")
     return platform, preset
-
-
-def cache_root(stack: str, site: SiteSpec) -> str:
-    """Where cloud-init mounts the site's shared cache filesystem on every node."""
-    return CACHE_MOUNT_POINT
 
 
 def cloud_init(public_key: str) -> str:
@@ -42,13 +35,14 @@ def cloud_init(public_key: str) -> str:
     config = {
         "users": [
             {
-                "name": SSH_USER,
+                "name": CLOUD_SSH_USER,  # the login NodeSetup uses
                 "sudo": "ALL=(ALL) NOPASSWD:ALL",
                 "shell": "/bin/bash",
                 "ssh_authorized_keys": [public_key],
             }
         ],
-        # virtiofs is how Nebius shares a filesystem into an instance, by its mount tag.
+        # virtiofs is how Nebius shares a filesystem into an instance, by its mount tag; the
+        # node deploy puts the replicas' caches under the mount point.
         "mounts": [[CACHE_MOUNT_TAG, CACHE_MOUNT_POINT, "virtiofs", "defaults,nofail", "0", "0"]],
     }
     return "#cloud-config\n" + yaml.safe_dump(config, sort_keys=True)

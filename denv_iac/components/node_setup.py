@@ -20,9 +20,11 @@ import pulumi.dynamic
 
 from denv_iac.balancer import RenderedConfig
 from denv_iac.components.dynamic_resource import DynamicResource
+from denv_iac.components.lambda_cloud import cache_mount_point
 from denv_iac.components.naming import child_name
 from denv_iac.components.security import replica_port
 from denv_iac.node import (
+    CACHE_MOUNT_POINT,
     CacheDirs,
     MigSlice,
     NodeDeploySpec,
@@ -65,16 +67,23 @@ def node_id(site: str, node: str) -> str:
     return f"{site}.{node}"
 
 
-def node_deploy_specs(
-    stack: StackSpec, placement: Placement, cache_roots: Mapping[str, str] | None = None
-) -> dict[str, NodeDeploySpec]:
+def cache_root(stack: str, site: SiteSpec) -> str | None:
+    """Where the site's nodes have storage that outlives them; None: the node's own disk.
+
+    AWS nodes mount their EBS volume there (see NodeSetup's `cache_device`), Nebius nodes the
+    site's filesystem (cloud-init), and Lambda mounts the site's filesystem by its name.
+    """
+    if site.kind == "lambda":
+        return cache_mount_point(stack, site.name)
+    return CACHE_MOUNT_POINT if site.kind in CLOUD_SITE_KINDS else None
+
+
+def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeDeploySpec]:
     """What each placed node on an SSH site runs, by node id; StackError if one cannot run it.
 
-    `cache_roots`: by site name, where the site mounts persistent cache storage on its nodes;
-    the replicas' weights and compile caches go under it (elsewhere: the node's own disk).
-    The balancer addresses are left out: they are known only once the hosts exist.
+    The replicas' weights and compile caches go under the site's `cache_root`. The balancer
+    addresses are left out: they are known only once the hosts exist.
     """
-    cache_roots = cache_roots or {}
     recipes = {recipe.name: recipe for recipe in stack.recipes}
     problems = [
         f"recipes: {name}: give an image; its replicas run in containers on "
@@ -108,16 +117,14 @@ def node_deploy_specs(
             if (m.site, m.node) == (node.site, node.name)
         )
         name = node_id(node.site, node.name)
+        site = stack.site(node.site)
+        root = cache_root(stack.name, site)
         try:
             specs[name] = NodeDeploySpec(
                 node_id=name,
-                image_driver=stack.site(node.site).kind in CLOUD_SITE_KINDS,
+                image_driver=site.kind in CLOUD_SITE_KINDS,
                 mig=mig,
-                cache=(
-                    CacheDirs.under(cache_roots[node.site])
-                    if node.site in cache_roots
-                    else CacheDirs()
-                ),
+                cache=CacheDirs() if root is None else CacheDirs.under(root),
                 replicas=replicas,
             )
         except NodeSpecError as error:

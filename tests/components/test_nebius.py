@@ -9,11 +9,11 @@ import yaml
 from denv_iac.components.nebius import (
     CACHE_MOUNT_POINT,
     CACHE_MOUNT_TAG,
-    SSH_USER,
     cloud_init,
     offering_parts,
     port_groups,
 )
+from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_of
 from denv_iac.components.security import IngressRule
 from denv_iac.spec.reader import StackError
@@ -107,7 +107,7 @@ def test_cloud_init_carries_the_public_key_and_mounts_the_cache() -> None:
     config = yaml.safe_load(user_data["value"])
     assert user_data["value"].startswith("#cloud-config\n")
     (user,) = config["users"]
-    assert (user["name"], user["ssh_authorized_keys"]) == (SSH_USER, [public_key_of(SSH_KEY)])
+    assert (user["name"], user["ssh_authorized_keys"]) == (CLOUD_SSH_USER, [public_key_of(SSH_KEY)])
     assert config["mounts"] == [
         [CACHE_MOUNT_TAG, CACHE_MOUNT_POINT, "virtiofs", "defaults,nofail", "0", "0"]
     ]
