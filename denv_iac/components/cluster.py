@@ -63,14 +63,14 @@ def _aws_site(
         "balancer_addresses": context["balancer_addresses"],
     }
     component = AwsSite(name, args, opts)
-    return SiteNodes(component.node_addresses, component.cache_devices)
+    return SiteNodes(component, component.node_addresses, component.cache_devices)
 
 
 def _existing_site(
     name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
 ) -> SiteNodes:
-    component = _EXISTING_NODE_SITES[site.kind]
-    return SiteNodes(component(name, {"nodes": context["nodes"]}, opts).node_addresses)
+    component = _EXISTING_NODE_SITES[site.kind](name, {"nodes": context["nodes"]}, opts)
+    return SiteNodes(component, component.node_addresses)
 
 
 SITE_BUILDERS: dict[str, SiteBuilder] = {
@@ -247,7 +247,6 @@ class Cluster(pulumi.ComponentResource):
                 "secrets": {f: v for (owner, f), v in self._secrets.items() if owner == site.name},
                 "balancer_addresses": hosts,
             }
-            before = set(self._childResources)
             nodes = SITE_BUILDERS[site.kind](
                 child_name(self._name, site.name),
                 site,
@@ -256,14 +255,11 @@ class Cluster(pulumi.ComponentResource):
             )
             addresses[site.name] = nodes.addresses
             if site.kind in SSH_SITE_KINDS:
-                # A builder gives back what its nodes are: its site component is its one new child.
-                (component,) = self._childResources - before
-                self._node_setups(component, site, context, nodes, node_specs)
+                self._node_setups(site, context, nodes, node_specs)
         return addresses
 
     def _node_setups(
         self,
-        site_component: pulumi.Resource,
         site: SiteSpec,
         context: SiteContext,
         nodes: SiteNodes,
@@ -284,7 +280,7 @@ class Cluster(pulumi.ComponentResource):
             NodeSetup(
                 child_name(self._name, site.name, node.name, "setup"),
                 args,
-                pulumi.ResourceOptions(parent=site_component),
+                pulumi.ResourceOptions(parent=nodes.component),
             )
 
     def _pool(

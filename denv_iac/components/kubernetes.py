@@ -125,4 +125,5 @@ def kubernetes_site(
         "kubeconfig": context["secrets"]["kubeconfig"],
         "balancer_addresses": context["balancer_addresses"],
     }
-    return SiteNodes(KubernetesSite(name, args, opts).node_addresses)
+    component = KubernetesSite(name, args, opts)
+    return SiteNodes(component, component.node_addresses)

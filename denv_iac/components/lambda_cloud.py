@@ -373,4 +373,5 @@ def lambda_site(
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "api_key": context["secrets"][API_KEY],
     }
-    return SiteNodes(LambdaSite(name, args, opts).node_addresses)
+    component = LambdaSite(name, args, opts)
+    return SiteNodes(component, component.node_addresses)

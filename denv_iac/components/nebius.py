@@ -222,4 +222,5 @@ def nebius_site(
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "balancer_addresses": context["balancer_addresses"],
     }
-    return SiteNodes(NebiusSite(name, args, opts).node_addresses)
+    component = NebiusSite(name, args, opts)
+    return SiteNodes(component, component.node_addresses)

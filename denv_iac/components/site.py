@@ -22,12 +22,13 @@ class SiteContext(TypedDict):
 
 @dataclass(frozen=True)
 class SiteNodes:
-    """What a site component gives back about its nodes, by node name."""
+    """A site's component, and what it gives back about its nodes, by node name."""
 
+    component: pulumi.Resource  # the parent of what is set up on the site's nodes
     addresses: pulumi.Output[dict[str, str]]
     # The block device of each node's own cache volume, where the site gives nodes one (AWS).
     cache_devices: pulumi.Output[dict[str, str]] | None = None
 
 
-# Makes a site's component (name, site, context, opts) and gives back what its nodes are.
+# Makes a site's component (name, site, context, opts) and gives it back with its nodes.
 SiteBuilder = Callable[[str, SiteSpec, SiteContext, pulumi.ResourceOptions], SiteNodes]
