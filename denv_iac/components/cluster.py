@@ -82,8 +82,6 @@ SITE_BUILDERS: dict[str, SiteBuilder] = {
     "local": _existing_site,
     "nebius": nebius_site,
 }
-# Sites that create machines with the site's SSH key: a bad key is refused before anything exists.
-KEYED_SITE_KINDS = CLOUD_SITE_KINDS
 
 
 class ClusterArgs(TypedDict):
@@ -124,7 +122,8 @@ def _key_problems(raw_sites: Sequence[Mapping[str, Any]], stack: StackSpec) -> l
     A key given as an Output (the stack program's) is only known later, when it is used.
     """
     hosts = {s for s in stack.balancer.sites if stack.site(s).kind in MACHINE_HOST_KINDS}
-    need_key = hosts | {site.name for site in stack.sites if site.kind in KEYED_SITE_KINDS}
+    # Sites that create machines with the site's key: a bad one is refused before any exists.
+    need_key = hosts | {site.name for site in stack.sites if site.kind in CLOUD_SITE_KINDS}
     problems = []
     for raw in raw_sites:
         value = raw.get("ssh_private_key", {}).get("secure")

@@ -8,7 +8,8 @@ import pulumi_hcloud
 import pytest
 
 from denv_iac.components import Cluster
-from denv_iac.components.cluster import KEYED_SITE_KINDS, SITE_BUILDERS
+from denv_iac.components.cluster import SITE_BUILDERS
+from denv_iac.components.node_setup import CLOUD_SITE_KINDS
 from denv_iac.components.secrets import public_key_of
 from denv_iac.spec.model import SITE_KINDS
 from denv_iac.spec.reader import StackError
@@ -251,7 +252,7 @@ def test_every_site_kind_has_a_component() -> None:
     assert sorted(SITE_BUILDERS) == sorted(SITE_KINDS)
 
 
-@pytest.mark.parametrize("kind", KEYED_SITE_KINDS)
+@pytest.mark.parametrize("kind", CLOUD_SITE_KINDS)
 def test_a_bad_ssh_key_on_a_site_that_creates_machines_is_refused_before_registering(
     kind: str,
 ) -> None:
