@@ -218,15 +218,11 @@ def _integers(value: Any) -> Any:
 
 
 def _node_spec(props: Mapping[str, Any]) -> NodeDeploySpec:
-    addresses = [str(a) for a in props.get("balancer_addresses") or ()]
-    device = props.get("cache_device")
-    return spec_from_json(
-        {
-            **_integers(props["node"]),
-            "balancer_addresses": sorted(addresses),
-            "cache_volume": {"device": device} if device else None,
-        }
-    )
+    node = {**_integers(props["node"])}
+    node["balancer_addresses"] = sorted(str(a) for a in props.get("balancer_addresses") or ())
+    if props.get("cache_device"):  # the site's volume, known once it exists; else the spec's own
+        node["cache_volume"] = {"device": props["cache_device"]}
+    return spec_from_json(node)
 
 
 class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
@@ -297,7 +293,8 @@ class NodeSetupArgs(TypedDict):
     ssh_private_key: pulumi.Input[str]  # kept a secret end to end
     node: NotRequired[NodeDeploySpec]  # a GPU node: what it runs
     balancer_addresses: NotRequired[pulumi.Input[Sequence[str]]]  # who may reach its replicas
-    # The node's own cache volume, a block device ("": none), mounted where `node` keeps caches.
+    # The node's own cache volume, a block device, mounted where `node` keeps caches ("": the
+    # spec's own `cache_volume`, if any).
     cache_device: NotRequired[pulumi.Input[str]]
     balancer: NotRequired[pulumi.Input[BalancerFiles]]  # a balancer host: what HAProxy serves
 

@@ -113,6 +113,16 @@ def test_a_cache_device_reaches_the_deploy_as_the_nodes_cache_volume() -> None:
     assert without.cache_volume is None
 
 
+def test_a_cache_volume_in_the_node_spec_is_kept_when_no_device_is_given() -> None:
+    recorder = Recorder()
+    own = CacheVolume("/dev/disk/by-label/models", "/srv/models")
+    NodeSetupProvider(recorder.runner()).create(
+        {**NODE, "node": spec_to_json(dataclasses.replace(SPEC, cache_volume=own))}
+    )
+    ((_, _, spec),) = recorder.calls
+    assert spec.cache_volume == own
+
+
 def test_aws_nodes_mount_their_ebs_cache_volume_where_their_caches_are() -> None:
     run = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
     volumes = {r.name: r.urn for r in run.of_type("aws:ebs/volume:Volume")}
