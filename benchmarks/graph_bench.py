@@ -1,60 +1,16 @@
 """The offline resource graph (`denv plan --resources`) at 10 sites x 100 replicas and at
 100 sites x 1,000 replicas: time per registration, and how the whole grows with the input.
 
-Joined sites, so that every node gets a NodeSetup: the large stack registers a thousand dynamic
-resources in one process, the load under which `pulumi.dynamic` used to exhaust the stack
-(see `denv_iac.components.dynamic_resource`).
+The placement benchmark's stack: joined sites, so that every node with a replica gets a
+NodeSetup, a dynamic resource (501 of them at the large size; see
+`denv_iac.components.dynamic_resource` for why that many once broke `pulumi.dynamic`).
 """
 
 import time
-from typing import Any
 
+from benchmarks.placement_bench import synthetic_config
 from denv_iac.preview import preview_stack
 from denv_iac.spec.reader import read_stack
-
-NODES_PER_SITE = 5
-GPUS_PER_NODE = 8
-REPLICAS_PER_POOL = 20
-SITES_PER_POOL = 10
-# A stack file's `secure:` value: ciphertext, an unknown secret offline.
-CIPHERTEXT = {"secure": "v1:YmVuY2htYXJrLWtleQ=="}
-
-
-def synthetic_config(sites: int, replicas: int) -> dict[str, Any]:
-    """`sites` joined sites of 5 nodes x 8 H100s; pools of 20 replicas over 10 sites each."""
-    names = [f"site-{i:03d}" for i in range(sites)]
-    return {
-        "denv:sites": [
-            {
-                "name": name,
-                "kind": "joined",
-                "admin_cidrs": ["198.51.100.0/24"],
-                "ssh_private_key": CIPHERTEXT,
-                "nodes": [
-                    {
-                        "name": f"n{j}",
-                        "address": f"10.{i // 250}.{i % 250}.{j + 1}",
-                        "gpu": "H100",
-                        "gpus": GPUS_PER_NODE,
-                    }
-                    for j in range(NODES_PER_SITE)
-                ],
-            }
-            for i, name in enumerate(names)
-        ],
-        "denv:recipes": [
-            {
-                "name": f"pool-{p:03d}",
-                "gpu": "whole",
-                "image": "ghcr.io/acme/voice:1.4",
-                "min_warm": REPLICAS_PER_POOL - 2,
-                "spare": 2,
-                "sites": [[names[(p + k) % sites]] for k in range(min(SITES_PER_POOL, sites))],
-            }
-            for p in range(replicas // REPLICAS_PER_POOL)
-        ],
-        "denv:balancer": {"sites": [names[0]]},
-    }
 
 
 def time_graph(sites: int, replicas: int) -> tuple[float, int]:

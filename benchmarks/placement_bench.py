@@ -2,37 +2,60 @@
 
 import statistics
 import time
+from typing import Any
 
 from denv_iac.placement import place_replicas
-from denv_iac.spec.model import BalancerSpec, NodeSpec, RecipeSpec, SiteSpec, StackSpec
+from denv_iac.spec.model import StackSpec
+from denv_iac.spec.reader import read_stack
 
+NODES_PER_SITE = 5
+GPUS_PER_NODE = 8
 REPLICAS_PER_POOL = 20
 SITES_PER_POOL = 10
+# A stack file's `secure:` value: ciphertext, an unknown secret offline.
+CIPHERTEXT = {"secure": "v1:YmVuY2htYXJrLWtleQ=="}
+
+
+def synthetic_config(sites: int, replicas: int) -> dict[str, Any]:
+    """A stack's `denv:` config: `sites` joined sites of 5 nodes x 8 H100s; pools of 20
+    replicas, each over 10 neighbouring sites, every fourth on MIG slices."""
+    names = [f"site-{i:03d}" for i in range(sites)]
+    return {
+        "denv:sites": [
+            {
+                "name": name,
+                "kind": "joined",
+                "admin_cidrs": ["198.51.100.0/24"],
+                "ssh_private_key": CIPHERTEXT,
+                "nodes": [
+                    {
+                        "name": f"n{j}",
+                        "address": f"10.{i // 250}.{i % 250}.{j + 1}",
+                        "gpu": "H100",
+                        "gpus": GPUS_PER_NODE,
+                    }
+                    for j in range(NODES_PER_SITE)
+                ],
+            }
+            for i, name in enumerate(names)
+        ],
+        "denv:recipes": [
+            {
+                "name": f"pool-{p:03d}",
+                "gpu": "whole" if p % 4 else "1g.10gb",
+                "image": "ghcr.io/acme/voice:1.4",
+                "min_warm": REPLICAS_PER_POOL - 2,
+                "spare": 2,
+                "sites": [[names[(p + k) % sites]] for k in range(min(SITES_PER_POOL, sites))],
+            }
+            for p in range(replicas // REPLICAS_PER_POOL)
+        ],
+        "denv:balancer": {"sites": [names[0]]},
+    }
 
 
 def synthetic_stack(sites: int, replicas: int) -> StackSpec:
-    """`sites` sites of 5 nodes x 8 H100s; pools of 20 replicas, each over 10 neighbouring sites."""
-    site_specs = tuple(
-        SiteSpec(
-            f"site-{i:03d}",
-            "joined",
-            nodes=tuple(NodeSpec(f"n{j}", "H100", 8, f"192.0.2.{j + 1}") for j in range(5)),
-        )
-        for i in range(sites)
-    )
-    recipes = tuple(
-        RecipeSpec(
-            name=f"pool-{p:03d}",
-            share="whole" if p % 4 else "1g.10gb",
-            tiers=tuple(
-                (site_specs[(p + k) % sites].name,) for k in range(min(SITES_PER_POOL, sites))
-            ),
-            min_warm=REPLICAS_PER_POOL - 2,
-            spare=2,
-        )
-        for p in range(replicas // REPLICAS_PER_POOL)
-    )
-    return StackSpec("bench", site_specs, recipes, BalancerSpec(sites=(site_specs[0].name,)))
+    return read_stack("bench", synthetic_config(sites, replicas))
 
 
 def time_placement(stack: StackSpec, rounds: int) -> float:
