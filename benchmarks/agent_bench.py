@@ -108,7 +108,11 @@ def _reply(address: tuple[str, int], replica_id: str) -> bytes:
 
 def _steady(agent: AgentProcess, ids: list[str]) -> None:
     """Every replica up, first probes and polls done."""
-    _wait(lambda: all(_reply(agent.agent_check, r) == b"up 100%\n" for r in ids), 20, "replicas up")
+    _wait(
+        lambda: all(_reply(agent.agent_check, r) == b"up ready 100%\n" for r in ids),
+        20,
+        "replicas up",
+    )
     time.sleep(2)
 
 

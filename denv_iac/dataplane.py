@@ -40,5 +40,13 @@ def balancer_pools(
                 )
             if servers:
                 tiers.append(BalancerTier((index + 1) * 10, sites, tuple(servers)))
-        pools.append(BalancerPool(recipe.name, tuple(tiers), recipe.session_affinity))
+        pools.append(
+            BalancerPool(
+                recipe.name,
+                tuple(tiers),
+                recipe.session_affinity,
+                recipe.first_token_timeout_ms,
+                recipe.stall_timeout_ms,
+            )
+        )
     return tuple(pools)

@@ -35,7 +35,9 @@ class Verdict:
     @property
     def reply(self) -> str:
         if self.state == "up":
-            return f"up {self.weight_pct}%"
+            # `ready` is what ends a DRAIN (or MAINT) that this agent set earlier: HAProxy
+            # leaves an agent-set drain only on that word, and `up` alone would keep it.
+            return f"up ready {self.weight_pct}%"
         return f"{self.state} #{clean_reason(self.reasons[0])}"
 
 

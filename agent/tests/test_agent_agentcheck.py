@@ -10,16 +10,16 @@ from denv_agent.agentcheck import MALFORMED, UNKNOWN, UNNAMED, AgentCheckServer,
 
 from agent.tests.agent_testkit import ask
 
-REPLIES = {"voice.local.node-a.0": b"up 100%\n", "voice.local.node-a.1": b"down #gpu lost\n"}
+REPLIES = {"voice.local.node-a.0": b"up ready 100%\n", "voice.local.node-a.1": b"down #gpu lost\n"}
 
 
 @pytest.mark.parametrize(
     ("request_bytes", "reply"),
     [
-        (b"voice.local.node-a.0\n", b"up 100%\n"),
+        (b"voice.local.node-a.0\n", b"up ready 100%\n"),
         (b"voice.local.node-a.1", b"down #gpu lost\n"),
         (b"voice.local.node-a.1\r\n", b"down #gpu lost\n"),
-        (b"  voice.local.node-a.0  \nextra", b"up 100%\n"),
+        (b"  voice.local.node-a.0  \nextra", b"up ready 100%\n"),
         (b"voice.local.node-a.9\n", UNKNOWN),
         (b"", UNNAMED),
         (b"\n", UNNAMED),
@@ -50,7 +50,7 @@ def test_known_id_is_answered_at_once_even_without_newline(server: AgentCheckSer
     with socket.create_connection(server.address, timeout=5) as s:
         started = time.monotonic()
         s.sendall(b"voice.local.node-a.0")
-        assert s.recv(100) == b"up 100%\n"
+        assert s.recv(100) == b"up ready 100%\n"
         assert time.monotonic() - started < 0.1
         assert s.recv(100) == b""  # and closed
 
@@ -78,7 +78,7 @@ def test_clients_that_vanish_do_not_hurt_the_server(server: AgentCheckServer) ->
             s.sendall(b"voice.local")
     silent = [socket.create_connection(server.address) for _ in range(50)]
     try:
-        assert ask(server.address, b"voice.local.node-a.0\n") == b"up 100%\n"
+        assert ask(server.address, b"voice.local.node-a.0\n") == b"up ready 100%\n"
     finally:
         for s in silent:
             s.close()

@@ -56,17 +56,17 @@ def test_simulated_agent_process_end_to_end(
         def check(rid: str = R0) -> bytes:
             return ask(agent.agent_check, f"{rid}\n".encode())
 
-        wait_for(check, b"up 100%\n")
+        wait_for(check, b"up ready 100%\n")
         url = agent.http_url
         assert cli.main(["drain", "--replica", R0, "--config", str(path), "--url", url]) == 0
         assert "drained replicas: voice.local.node-a.0" in capsys.readouterr().out
         assert check() == b"drain #operator\n"
         assert cli.main(["--config", str(path), "undrain", "--url", url]) == 0
-        assert check() == b"up 100%\n"
+        assert check() == b"up ready 100%\n"
         control.inject_fault(url, TOKEN, gpu=1, xid=79)
         wait_for(check, b"down #xid 79 gpu fell off the bus\n")
         assert cli.main(["clear-faults", "--config", str(path), "--url", url]) == 0
-        wait_for(lambda: check("voice.local.node-a.1"), b"up 100%\n")
+        wait_for(lambda: check("voice.local.node-a.1"), b"up ready 100%\n")
         assert agent.stop() == 0
     log = "".join(agent.lines)
     assert "simulating 2 gpu(s)" in log and "stopping" in log and "Traceback" not in log
@@ -167,7 +167,7 @@ def test_smoke_checks_pass_on_healthy_gpus_and_catch_bad_ones(
         doc = agent.healthz()
     assert smoke.check(doc, 2) == []
     text = smoke.table(doc)
-    assert "NVIDIA H100 80GB HBM3" in text and "registered" in text and "up 100%" in text
+    assert "NVIDIA H100 80GB HBM3" in text and "registered" in text and "up ready 100%" in text
     doc["gpus"][1].update(temperature_c=None, xid_events="failed: not supported", uuid="?")
     assert smoke.check(doc, 3) == [
         "/healthz lists 2 gpu(s), nvml counts 3",

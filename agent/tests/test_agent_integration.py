@@ -54,7 +54,9 @@ def fake() -> FakeNvml:
 @pytest.fixture
 def agent(config: AgentConfig, fake: FakeNvml) -> Iterator[Agent]:
     with running(config, fake, simulate=True) as agent:
-        wait_for(lambda: (reply(agent, R0), reply(agent, R1)), ("up 100%\n", "up 100%\n"))
+        wait_for(
+            lambda: (reply(agent, R0), reply(agent, R1)), ("up ready 100%\n", "up ready 100%\n")
+        )
         wait_for(lambda: agent.healthz()["gpus"][1]["xid_events"], "registered")
         yield agent
 
@@ -66,16 +68,16 @@ def _replies(agent: Agent) -> tuple[str, str]:
 @pytest.mark.parametrize(
     ("xid", "expected"),
     [
-        (13, ("up 100%\n", "up 100%\n")),
-        (94, ("up 100%\n", "up 100%\n")),
-        (63, ("drain #xid 63 row remap pending\n", "up 100%\n")),
-        (92, ("drain #xid 92 high single-bit ecc error rate\n", "up 100%\n")),
-        (48, ("down #xid 48 double-bit ecc error\n", "up 100%\n")),
-        (109, ("down #xid 109 context switch timeout\n", "up 100%\n")),
-        (146, ("down #xid 146\n", "up 100%\n")),
+        (13, ("up ready 100%\n", "up ready 100%\n")),
+        (94, ("up ready 100%\n", "up ready 100%\n")),
+        (63, ("drain #xid 63 row remap pending\n", "up ready 100%\n")),
+        (92, ("drain #xid 92 high single-bit ecc error rate\n", "up ready 100%\n")),
+        (48, ("down #xid 48 double-bit ecc error\n", "up ready 100%\n")),
+        (109, ("down #xid 109 context switch timeout\n", "up ready 100%\n")),
+        (146, ("down #xid 146\n", "up ready 100%\n")),
         (79, ("down #xid 79 gpu fell off the bus\n", "down #xid 79 gpu fell off the bus\n")),
         (160, ("down #xid 160\n", "down #xid 160\n")),
-        (999, ("up 100%\n", "up 100%\n")),
+        (999, ("up ready 100%\n", "up ready 100%\n")),
     ],
 )
 def test_each_xid_class_end_to_end(
@@ -103,12 +105,12 @@ def test_faults_are_sticky_until_an_operator_clears_them(agent: Agent, fake: Fak
     time.sleep(0.2)  # several polls of a now healthy GPU
     assert reply(agent, R1) == "down #xid 79 gpu fell off the bus\n"
     control.clear_faults(http_url(agent), TOKEN)
-    wait_for(lambda: _replies(agent), ("up 100%\n", "up 100%\n"))
+    wait_for(lambda: _replies(agent), ("up ready 100%\n", "up ready 100%\n"))
 
 
 def test_lost_gpu_takes_its_replicas_down(agent: Agent, fake: FakeNvml) -> None:
     fake.lose_gpu(1)
-    wait_for(lambda: _replies(agent), ("up 100%\n", "down #gpu lost\n"))
+    wait_for(lambda: _replies(agent), ("up ready 100%\n", "down #gpu lost\n"))
     assert "gpu lost" in agent.healthz()["gpus"][1]["reasons"]
 
 
@@ -116,19 +118,19 @@ def test_pending_remap_drains(agent: Agent, fake: FakeNvml) -> None:
     fake.set_pending_remap(0)
     wait_for(lambda: reply(agent, R0), "drain #pending row remap\n")
     fake.set_pending_remap(0, False)
-    wait_for(lambda: reply(agent, R0), "up 100%\n")
+    wait_for(lambda: reply(agent, R0), "up ready 100%\n")
 
 
 def test_throttling_and_heat_lower_the_weight(agent: Agent, fake: FakeNvml) -> None:
     fake.throttle(0, "hw_thermal")
-    wait_for(lambda: reply(agent, R0), "up 50%\n")
+    wait_for(lambda: reply(agent, R0), "up ready 50%\n")
     doc = agent.healthz()
     assert doc["gpus"][0]["throttle"] == ["hw_thermal"]
     assert "throttled: hw thermal" in doc["replicas"][0]["reasons"]
     fake.throttle(0)
     fake.apply({"gpu": 0, "temperature_c": 90})
     wait_for(lambda: agent.healthz()["replicas"][0]["reasons"], ["temperature 90c, limit 85c"])
-    assert reply(agent, R0) == "up 50%\n"
+    assert reply(agent, R0) == "up ready 50%\n"
 
 
 def test_mig_mode_change_takes_whole_gpu_replicas_down(agent: Agent, fake: FakeNvml) -> None:
@@ -147,9 +149,9 @@ def test_failing_replicas_go_down_after_three_failures(
 ) -> None:
     replicas[1].health = mode
     wait_for(lambda: reply(agent, R1), f"down #health check failed 3x: {reason}\n", timeout_s=8)
-    assert reply(agent, R0) == "up 100%\n"
+    assert reply(agent, R0) == "up ready 100%\n"
     replicas[1].health = "ok"
-    wait_for(lambda: reply(agent, R1), "up 100%\n", timeout_s=8)
+    wait_for(lambda: reply(agent, R1), "up ready 100%\n", timeout_s=8)
 
 
 def test_a_stopped_replica_is_refused(agent: Agent, replicas: list[ReplicaServer]) -> None:
@@ -161,18 +163,18 @@ def test_slow_first_token_lowers_the_weight(tmp_path: Path, replicas: list[Repli
     probe = {"ttft_budget_ms": 100, "probe_model": "voice", "probe_interval_s": 0.05}
     config = make_config(tmp_path, [replica(0, replicas[0].health_url, **probe)])
     with running(config, FakeNvml(1)) as agent:
-        wait_for(lambda: reply(agent, R0), "up 100%\n")
+        wait_for(lambda: reply(agent, R0), "up ready 100%\n")
         wait_for(
             lambda: agent.healthz()["replicas"][0]["health"]["ttft_ms"], lambda v: v is not None
         )
         replicas[0].ttft_s = 0.2
-        wait_for(lambda: reply(agent, R0), "up 50%\n")
+        wait_for(lambda: reply(agent, R0), "up ready 50%\n")
         reasons = agent.healthz()["replicas"][0]["reasons"]
         assert reasons[0].startswith("ttft ") and reasons[0].endswith(" ms over 100 ms budget")
         _, metrics = http_get(agent, "/metrics")
         assert b'denv_agent_probe_ttft_seconds_count{replica="voice.local.node-a.0"}' in metrics
         replicas[0].ttft_s = 0.0
-        wait_for(lambda: reply(agent, R0), "up 100%\n")
+        wait_for(lambda: reply(agent, R0), "up ready 100%\n")
 
 
 def _post(agent: Agent, path: str, body: object, token: str | None = TOKEN) -> tuple[int, object]:
@@ -193,7 +195,7 @@ def test_control_needs_the_token(agent: Agent, token: str | None) -> None:
         401,
         {"error": "missing or wrong control token"},
     )
-    assert _replies(agent) == ("up 100%\n", "up 100%\n")
+    assert _replies(agent) == ("up ready 100%\n", "up ready 100%\n")
 
 
 def test_control_refuses_bad_requests(agent: Agent) -> None:
@@ -209,11 +211,11 @@ def test_control_refuses_bad_requests(agent: Agent) -> None:
 
 def test_drain_survives_a_restart(config: AgentConfig) -> None:
     with running(config, FakeNvml(2)) as agent:
-        wait_for(lambda: reply(agent, R0), "up 100%\n")
+        wait_for(lambda: reply(agent, R0), "up ready 100%\n")
         control.drain(http_url(agent), TOKEN, R0)
-        assert _replies(agent) == ("drain #operator\n", "up 100%\n")
+        assert _replies(agent) == ("drain #operator\n", "up ready 100%\n")
     with running(config, FakeNvml(2)) as agent:
-        wait_for(lambda: reply(agent, R1), "up 100%\n")
+        wait_for(lambda: reply(agent, R1), "up ready 100%\n")
         assert reply(agent, R0) == "drain #operator\n"
         control.drain(http_url(agent), TOKEN)
         assert _replies(agent) == ("drain #operator\n", "drain #operator\n")
@@ -221,7 +223,7 @@ def test_drain_survives_a_restart(config: AgentConfig) -> None:
     with running(config, FakeNvml(2)) as agent:
         wait_for(lambda: reply(agent, R1), "drain #operator\n")
         control.undrain(http_url(agent), TOKEN)
-        assert _replies(agent) == ("up 100%\n", "up 100%\n")
+        assert _replies(agent) == ("up ready 100%\n", "up ready 100%\n")
     assert json.loads(config.state_file.read_text()) == {
         "node_drained": False,
         "drained_replicas": [],
@@ -242,10 +244,10 @@ def test_unwritable_state_file_refuses_the_drain(
     config = make_config(tmp_path, [replica(0, replicas[0].health_url)])
     config = dataclasses.replace(config, state_file=tmp_path / "blocker" / "state.json")
     with running(config, FakeNvml(1)) as agent:
-        wait_for(lambda: reply(agent, R0), "up 100%\n")
+        wait_for(lambda: reply(agent, R0), "up ready 100%\n")
         status, body = _post(agent, "/control/drain", {})
         assert status == 500 and "nothing changed" in str(body)
-        assert reply(agent, R0) == "up 100%\n"
+        assert reply(agent, R0) == "up ready 100%\n"
 
 
 def test_unreadable_state_file_drains_until_undrained(config: AgentConfig) -> None:
@@ -253,7 +255,7 @@ def test_unreadable_state_file_drains_until_undrained(config: AgentConfig) -> No
     with running(config, FakeNvml(2)) as agent:
         wait_for(lambda: reply(agent, R0), "drain #state file unreadable\n")
         control.undrain(http_url(agent), TOKEN)
-        wait_for(lambda: _replies(agent), ("up 100%\n", "up 100%\n"))
+        wait_for(lambda: _replies(agent), ("up ready 100%\n", "up ready 100%\n"))
 
 
 def test_simulate_endpoint_exists_only_in_simulate_mode(config: AgentConfig) -> None:
@@ -263,7 +265,7 @@ def test_simulate_endpoint_exists_only_in_simulate_mode(config: AgentConfig) -> 
 
 def test_inject_fault_helper_drives_the_simulated_gpus(agent: Agent) -> None:
     assert control.inject_fault(http_url(agent), TOKEN, gpu=1, xid=48) == {"ok": True}
-    wait_for(lambda: _replies(agent), ("up 100%\n", "down #xid 48 double-bit ecc error\n"))
+    wait_for(lambda: _replies(agent), ("up ready 100%\n", "down #xid 48 double-bit ecc error\n"))
     control.inject_fault(http_url(agent), TOKEN, gpu=0, remap_pending=True)
     wait_for(lambda: reply(agent, R0), "drain #pending row remap\n")
 
@@ -320,7 +322,7 @@ def test_nvml_errors_are_reasons_not_crashes(agent: Agent, fake: FakeNvml) -> No
     fake.fail_call("nvmlDeviceGetTemperature", "NVMLError_Unknown", gpu=0)
     fake.fail_call("nvmlEventSetWait_v2", "NVMLError_Unknown")
     wait_for(lambda: agent.healthz()["gpus"][0]["reasons"], ["nvml temperature: unknown error"])
-    assert _replies(agent) == ("up 100%\n", "up 100%\n")
+    assert _replies(agent) == ("up ready 100%\n", "up ready 100%\n")
 
 
 def test_replies_stay_fast_while_every_nvml_call_takes_a_second(
@@ -329,11 +331,11 @@ def test_replies_stay_fast_while_every_nvml_call_takes_a_second(
     fake = FakeNvml(2)
     fake.set_slowdown(1.0)  # from the start: even nvmlInit hangs
     with running(config, fake) as agent:
-        wait_for(lambda: _replies(agent), ("up 100%\n", "up 100%\n"))
+        wait_for(lambda: _replies(agent), ("up ready 100%\n", "up ready 100%\n"))
         latencies = []
         for n in range(300):
             started = time.perf_counter()
-            assert reply(agent, (R0, R1)[n % 2]) == "up 100%\n"
+            assert reply(agent, (R0, R1)[n % 2]) == "up ready 100%\n"
             latencies.append(time.perf_counter() - started)
         p99 = statistics.quantiles(latencies, n=100)[98]
         assert p99 < 0.050, f"p99 {p99 * 1000:.1f} ms"

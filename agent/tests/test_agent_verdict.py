@@ -22,10 +22,10 @@ NO_DRAINS = Drains()
 @pytest.mark.parametrize(
     ("found", "reply"),
     [
-        ([], "up 100%"),
-        ([conditions.note("hello")], "up 100%"),
-        ([conditions.weight("hot", 50), conditions.weight("slow", 30)], "up 30%"),
-        ([conditions.weight("odd", 0)], "up 1%"),
+        ([], "up ready 100%"),
+        ([conditions.note("hello")], "up ready 100%"),
+        ([conditions.weight("hot", 50), conditions.weight("slow", 30)], "up ready 30%"),
+        ([conditions.weight("odd", 0)], "up ready 1%"),
         ([conditions.weight("hot", 50), conditions.drain("operator")], "drain #operator"),
         ([conditions.drain("operator"), conditions.down("gpu lost")], "down #gpu lost"),
         ([conditions.down("first"), conditions.down("second")], "down #first"),
@@ -75,7 +75,7 @@ def test_gpu_faults_hit_only_that_gpus_replicas_node_faults_hit_all(tmp_path: Pa
     gpus = (GpuReading(0, polled_at=1.0), GpuReading(1, polled_at=1.0))
     gpu_fault = Faults(gpus={1: (conditions.down("xid 48 double-bit ecc error"),)})
     assert _replies(config, _view(*gpus, faults=gpu_fault)) == {
-        "r0": "up 100%",
+        "r0": "up ready 100%",
         "r1": "down #xid 48 double-bit ecc error",
     }
     node_fault = Faults(node=(conditions.down("xid 79 gpu fell off the bus"),))
@@ -89,7 +89,7 @@ def test_nvml_unavailable_takes_every_replica_down(tmp_path: Path) -> None:
     assert set(_replies(config, _view(state="unavailable", count=0)).values()) == {
         "down #nvml unavailable"
     }
-    assert set(_replies(config, _view(state="initializing", count=0)).values()) == {"up 100%"}
+    assert set(_replies(config, _view(state="initializing", count=0)).values()) == {"up ready 100%"}
 
 
 def test_a_gpu_nvml_does_not_see_is_down(tmp_path: Path) -> None:
@@ -101,7 +101,10 @@ def test_readings_turn_into_weights_and_drains(tmp_path: Path) -> None:
     config = _config(tmp_path, *WHOLE)
     hot = GpuReading(0, polled_at=1.0, temperature_c=90, throttle=("hw_thermal",))
     remap = GpuReading(1, polled_at=1.0, remap_pending=True)
-    assert _replies(config, _view(hot, remap)) == {"r0": "up 50%", "r1": "drain #pending row remap"}
+    assert _replies(config, _view(hot, remap)) == {
+        "r0": "up ready 50%",
+        "r1": "drain #pending row remap",
+    }
 
 
 MIG = {"id": "m", "health_url": "http://x/h", "mig_uuid": "MIG-1"}
@@ -120,7 +123,11 @@ MIG = {"id": "m", "health_url": "http://x/h", "mig_uuid": "MIG-1"}
             GpuReading(0, polled_at=1.0, mig_current=False, mig_pending=True),
             "drain #mig mode change pending on gpu 0",
         ),
-        (MIG, GpuReading(0, polled_at=1.0, mig_current=True, mig_devices=("MIG-1",)), "up 100%"),
+        (
+            MIG,
+            GpuReading(0, polled_at=1.0, mig_current=True, mig_devices=("MIG-1",)),
+            "up ready 100%",
+        ),
         (
             MIG,
             GpuReading(0, polled_at=1.0, mig_current=True, mig_devices=("MIG-2",)),
@@ -165,7 +172,7 @@ def test_drains_node_replica_and_unreadable_state(tmp_path: Path) -> None:
     config = _config(tmp_path, *WHOLE)
     view = _view(GpuReading(0, polled_at=1.0), GpuReading(1, polled_at=1.0))
     assert _replies(config, view, Drains(replicas=frozenset({"r1"}))) == {
-        "r0": "up 100%",
+        "r0": "up ready 100%",
         "r1": "drain #operator",
     }
     assert set(_replies(config, view, Drains(node=True)).values()) == {"drain #operator"}

@@ -74,7 +74,7 @@ def render_haproxy_config(
         _defaults_section(settings),
         *([_prometheus_frontend(settings)] if settings.prometheus_port is not None else []),
         _endpoint_frontend(ordered, settings, maps),
-        *(_tier_backend(pool, tier) for pool in ordered for tier in pool.tiers),
+        *(_tier_backend(pool, tier, settings) for pool in ordered for tier in pool.tiers),
         _no_replica_backend(),
     ]
     files = {POOLS_MAP: _pools_map(ordered)}
@@ -139,6 +139,7 @@ def _defaults_section(settings: BalancerSettings) -> str:
         "# what a replica that has just died costs the next request.",
         f"timeout connect {settings.connect_timeout_ms}ms",
         "# Inactivity timers: a stream may run for minutes as long as tokens keep coming.",
+        "# Each pool's backends bound the replica side far tighter (its silence budget).",
         f"timeout client {idle}",
         f"timeout server {idle}",
         "timeout http-request 10s",
@@ -252,7 +253,7 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
     return lines
 
 
-def _tier_backend(pool: BalancerPool, tier: BalancerTier) -> str:
+def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSettings) -> str:
     servers = sorted(tier.servers, key=lambda server: server.replica_id)
     if pool.session_affinity:
         lines = [
@@ -268,6 +269,7 @@ def _tier_backend(pool: BalancerPool, tier: BalancerTier) -> str:
             "# A farther tier: its handshakes need longer.",
             f"timeout connect {tier.connect_timeout_ms}ms",
         ]
+    lines += _silence_budget(pool, settings)
     lines.append("http-response set-header X-Denv-Replica %s")
     if servers:
         # Validation guarantees one health path per tier.
@@ -283,17 +285,50 @@ def _tier_backend(pool: BalancerPool, tier: BalancerTier) -> str:
     )
 
 
+def _silence_budget(pool: BalancerPool, settings: BalancerSettings) -> list[str]:
+    """`timeout server` is HAProxy's one inactivity timer of the replica side: it bounds the
+    wait for the first response byte (then `retry-on response-timeout` sends the request to
+    another replica) and every pause of a started stream (then the stream is cut)."""
+    first, stall = pool.first_token_timeout_ms, pool.stall_timeout_ms
+    if first == stall:
+        lines = [
+            f"# Silence budget: no response byte within {first} ms, the request is retried on",
+            "# another replica (nothing reached the client); a stream silent that long is cut,",
+            "# so its client hears the abort instead of waiting on a frozen replica.",
+        ]
+    else:
+        # 2.6 cannot change the timer once the response has started (no http-response
+        # set-timeout): the larger budget is the one that never cuts a healthy answer.
+        lines = [
+            f"# Silence budgets: {first} ms to the first response byte (then a retry on another",
+            f"# replica), {stall} ms between chunks of a stream (then it is cut). HAProxy keeps",
+            "# one inactivity timer per request, so both phases get the larger of the two.",
+        ]
+    lines += [
+        f"timeout server {max(first, stall)}ms",
+        "# An answer not asked for as a stream comes whole, at the end: it gets the long timer.",
+        f"http-request set-timeout server {settings.stream_idle_timeout_s}s"
+        " unless { req.body,json_query('$.stream') -m bool }",
+    ]
+    return lines
+
+
 def _default_server(settings: BalancerSettings) -> list[str]:
     inter = settings.check_inter_ms
+    fast = max(inter // 4, 1)
     return [
         "# Out of rotation fast: the node agent's verdict (GPU faults) every agent-inter; a",
         "# refused connect on live traffic at once (observe layer4); a failed health check",
-        "# confirmed at fastinter. Weight 100 so that the agent's percentages can scale it.",
+        "# confirmed at fastinter. Back fast too: a down server is checked at fastinter, so",
+        "# a replica that answers again is in rotation within two of them. Weight 100 so that",
+        "# the agent's percentages can scale it. A server marked down has its streams cut at",
+        "# once (a frozen replica's callers hear the abort now, not when a timer runs out).",
         "# A replica host name that does not resolve leaves that server out (init-addr none)",
         "# instead of failing the whole endpoint.",
-        f"default-server check inter {inter}ms fastinter {max(inter // 4, 1)}ms fall 2 rise 2"
-        f" agent-check agent-inter {settings.agent_inter_ms}ms weight 100"
-        " observe layer4 error-limit 1 on-error mark-down init-addr last,libc,none",
+        f"default-server check inter {inter}ms fastinter {fast}ms downinter {fast}ms"
+        f" fall 2 rise 2 agent-check agent-inter {settings.agent_inter_ms}ms weight 100"
+        " observe layer4 error-limit 1 on-error mark-down on-marked-down shutdown-sessions"
+        " init-addr last,libc,none",
     ]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
+
 
 @dataclass(frozen=True)
 class BalancerServer:
@@ -37,6 +39,10 @@ class BalancerPool:
     name: str
     tiers: tuple[BalancerTier, ...]
     session_affinity: bool = True  # consistent hash on X-Denv-Session
+    # The recipe's silence budgets: no response byte by the first, the request is retried
+    # elsewhere; a started stream silent for the second, it is cut.
+    first_token_timeout_ms: int = FIRST_TOKEN_TIMEOUT_MS
+    stall_timeout_ms: int = STALL_TIMEOUT_MS
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class BalancerSettings:
     # Also the wait before retrying a refused connect, i.e. what a replica that just died costs
     # the next request: keep it small, but above the round trip to every site.
     connect_timeout_ms: int = 80
+    # The timer of requests that do not ask for a stream (their answer comes whole, at the end),
+    # and of the client side of every stream.
     stream_idle_timeout_s: int = 300
     state_file: str | None = None  # server-state-file path
 

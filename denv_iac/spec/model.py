@@ -14,6 +14,10 @@ SITE_KINDS = (
 )
 Survive = Literal["node", "site"]
 WHOLE_GPU = "whole"
+# Silence budgets that fit voice: a turn whose replica has said nothing for a second is better
+# retried (before its first byte) or cut (after it) than left waiting on a frozen GPU process.
+FIRST_TOKEN_TIMEOUT_MS = 1000
+STALL_TIMEOUT_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ class RecipeSpec:
     health_path: str = "/health"
     cold_start_budget_s: int = 900
     ttft_budget_ms: int | None = None
+    # How long a request may wait for its first response byte before the balancer retries it on
+    # another replica, and how long a started stream may stay silent before it is cut.
+    first_token_timeout_ms: int = FIRST_TOKEN_TIMEOUT_MS
+    stall_timeout_ms: int = STALL_TIMEOUT_MS
     cache_dirs: tuple[str, ...] = ("/var/cache/denv/hf", "/var/cache/denv/compile")
     session_affinity: bool = True
     env: tuple[tuple[str, str], ...] = ()

@@ -9,7 +9,9 @@ from typing import Any
 from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
+    FIRST_TOKEN_TIMEOUT_MS,
     SITE_KINDS,
+    STALL_TIMEOUT_MS,
     WHOLE_GPU,
     BalancerSpec,
     DnsSpec,
@@ -223,6 +225,9 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
                 "use letters, digits and . _ : / -",
             )
     ttft_budget = f.integer("ttft_budget_ms", 0, 0, 600_000) or None
+    first_token_timeout = f.integer("first_token_timeout_ms", FIRST_TOKEN_TIMEOUT_MS, 50, 600_000)
+    stall_timeout = f.integer("stall_timeout_ms", STALL_TIMEOUT_MS, 50, 3_600_000)
+    _check_simulated_pace(f, simulate, stall_timeout)
     recipe = RecipeSpec(
         name=name,
         share=share,
@@ -238,6 +243,8 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         health_path=health_path,
         cold_start_budget_s=f.integer("cold_start_budget_s", 900, 10, 86400),
         ttft_budget_ms=ttft_budget,
+        first_token_timeout_ms=first_token_timeout,
+        stall_timeout_ms=stall_timeout,
         cache_dirs=f.text_list("cache_dirs") or RecipeSpec.cache_dirs,
         session_affinity=f.flag("session_affinity", True),
         env=f.string_map("env"),
@@ -248,6 +255,18 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
             f.problem("cache_dirs", f'"{cache_dir}" is not an absolute path; start it with /')
     f.finish()
     return recipe
+
+
+def _check_simulated_pace(f: Fields, simulate: SimulatedServer, stall_timeout_ms: int) -> None:
+    """A simulated replica slower than the stall budget would have every stream cut."""
+    gap_ms = max(simulate.ttft_ms, simulate.itl_ms)
+    if gap_ms >= stall_timeout_ms:
+        f.problem(
+            "simulate",
+            f"a {gap_ms} ms pause between tokens reaches stall_timeout_ms ({stall_timeout_ms}),"
+            " so the balancer would cut every stream; raise stall_timeout_ms or lower"
+            " simulate.ttft_ms / itl_ms",
+        )
 
 
 def _read_balancer(f: Fields) -> BalancerSpec:

@@ -103,10 +103,12 @@ def test_sections_come_in_a_stable_order() -> None:
             ),
             [
                 "agent-inter 150ms",
-                "inter 800ms fastinter 200ms fall 2 rise 2",
+                "inter 800ms fastinter 200ms downinter 200ms fall 2 rise 2",
                 "timeout connect 40ms",
                 "timeout client 60s\n",
                 "timeout server 60s\n",
+                "http-request set-timeout server 60s"
+                " unless { req.body,json_query('$.stream') -m bool }",
             ],
             [],
         ),
@@ -227,8 +229,43 @@ def test_server_lines_name_replicas_sorted_with_agent_send() -> None:
 def test_far_tier_gets_its_own_connect_timeout() -> None:
     assert "timeout connect 250ms" in section(render().haproxy_cfg, "backend voice.tier2")
     assert not any(
-        "timeout" in line for line in section(render().haproxy_cfg, "backend voice.tier1")
+        "timeout connect" in line for line in section(render().haproxy_cfg, "backend voice.tier1")
     )
+
+
+@pytest.mark.parametrize(
+    ("first_token_ms", "stall_ms", "timer"),
+    [(1000, 1000, "1000ms"), (800, 2500, "2500ms"), (3000, 1200, "3000ms")],
+)
+def test_each_pool_bounds_replica_silence_by_its_budgets(
+    first_token_ms: int, stall_ms: int, timer: str
+) -> None:
+    voice = dataclasses.replace(
+        VOICE, first_token_timeout_ms=first_token_ms, stall_timeout_ms=stall_ms
+    )
+    cfg = render((voice, LLM)).haproxy_cfg
+    for tier in voice.tiers:
+        lines = section(cfg, f"backend voice.tier{tier.priority}")
+        assert f"timeout server {timer}" in lines
+        # Unstreamed answers keep the endpoint's long timer.
+        assert (
+            "http-request set-timeout server 300s"
+            " unless { req.body,json_query('$.stream') -m bool }" in lines
+        )
+    assert "timeout server 1000ms" in section(cfg, "backend llm-8b.tier1")
+
+
+def test_a_server_marked_down_has_its_streams_cut_and_is_checked_at_fastinter() -> None:
+    (default_server,) = [
+        line for line in section(render().haproxy_cfg, "defaults") if "default-server" in line
+    ]
+    assert "on-marked-down shutdown-sessions" in default_server
+    assert "fastinter 250ms downinter 250ms" in default_server
+
+
+def test_a_silence_budget_must_be_positive() -> None:
+    with pytest.raises(BalancerConfigError, match=r"pools\[\d\]\.stall_timeout_ms"):
+        render((dataclasses.replace(VOICE, stall_timeout_ms=0), LLM))
 
 
 def test_server_ids_survive_adding_a_replica() -> None:

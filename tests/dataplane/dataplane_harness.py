@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from denv_agent.verdict import Verdict
 
 from denv_iac.balancer import (
     BalancerPool,
@@ -31,7 +32,8 @@ from denv_iac.balancer.files import write_config
 from denv_iac.balancer.runtime import HaproxyProcess, server_stats
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 
-AGENT_UP = "up 100%"
+# What the real agent says of a healthy replica.
+AGENT_UP = Verdict("up", 100, ()).reply
 # Latency of the simulated replicas unless a test asks otherwise; replica_id is set per replica.
 FAST_REPLICA = ReplicaSimConfig("template", ttft_ms=20, itl_ms=5, tokens=8)
 

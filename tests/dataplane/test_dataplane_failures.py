@@ -10,7 +10,7 @@ import pytest
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.local.replica_sim import ReplicaSimConfig
 
-from .dataplane_harness import Dataplane, StreamOutcome, stream_chat
+from .dataplane_harness import AGENT_UP, Dataplane, StreamOutcome, stream_chat
 
 VOICE_HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 VOICE_FALLBACK = "voice.fallback.n2.0"
@@ -144,7 +144,7 @@ def test_agent_down_takes_server_out_fast_and_up_brings_it_back(dataplane: Datap
         moved = {stream_chat(client, {"model": "voice"}, SESSION).replica for _ in range(4)}
     assert moved and victim not in moved
 
-    dataplane.agent.set_reply(victim, "up 100%")
+    dataplane.agent.set_reply(victim, AGENT_UP)
     dataplane.wait_until(lambda: dataplane.status()[victim] == "UP", 3, "agent up again")
     assert _replica_of_session(dataplane) == victim
 

@@ -1,0 +1,192 @@
+"""Silence and recovery through a real HAProxy: a frozen, hung or dripping replica costs a caller
+at most its pool's silence budget, and every fault that clears brings the replica back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
+
+from .dataplane_harness import AGENT_UP, Dataplane, SimulatedReplica, StreamOutcome, stream_chat
+
+SESSION = {"X-Denv-Session": "conversation-7"}
+# A stream long enough to be caught in flight: 40 tokens, 50 ms apart.
+LONG_STREAMS = ReplicaSimConfig("template", ttft_ms=20, itl_ms=50, tokens=40)
+# The harness's pools keep the recipe defaults.
+FIRST_TOKEN_S = FIRST_TOKEN_TIMEOUT_MS / 1000
+STALL_S = STALL_TIMEOUT_MS / 1000
+# What a caller may wait beyond a budget: HAProxy's timer wheel, a healthy replica's own first
+# token (20 ms) and two shared cores.
+SLACK_S = 0.1
+# After a fault clears, the replica must serve again within this.
+RECOVERY_S = 1.0
+
+
+@pytest.fixture
+def plane(start_dataplane: Callable[..., Dataplane]) -> Dataplane:
+    return start_dataplane(sim=LONG_STREAMS)
+
+
+def _session_replica(plane: Dataplane) -> SimulatedReplica:
+    with plane.client() as client:
+        outcome = stream_chat(client, {"model": "voice", "max_tokens": 1}, SESSION)
+    assert outcome.replica is not None
+    return plane.replicas[outcome.replica]
+
+
+class _Frozen:
+    """SIGSTOP, as a hung GPU process or a wedged engine looks from outside; thawed on exit."""
+
+    def __init__(self, replica: SimulatedReplica) -> None:
+        self.pid = replica.process.pid
+        assert self.pid is not None
+
+    def __enter__(self) -> float:
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGSTOP)
+        return time.monotonic()
+
+    def thaw(self) -> float:
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGCONT)
+        return time.monotonic()
+
+    def __exit__(self, *_: object) -> None:
+        self.thaw()
+
+
+class _BackgroundStream:
+    """A long stream running while the test injects its fault; `ended_at` is when it ended."""
+
+    def __init__(self, plane: Dataplane, headers: dict[str, str]) -> None:
+        self._outcome: list[StreamOutcome] = []
+        self._client = plane.client(timeout_s=30)
+        self._started = time.monotonic()
+        self._thread = threading.Thread(
+            target=lambda: self._outcome.append(
+                stream_chat(self._client, {"model": "voice"}, headers)
+            )
+        )
+        self._thread.start()
+        time.sleep(0.3)  # on its replica, a few tokens in
+
+    def result(self) -> tuple[StreamOutcome, float]:
+        self._thread.join(timeout=30)
+        self._client.close()
+        assert self._outcome, "the stream never ended"
+        outcome = self._outcome[0]
+        return outcome, self._started + outcome.elapsed_s
+
+
+def _back_in_rotation(plane: Dataplane, replica_id: str, since: float) -> float:
+    plane.wait_until(lambda: plane.status()[replica_id] == "UP", 5, f"{replica_id} back")
+    return time.monotonic() - since
+
+
+def test_frozen_replica_cuts_its_stream_retries_new_requests_and_comes_back(
+    plane: Dataplane,
+) -> None:
+    victim = _session_replica(plane)
+    stream = _BackgroundStream(plane, {**SESSION, "X-Request-Id": "in-flight"})
+    with _Frozen(victim) as frozen_at:
+        # Sticky requests of the same conversation, sent in the moments before mark-down.
+        with plane.client(timeout_s=30) as client:
+            turns = [
+                stream_chat(client, {"model": "voice"}, {**SESSION, "X-Request-Id": f"turn-{n}"})
+                for n in range(3)
+            ]
+        in_flight, ended_at = stream.result()
+        plane.wait_until(lambda: plane.status()[victim.replica_id].startswith("DOWN"), 3, "down")
+        thawed_at = time.monotonic()
+    back_s = _back_in_rotation(plane, victim.replica_id, thawed_at)
+
+    # The stream in flight: an abort, within the stall budget of its last token.
+    assert in_flight.replica == victim.replica_id
+    assert not in_flight.done and in_flight.error is not None
+    assert 0 < len(in_flight.chunks) < LONG_STREAMS.tokens
+    assert ended_at - frozen_at < STALL_S + SLACK_S
+    # Each new turn: served whole elsewhere, having waited at most the first-token budget.
+    for turn in turns:
+        assert (turn.status, turn.done, turn.error) == (200, True, None)
+        assert turn.replica != victim.replica_id
+        assert turn.first_token_s is not None
+        assert turn.first_token_s < FIRST_TOKEN_S + SLACK_S
+    # Nothing replayed: no turn and not the cut stream reached a second live replica.
+    for request_id in ("in-flight", "turn-0", "turn-1", "turn-2"):
+        others = [
+            r
+            for r in plane.replicas.values()
+            if r is not victim and r.stats()["by_request_id"].get(request_id)
+        ]
+        assert len(others) <= (0 if request_id == "in-flight" else 1)
+    assert back_s < RECOVERY_S
+    assert _session_replica(plane) is victim
+
+
+def test_replica_that_accepts_and_never_answers_costs_one_budget_then_recovers(
+    plane: Dataplane,
+) -> None:
+    victim = _session_replica(plane)
+    victim.fault("hang")
+    with plane.client(timeout_s=30) as client:
+        outcomes = [
+            stream_chat(client, {"model": "voice", "max_tokens": 2}, SESSION) for _ in range(3)
+        ]
+    for outcome in outcomes:
+        assert (outcome.status, outcome.done) == (200, True)
+        assert outcome.replica != victim.replica_id
+        assert outcome.first_token_s is not None
+        assert outcome.first_token_s < FIRST_TOKEN_S + SLACK_S
+    plane.wait_until(lambda: plane.status()[victim.replica_id].startswith("DOWN"), 5, "down")
+    victim.fault("none")
+    assert _back_in_rotation(plane, victim.replica_id, time.monotonic()) < RECOVERY_S
+
+
+def test_dripping_stream_is_cut_not_left_waiting(start_dataplane: Callable[..., Dataplane]) -> None:
+    # A token every 1.5 s: each pause is past the stall budget.
+    plane = start_dataplane(sim=ReplicaSimConfig("template", ttft_ms=20, itl_ms=1500, tokens=4))
+    with plane.client(timeout_s=30) as client:
+        outcome = stream_chat(client, {"model": "voice"}, {**SESSION, "X-Request-Id": "drip"})
+    assert not outcome.done and outcome.error is not None
+    assert len(outcome.chunks) == 1
+    assert outcome.elapsed_s < STALL_S + 0.3
+    assert sum(r.stats()["by_request_id"].get("drip", 0) for r in plane.replicas.values()) == 1
+
+
+def test_answer_not_streamed_keeps_the_long_timer(
+    start_dataplane: Callable[..., Dataplane],
+) -> None:
+    # The whole answer takes 2 s, twice the silence budget: no stream, so nothing to cut.
+    plane = start_dataplane(sim=LONG_STREAMS)
+    with plane.client(timeout_s=30) as client:
+        response = client.post("/v1/chat/completions", json={"model": "voice", "stream": False})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("verdict", ["drain #operator", "drain #xid 63 row remap pending"])
+def test_undrain_returns_the_replica_within_a_second(plane: Dataplane, verdict: str) -> None:
+    victim = _session_replica(plane)
+    plane.agent.set_reply(victim.replica_id, verdict)
+    plane.wait_until(lambda: plane.status()[victim.replica_id].startswith("DRAIN"), 2, "drain")
+    plane.agent.set_reply(victim.replica_id, AGENT_UP)
+    assert _back_in_rotation(plane, victim.replica_id, time.monotonic()) < RECOVERY_S
+    assert _session_replica(plane) is victim
+
+
+def test_up_without_ready_would_keep_the_drain(plane: Dataplane) -> None:
+    """Why the agent says `up ready`: HAProxy 2.6 ends an agent-set drain only on `ready`."""
+    victim = _session_replica(plane)
+    plane.agent.set_reply(victim.replica_id, "drain")
+    plane.wait_until(lambda: plane.status()[victim.replica_id].startswith("DRAIN"), 2, "drain")
+    plane.agent.set_reply(victim.replica_id, "up 100%")
+    time.sleep(1.0)  # five agent checks
+    assert plane.status()[victim.replica_id].startswith("DRAIN")
+    assert AGENT_UP.startswith("up ready")
