@@ -1,32 +1,85 @@
 """The `denv` command."""
 
 import hashlib
+import importlib
 import json
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from denv_iac.bench_cli import bench
 from denv_iac.console import fail, wide_console
-from denv_iac.local.cli import local
-from denv_iac.node.cli import node
-from denv_iac.plan import make_plan
-from denv_iac.plan_view import render_plan, render_resources
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import (
-    find_stacks_dir,
-    load_lock,
-    load_stack,
-    load_stack_config,
-    write_lock,
-)
-from denv_iac.status_cli import status
 
 if TYPE_CHECKING:
     from denv_iac.preview import PreviewResource
+    from denv_iac.spec.model import StackSpec
+
+# Each command's module is imported only when that command runs: together they pull in
+# matplotlib, pyinfra, httpx and rich, seconds of start-up that `denv --help` must not pay.
+# The summary is what `denv --help` lists; tests/test_cli_start.py checks it is the command's own.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "denv_iac.bench_cli:bench",
+        "Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind.",
+    ),
+    "local": (
+        "denv_iac.local.cli:local",
+        "Run a stack's whole data plane here: simulated GPUs, real agents, real HAProxy.",
+    ),
+    "node": (
+        "denv_iac.node.cli:node",
+        "Join, repair, drain and undrain GPU nodes (pyinfra over SSH, or @local / @chroot/PATH).",
+    ),
+    "status": (
+        "denv_iac.status_cli:status",
+        "Per pool, site and replica: state, weight, reason, active streams, last probe TTFT.",
+    ),
+}
+PACKAGES = ("denv-iac", "denv-agent")
+
+
+class LazyGroup(click.Group):
+    """A group that imports a subcommand's module when that subcommand is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            module, _, attr = LAZY_COMMANDS[cmd_name][0].partition(":")
+            self.add_command(getattr(importlib.import_module(module), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # The listing shows the declared summaries, so that help imports no command module.
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        commands = [
+            self.commands.get(name) or click.Command(name, help=LAZY_COMMANDS[name][1])
+            for name in names
+        ]
+        rows = [(c.name or "", c.get_short_help_str(limit)) for c in commands if not c.hidden]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _versions() -> str:
+    lines = []
+    for package in PACKAGES:
+        try:
+            lines.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            lines.append(f"{package} not installed")
+    return "\n".join(lines)
+
+
+def _print_versions(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(_versions())
+        ctx.exit()
+
 
 STACKS_DIR = click.option(
     "--stacks-dir",
@@ -35,8 +88,15 @@ STACKS_DIR = click.option(
 )
 
 
-@click.group()
-@click.version_option(package_name="denv-iac")
+@click.group(cls=LazyGroup)
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_versions,
+    help="Show denv-iac's and denv-agent's versions and exit.",
+)
 def main() -> None:
     """One cluster, one endpoint, warm GPU replicas across providers."""
 
@@ -69,6 +129,17 @@ def plan(
     show_resources: bool,
 ) -> None:
     """Show where every replica goes, the nodes to create and the warm cost, offline."""
+    from denv_iac.plan import make_plan
+    from denv_iac.plan_view import render_plan, render_resources
+    from denv_iac.spec.reader import StackError
+    from denv_iac.spec.stackfile import (
+        find_stacks_dir,
+        load_lock,
+        load_stack,
+        load_stack_config,
+        write_lock,
+    )
+
     try:
         folder = stacks_dir or find_stacks_dir()
         stack = load_stack(folder, stack_name)
@@ -99,7 +170,7 @@ def plan(
 
 
 def _preview(
-    stack: StackSpec, config: dict[str, Any], previous: list[str]
+    stack: "StackSpec", config: dict[str, Any], previous: list[str]
 ) -> "list[PreviewResource]":
     # Imported here: Pulumi and the provider SDKs take seconds to load, a plain plan none.
     from denv_iac.preview import preview_stack
@@ -119,9 +190,3 @@ def digest() -> None:
     if not secret:
         fail(['stdin: no API key given; pipe one in, e.g. `printf %s "$KEY" | denv key digest`'])
     click.echo(hashlib.sha256(secret.encode()).hexdigest())
-
-
-main.add_command(local)
-main.add_command(bench)
-main.add_command(node)
-main.add_command(status)

@@ -1,22 +1,22 @@
 """Console output shared by the commands."""
 
+from __future__ import annotations
+
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# rich is imported where output is drawn: `fail` and the CLI's start must not load it.
 
 
 def wide_console(stderr: bool = False) -> Console:
     """A console that never truncates ids when output goes to a file or a CI log."""
+    from rich.console import Console
+
     console = Console(stderr=stderr)
     return console if console.is_terminal else Console(stderr=stderr, width=160)
 
@@ -36,6 +36,15 @@ class StepProgress:
     """
 
     def __init__(self, what: str, quiet: bool = False) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
         self._quiet = quiet
         console = wide_console(stderr=True)
         self._progress = Progress(
@@ -51,7 +60,7 @@ class StepProgress:
         )
         self._task = self._progress.add_task(what, total=None)
 
-    def __enter__(self) -> "StepProgress":
+    def __enter__(self) -> StepProgress:
         self._progress.start()
         return self
 
