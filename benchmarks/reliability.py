@@ -1,11 +1,16 @@
 """`make reliability`: fault scenarios under load on the local data plane, counted.
 
-Each scenario starts a fresh local stack (two nodes, a voice pool on both), puts closed-loop
-streaming load on it, injects one fault a third of the way in, and counts: requests, lost
-(failed although an allowed healthy replica existed), aborted (streams cut because their replica
-died), replayed (a request seen by two replicas, or an aborted one seen by another live replica: the
-replicas' own request logs are the proof), p99 TTFT and detection (fault until HAProxy reports the
-faulty replica out of rotation: DOWN, DRAIN or MAINT). The link scenarios run two sites, each in
+Each scenario starts a fresh local stack (two nodes, a voice pool on both) under the local
+runner's supervisor, puts closed-loop streaming load on it, injects one fault a third of the way
+in, clears it two thirds of the way in (or lets it heal by itself: a supervised restart), and
+counts: requests, lost (failed although an allowed healthy replica existed), aborted (streams cut
+because their replica died, froze or went silent), replayed (an aborted stream that a replica
+received again: the replicas' own request logs are the proof), retried (resent before any byte
+reached the client: safe), hung (a caller left without a byte past the pool's first-token or
+stall budget, plus 100 ms), p99 TTFT, detection (fault until HAProxy reports the faulty replica
+out of rotation: DOWN, DRAIN or MAINT) and recovered (fault cleared until the pool is back at
+full strength: every server UP at full weight; from the fault itself for faults that heal by
+themselves). The link scenarios run two sites, each in
 a network namespace of its own with HAProxy and the client in another (denv_iac.local.netns),
 and fault the link. Traffic stays on 127.0.0.1 and inside those namespaces.
 """
@@ -19,19 +24,28 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from denv_agent.control import ControlFailed, clear_faults, drain, inject_fault, undrain
+from denv_agent.control import clear_faults, drain, inject_fault, undrain
 
 from denv_iac.balancer.runtime import server_stats
-from denv_iac.loadgen import LoadReport, run_load
-from denv_iac.local.demo import count_replayed, kill_replica, seen_by_replicas
+from denv_iac.loadgen import LoadReport, StreamResult, run_load
+from denv_iac.local.demo import count_replayed, count_retried, kill_replica, seen_by_replicas
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.local.runner import (
+    AGENT_MARK,
+    REPLICA_MARK,
+    LocalCluster,
+    RunState,
+    free_port,
+    ours,
+)
+from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "reliability.json"
@@ -82,14 +96,23 @@ FAULTY_IN_SITE = "voice.east.node-a.0"
 LOSS_PERCENT = 20
 SLOWER_MS = 150  # added round trip: half of it each way
 REPAIR_WAIT_S = 10.0  # the longest the repair waits for a drained node's streams
+DRIP_MS = 1500  # a token every 1.5 s: each pause past the stall budget
+# A caller waiting longer than this past a budget, with nothing, is hung: the timer wheel, the
+# healthy replica's own first token (30 ms) and two shared cores fit in it.
+HUNG_SLACK_MS = 100
+RECOVERY_LIMIT_S = 15.0
 RESULT_KEYS = (
     "scenario",
     "requests",
     "lost",
     "aborted",
     "replayed",
+    "retried",
+    "hung",
+    "worst_overshoot_ms",
     "p99_ttft_ms",
     "detection_ms",
+    "recovered_ms",
 )
 
 
@@ -100,8 +123,13 @@ class Outcome:
     lost: int
     aborted: int
     replayed: int
+    retried: int
+    hung: int
     p99_ttft_ms: float | None
     detection_ms: float | None
+    recovered_ms: float | None  # None: not back at full strength within RECOVERY_LIMIT_S
+    # The longest wait with nothing past its budget, of any request (negative: none went past).
+    worst_overshoot_ms: float
     # From the fault until the last stream stalled on the faulty replica ended at the client.
     streams_cut_ms: float | None = None
 
@@ -130,14 +158,63 @@ def gpu_falls_off_the_bus(cluster: LocalCluster, state: RunState) -> None:
     inject_fault(_agent_url(state, "local/node-a"), state.control_token, gpu=0, xid=79)
 
 
+def gpu_cleared(cluster: LocalCluster, state: RunState) -> None:
+    for node in ("local/node-a", "local/node-b"):
+        clear_faults(_agent_url(state, node), state.control_token)
+
+
 def agent_partitioned(cluster: LocalCluster, state: RunState) -> None:
     # A stopped agent still holds its port: HAProxy's agent checks time out, the replica is
     # fine, and an unreachable agent must not take it out of rotation.
     os.kill(state.agent_of("local/node-a").pid, signal.SIGSTOP)
 
 
+def agent_resumed(cluster: LocalCluster, state: RunState) -> None:
+    os.kill(state.agent_of("local/node-a").pid, signal.SIGCONT)
+
+
+def agent_killed(cluster: LocalCluster, state: RunState) -> None:
+    os.kill(state.agent_of("local/node-a").pid, signal.SIGKILL)
+
+
 def node_drained(cluster: LocalCluster, state: RunState) -> None:
     drain(_agent_url(state, "local/node-a"), state.control_token)
+
+
+def node_undrained(cluster: LocalCluster, state: RunState) -> None:
+    undrain(_agent_url(state, "local/node-a"), state.control_token)
+
+
+def _faulty_replica(state: RunState) -> str:
+    return next(r for r in state.replicas if r.id == FAULTY).url
+
+
+def replica_frozen(cluster: LocalCluster, state: RunState) -> None:
+    """SIGSTOP: how a hung GPU process or a wedged engine looks from outside."""
+    os.kill(next(r for r in state.replicas if r.id == FAULTY).pid, signal.SIGSTOP)
+
+
+def replica_thawed(cluster: LocalCluster, state: RunState) -> None:
+    os.kill(next(r for r in state.replicas if r.id == FAULTY).pid, signal.SIGCONT)
+
+
+def _replica_fault(state: RunState, mode: str, k: int = 0) -> None:
+    response = httpx.post(
+        f"{_faulty_replica(state)}/control/fault", json={"mode": mode, "k": k}, timeout=5
+    )
+    response.raise_for_status()
+
+
+def replica_hangs(cluster: LocalCluster, state: RunState) -> None:
+    _replica_fault(state, "hang")
+
+
+def replica_drips(cluster: LocalCluster, state: RunState) -> None:
+    _replica_fault(state, "drip", DRIP_MS)
+
+
+def replica_normal(cluster: LocalCluster, state: RunState) -> None:
+    _replica_fault(state, "none")
 
 
 def balancer_reloaded(cluster: LocalCluster, state: RunState) -> None:
@@ -146,8 +223,7 @@ def balancer_reloaded(cluster: LocalCluster, state: RunState) -> None:
 
 
 def replica_slowed(cluster: LocalCluster, state: RunState) -> None:
-    replica = next(r for r in state.replicas if r.id == FAULTY)
-    httpx.post(f"{replica.url}/control/fault", json={"mode": "slow", "k": 5}, timeout=5)
+    _replica_fault(state, "slow", 5)
 
 
 def balancer_lost(cluster: LocalCluster, state: RunState) -> None:
@@ -209,12 +285,13 @@ class Scenario:
     fault: Fault
     faulty: str | None  # the replica the fault takes out, for detection time
     healthy_left: bool  # whether an allowed healthy replica remains after the fault
+    # Clears the fault two thirds of the way in; None: it heals by itself (the supervisor
+    # restarts what died, a repair undrains), and recovery counts from the fault.
+    clear: Fault | None = None
     detect_within_ms: float = 500  # the target: GPU faults act at once, the probe every second
     second_balancer: bool = False  # a second HAProxy the client falls back to, as over DNS
     in_netns: bool = False  # SITES_STACK, each site in a network namespace
     slow_sites: tuple[str, ...] = ()  # sites HAProxy reaches through a delay proxy
-    # Undone before the replicas' logs are read.
-    undo: Fault | None = None
     # A link fault: streams to the replica behind the faulty link stall rather than end (cut
     # link), or may (lossy link: TCP's retransmission backoff). A failed request that this
     # replica's own log shows it received, and no other, is one of those: aborted, not lost.
@@ -224,22 +301,37 @@ class Scenario:
 
 SCENARIOS = (
     Scenario("replica dies mid-stream", replica_dies, FAULTY, True),
-    Scenario("gpu xid 79 under load", gpu_falls_off_the_bus, FAULTY, True),
-    Scenario("agent partitioned, replica fine", agent_partitioned, None, True),
-    Scenario("node drained under load", node_drained, FAULTY, True),
+    Scenario("gpu xid 79 under load", gpu_falls_off_the_bus, FAULTY, True, gpu_cleared),
+    Scenario("agent partitioned, replica fine", agent_partitioned, None, True, agent_resumed),
+    Scenario("agent killed and restarted", agent_killed, None, True),
+    Scenario("node drained and undrained", node_drained, FAULTY, True, node_undrained),
     Scenario("balancer reload with a config change", balancer_reloaded, None, True),
-    Scenario("replica 5x slower to first token", replica_slowed, FAULTY, True, 2500),
-    Scenario("one of two balancers lost", balancer_lost, None, True, second_balancer=True),
-    Scenario("every listed site down", every_site_down, None, False),
     Scenario(
-        "site partitioned (link down)",
+        "replica 5x slower to first token", replica_slowed, FAULTY, True, replica_normal, 2500
+    ),
+    Scenario("balancer killed, second takes over", balancer_lost, None, True, second_balancer=True),
+    Scenario("every listed site down", every_site_down, None, False, gpu_cleared),
+    # Health checks time out (1 s each, two of them): a frozen process refuses nothing.
+    Scenario("replica frozen", replica_frozen, FAULTY, True, replica_thawed, 2500),
+    Scenario("replica accepts, never answers", replica_hangs, FAULTY, True, replica_normal, 2500),
+    # Streams are cut by the stall budget; the agent's first-token probe lowers the weight.
+    Scenario(
+        f"replica drips a token every {DRIP_MS} ms",
+        replica_drips,
+        FAULTY,
+        True,
+        replica_normal,
+        2500,
+    ),
+    Scenario(
+        "site partitioned, then healed",
         site_partitioned,
         FAULTY_IN_SITE,
         True,
+        site_link_restored,
         # Health checks find a silent link: a refused connect is never seen.
         detect_within_ms=1500,
         in_netns=True,
-        undo=site_link_restored,
         stalls_on=FAULTY_IN_SITE,
     ),
     Scenario(
@@ -247,30 +339,25 @@ SCENARIOS = (
         site_lossy_and_slow,
         None,
         True,
+        site_link_restored,
         in_netns=True,
         slow_sites=(FAULTY_SITE,),
-        undo=site_link_restored,
         stalls_on=FAULTY_IN_SITE,
     ),
     Scenario("node repaired under load", node_repaired, FAULTY, True, aborted_allowed=False),
 )
-PARTITION = "site partitioned (link down)"
+PARTITION = "site partitioned, then healed"
 FAST = (
     "replica dies mid-stream",
     "gpu xid 79 under load",
+    "agent killed and restarted",
+    "node drained and undrained",
     "replica 5x slower to first token",
-    "one of two balancers lost",
+    "balancer killed, second takes over",
     "every listed site down",
+    "replica frozen",
+    "replica accepts, never answers",
 )
-
-
-def _resume_node_a(cluster: LocalCluster, state: RunState) -> None:
-    agent = state.agent_of("local/node-a")
-    try:
-        os.kill(agent.pid, signal.SIGCONT)
-        undrain(_agent_url(state, "local/node-a"), state.control_token)
-    except (OSError, ControlFailed):  # the agent went with the scenario: nothing to undo
-        pass
 
 
 async def _load_with_fault(
@@ -279,12 +366,14 @@ async def _load_with_fault(
     scenario: Scenario,
     concurrency: int,
     duration_s: float,
-) -> tuple[LoadReport, float | None]:
-    at = duration_s / 3
+) -> tuple[LoadReport, float | None, float | None]:
+    """The load, with the fault a third of the way in and its clearing two thirds in;
+    returns the report, detection and recovery seconds."""
     out_after: list[float] = []
+    recovered_after: list[float | None] = []
 
     async def fault() -> None:
-        await asyncio.sleep(at)
+        await asyncio.sleep(duration_s / 3)
         since = time.perf_counter()
         acting = asyncio.create_task(asyncio.to_thread(scenario.fault, cluster, state))
         if scenario.faulty is not None:
@@ -293,6 +382,11 @@ async def _load_with_fault(
                 await asyncio.to_thread(_wait_out_of_rotation, state, scenario.faulty, since)
             )
         await acting
+        if scenario.clear is not None:
+            await asyncio.sleep(max(0.0, since + duration_s / 3 - time.perf_counter()))
+            since = time.perf_counter()
+            await asyncio.to_thread(scenario.clear, cluster, state)
+        recovered_after.append(await asyncio.to_thread(_wait_full_strength, state, since))
 
     fallback = (cluster.add_balancer()[0],) if scenario.second_balancer else ()
     task = asyncio.create_task(fault())
@@ -306,7 +400,7 @@ async def _load_with_fault(
         fallback_urls=fallback,
     )
     await task
-    return report, (out_after[0] if out_after else None)
+    return report, (out_after[0] if out_after else None), recovered_after[0]
 
 
 def _wait_out_of_rotation(
@@ -314,12 +408,39 @@ def _wait_out_of_rotation(
 ) -> float:
     """Seconds from the fault until HAProxy stops giving the faulty replica new requests."""
     while time.perf_counter() - since < limit_s:
-        row = server_stats(Path(state.admin_socket)).get(replica_id, {})
+        row = _stats(state).get(replica_id, {})
         # Out (DOWN, DRAIN, MAINT), or still up at a lowered weight (a slow replica).
         if not row.get("status", "").startswith("UP") or int(row.get("weight") or 0) < 100:
             break
         time.sleep(0.005)
     return time.perf_counter() - since
+
+
+def _stats(state: RunState) -> dict[str, dict[str, str]]:
+    """HAProxy's servers; none while the balancer is down (it is being restarted)."""
+    try:
+        return server_stats(Path(state.admin_socket))
+    except OSError:
+        return {}
+
+
+def at_full_strength(state: RunState) -> bool:
+    """Every replica UP at full weight in the balancer, its process and its agent running."""
+    rows = _stats(state)
+    return (
+        len(rows) == len(state.replicas)
+        and all(row["status"] == "UP" and row["weight"] == "100" for row in rows.values())
+        and all(ours(r.pid, REPLICA_MARK) for r in state.replicas)
+        and all(ours(a.pid, AGENT_MARK) for a in state.agents)
+    )
+
+
+def _wait_full_strength(state: RunState, since: float) -> float | None:
+    while time.perf_counter() - since < RECOVERY_LIMIT_S:
+        if at_full_strength(state):
+            return time.perf_counter() - since
+        time.sleep(0.01)
+    return None
 
 
 def run_scenario(scenario: Scenario, concurrency: int, duration_s: float) -> Outcome:
@@ -343,19 +464,38 @@ def _measure(
     state = cluster.state
     assert state is not None
     time.sleep(0.5)  # first agent verdicts in
+    stop = threading.Event()
+    restarts: list[str] = []
+    supervisor = threading.Thread(target=cluster.supervise_until, args=(stop, restarts.append))
+    supervisor.start()
     try:
-        report, out_s = asyncio.run(
+        report, out_s, recovered_s = asyncio.run(
             _load_with_fault(cluster, state, scenario, concurrency, duration_s)
         )
     finally:
-        (scenario.undo or _resume_node_a)(cluster, state)
-    return _count(scenario, report, out_s, seen_by_replicas(state), duration_s / 3)
+        stop.set()
+        supervisor.join()
+    return _count(scenario, report, out_s, recovered_s, seen_by_replicas(state), duration_s / 3)
+
+
+def _overshoot_ms(result: StreamResult) -> float:
+    """How far past its budget the caller's longest wait with nothing went (negative: within
+    it): before the first token (or the answer, when no token came), between two tokens, or
+    after the last one of a cut stream."""
+    first_ms = result.ttft_ms if result.ttft_ms is not None else result.total_ms
+    waits = [first_ms - FIRST_TOKEN_TIMEOUT_MS]
+    waits += [gap - STALL_TIMEOUT_MS for gap in result.gaps_ms]
+    if result.ttft_ms is not None and result.error:
+        last_token_ms = result.ttft_ms + sum(result.gaps_ms)
+        waits.append(result.total_ms - last_token_ms - STALL_TIMEOUT_MS)
+    return max(waits)
 
 
 def _count(
     scenario: Scenario,
     report: LoadReport,
     out_s: float | None,
+    recovered_s: float | None,
     seen: dict[str, list[str]],
     fault_s: float,
 ) -> Outcome:
@@ -370,25 +510,32 @@ def _count(
     if scenario.healthy_left:
         lost = len(failed)
     else:
-        # Nothing healthy is left: a clean 503 is the right answer; anything else (a hang, a
-        # timeout, another error) counts as lost. Under full load on two shared cores a 503
-        # was seen to take up to 2.5 s end to end, hence the bound.
-        late = [r for r in results if r.started_s > fault_s + 1.0]
+        # Nothing healthy is left until the fault clears: a clean 503 is the right answer;
+        # anything else (a hang, a timeout, another error) counts as lost. Under full load on
+        # two shared cores a 503 was seen to take up to 2.5 s end to end, hence the bound.
+        late = [r for r in results if r.started_s > fault_s + 1.0 and r.error]
         lost = sum(1 for r in late if r.error != "http_503" or r.total_ms >= HANG_MS)
-    replayed = count_replayed(results, seen)
-    detection = None if out_s is None else round(out_s * 1000, 1)
     ends = [r.started_s + r.total_ms / 1000 for r in results if r.request_id in stalled]
     cut = round((max(ends) - fault_s) * 1000, 1) if ends else None
+    overshoots = [_overshoot_ms(r) for r in results]
     return Outcome(
         scenario.name,
         len(results),
         lost,
         len(aborted),
-        replayed,
+        count_replayed(results, seen),
+        count_retried(results, seen),
+        sum(1 for overshoot in overshoots if overshoot > HUNG_SLACK_MS),
         report.ttft_ms(99),
-        detection,
+        _ms(out_s),
+        _ms(recovered_s),
+        round(max(overshoots, default=0.0), 1),
         cut,
     )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
 
 
 def run_all(
@@ -408,8 +555,10 @@ def run_all(
         cut = "" if outcome.streams_cut_ms is None else f" streams_cut_ms={outcome.streams_cut_ms}"
         say(
             f"{outcome.scenario:42} requests={outcome.requests:6} lost={outcome.lost} "
-            f"aborted={outcome.aborted} replayed={outcome.replayed} "
-            f"p99_ttft_ms={outcome.p99_ttft_ms} detection_ms={outcome.detection_ms}{cut}"
+            f"aborted={outcome.aborted} replayed={outcome.replayed} retried={outcome.retried} "
+            f"hung={outcome.hung} worst_overshoot_ms={outcome.worst_overshoot_ms} "
+            f"p99_ttft_ms={outcome.p99_ttft_ms} "
+            f"detection_ms={outcome.detection_ms} recovered_ms={outcome.recovered_ms}{cut}"
         )
         outcomes.append(outcome)
     return outcomes
@@ -425,7 +574,15 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps([o.row() for o in outcomes], indent=2) + "\n")
     allowed = {s.name: s.aborted_allowed for s in SCENARIOS}
-    bad = [o for o in outcomes if o.lost or o.replayed or (o.aborted and not allowed[o.scenario])]
+    bad = [
+        o
+        for o in outcomes
+        if o.lost
+        or o.replayed
+        or o.hung
+        or o.recovered_ms is None
+        or (o.aborted and not allowed[o.scenario])
+    ]
     return 1 if bad else 0
 
 

@@ -21,6 +21,11 @@ from denv_iac.spec.model import StackSpec
 AGENT_TIMEOUT_S = 1.0
 STATS_TIMEOUT_S = 5.0
 AGENT_UNREACHABLE = "agent unreachable"
+# HAProxy's `agent_status` of a server whose agent answered its last check (L7OK for `up`,
+# L7STS for `down`), has not been asked yet (INI, just after a start or reload) or has none
+# (""); anything else (L4CON refused, L4TOUT timed out, L7RSP a reply it could not read) means
+# the balancer cannot hear the agent.
+AGENT_ANSWERED = ("L7OK", "L7STS", "INI", "")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,10 @@ class ReplicaStatus:
     streams: int
     reason: str  # the agent's or the health check's last word; "" when there is nothing to say
     probe_ttft_ms: float | None = None  # the agent's last first-token probe, when it runs one
+    # Whether the balancer heard the node agent at its last agent check. An agent it cannot
+    # hear fails open: the replica stays in rotation on its health checks alone, its GPU
+    # faults unseen, so this is reported as a failure, never as a routing change.
+    agent_heard: bool = True
 
     @property
     def healthy(self) -> bool:
@@ -95,6 +104,7 @@ def replica_statuses(rows: Mapping[str, Mapping[str, str]]) -> list[ReplicaStatu
                 weight=int(row.get("weight") or 0),
                 streams=int(row.get("scur") or 0),
                 reason=haproxy_reason(row),
+                agent_heard=row.get("agent_status", "") in AGENT_ANSWERED,
             )
         )
     return statuses
@@ -137,6 +147,29 @@ def pool_statuses(stack: StackSpec | None, replicas: Sequence[ReplicaStatus]) ->
         PoolStatus(pool, sum(1 for r in replicas if r.pool == pool and r.healthy), min_warm)
         for pool, min_warm in wanted.items()
     ]
+
+
+def problems(
+    pools: Sequence[PoolStatus], replicas: Sequence[ReplicaStatus], agents: Sequence[AgentHealth]
+) -> list[str]:
+    """One line per failure that must alert: a pool short of min_warm, an agent that neither
+    answers us nor the balancer. Empty when all is well."""
+    lines = [
+        f"pool {p.pool}: {p.healthy} healthy, below min_warm {p.min_warm}"
+        for p in pools
+        if not p.ok
+    ]
+    unreachable = {a.node: f"at {a.url}: {a.error}" for a in agents if not a.reachable}
+    for replica in replicas:
+        node = f"{replica.site}/{replica.node}"
+        if not replica.agent_heard and node not in unreachable:
+            unreachable[node] = "not heard by the balancer's agent checks"
+    lines += [
+        f"agent of {node} {why}: its GPU faults go unseen, its replicas are routed on health"
+        " checks alone"
+        for node, why in sorted(unreachable.items())
+    ]
+    return lines
 
 
 async def _read_agent(client: httpx.AsyncClient, endpoint: AgentEndpoint) -> AgentHealth:

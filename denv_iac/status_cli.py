@@ -1,7 +1,8 @@
 """The `denv status` command: one table per pool, by site and replica, and a verdict per pool.
 
-Exit status: 0 when every pool has at least min_warm healthy replicas, 1 when one has fewer,
-2 for bad input (unknown stack, stack not running, unreadable admin socket).
+Exit status: 0 when all is well; 1 when a pool has fewer healthy replicas than its min_warm, a
+node agent cannot be heard or the balancer of a local run is dead (one line each); 2 for bad
+input (unknown stack, stack not running, an admin socket or endpoint that cannot be read).
 """
 
 import json
@@ -15,7 +16,7 @@ from rich.table import Table
 
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.console import fail, wide_console
-from denv_iac.local.runner import HOST, RunState, run_dir
+from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, run_dir
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import find_stacks_dir, load_stack
@@ -26,6 +27,7 @@ from denv_iac.status import (
     ReplicaStatus,
     StatsUnreadable,
     pool_statuses,
+    problems,
     read_agents,
     read_remote_stats,
     replica_statuses,
@@ -75,7 +77,18 @@ def _sources(
     return stack, state, admin_socket
 
 
-def _server_rows(socket_path: Path | None, endpoint: str | None) -> dict[str, dict[str, str]]:
+def _server_rows(
+    socket_path: Path | None, endpoint: str | None, state: RunState | None
+) -> dict[str, dict[str, str]]:
+    if state is not None and not ours(state.haproxy_pid, HAPROXY_MARK):
+        # A failure of the running stack, not bad input: exit 1, as for any other failure.
+        fail(
+            [
+                f"balancer of {state.stack} (pid {state.haproxy_pid}) is not running: the "
+                f"endpoint {state.endpoint} is down; a foreground `denv local up` restarts it"
+            ],
+            code=1,
+        )
     if endpoint is not None:
         try:
             return read_remote_stats(endpoint)
@@ -136,11 +149,11 @@ def _render(
             console.print(_pool_table(pool, mine))
         else:
             console.print(_pool_line(pool) + " (no replica in the balancer)", highlight=False)
-    for agent in agents:
-        if not agent.reachable:
-            console.print(f"agent of {agent.node} at {agent.url}: {agent.error}", highlight=False)
     for pool in pools:
         console.print(_pool_line(pool), highlight=False)
+    for line in problems(pools, replicas, agents):
+        if line.startswith("agent"):
+            console.print(f"FAILED {line}", highlight=False)
 
 
 @click.command()
@@ -167,17 +180,19 @@ def status(
 ) -> None:
     """Per pool, site and replica: state, weight, reason, active streams, last probe TTFT.
 
-    Exits 1 when a pool has fewer healthy replicas than its min_warm, 2 for bad input.
+    Exits 1 when a pool has fewer healthy replicas than its min_warm, a node agent cannot be
+    heard or the local balancer is dead; 2 for bad input.
     """
     if endpoint is not None and admin_socket is not None:
         fail(["--endpoint and --admin-socket name two balancers; pass one of them"])
     if endpoint is not None and not endpoint.startswith(("http://", "https://")):
         fail([f"--endpoint: {endpoint!r} is not an http(s) URL; e.g. {EXAMPLE}"])
     stack, state, socket_path = _sources(stack_name, admin_socket, remote=endpoint is not None)
-    rows = _server_rows(socket_path, endpoint)
+    rows = _server_rows(socket_path, endpoint, state)
     agents = read_agents(_agent_endpoints(state))
     replicas = with_agent_health(replica_statuses(rows), agents)
     pools = pool_statuses(stack, replicas)
+    failures = problems(pools, replicas, agents)
     if state is not None:
         endpoint = state.endpoint
     if as_json:
@@ -190,6 +205,8 @@ def status(
                 {"node": a.node, "url": a.url, "reachable": a.reachable, "error": a.error}
                 for a in agents
             ],
+            "ok": not failures,
+            "problems": failures,
         }
         click.echo(json.dumps(document, indent=2))
     else:
@@ -198,4 +215,4 @@ def status(
             where += " (remote: node agents are not read)"
         title = f"Stack {stack.name}{where}" if stack is not None else f"Balancer{where}"
         _render(wide_console(), title, pools, replicas, agents)
-    sys.exit(0 if all(p.ok for p in pools) else 1)
+    sys.exit(1 if failures else 0)

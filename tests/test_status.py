@@ -245,6 +245,41 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     assert not agents["local/n1"]["reachable"] and agents["local/n0"]["reachable"]
     replicas = {r["id"]: r for r in json.loads(result.output)["replicas"]}
     assert AGENT_UNREACHABLE in replicas["voice.local.n1.0"]["reason"]
+    # Failing open is never silent: the command fails, one line for the agent.
+    assert result.exit_code == 1
+    (line,) = json.loads(result.output)["problems"]
+    assert line.startswith("agent of local/n1 at http://127.0.0.1:")
+    assert line.endswith(
+        ": connection refused: its GPU faults go unseen, its replicas are routed on health"
+        " checks alone"
+    )
+    # Through the balancer's stats page (no agent is asked), its agent checks say the same.
+    deadline = time.monotonic() + 5
+    while (
+        "FAILED agent of local/n1"
+        not in (remote := status("--stack", "t", "--endpoint", metrics_address(state))).output
+    ):
+        assert time.monotonic() < deadline, remote.output
+        time.sleep(0.1)
+    assert remote.exit_code == 1
+    assert "FAILED agent of local/n1 not heard by the balancer's agent checks" in remote.output
+    assert "local/n0" not in remote.output.split("FAILED", 1)[1]
+
+
+@needs_haproxy
+def test_a_dead_balancer_fails_the_status_with_one_line(running: LocalCluster) -> None:
+    state = running.state
+    assert state is not None
+    wait_for_healthy(2)
+    os.killpg(state.haproxy_pid, signal.SIGKILL)
+    while ours(state.haproxy_pid, "haproxy"):
+        time.sleep(0.02)
+    result = status("--stack", "t")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"error: balancer of t (pid {state.haproxy_pid}) is not running: the endpoint "
+        f"{state.endpoint} is down; a foreground `denv local up` restarts it\n"
+    )
 
 
 def metrics_address(state: RunState) -> str:

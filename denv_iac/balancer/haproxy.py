@@ -144,6 +144,9 @@ def _defaults_section(settings: BalancerSettings) -> str:
         f"timeout server {idle}",
         "timeout http-request 10s",
         "timeout http-keep-alive 10s",
+        "# A health check that hangs fails here, not at `inter`: a hung replica is out sooner,",
+        "# and one that answers again is not kept out by a check still waiting on it.",
+        f"timeout check {settings.check_timeout_ms}ms",
         "# Reuse idle replica connections from the first request on: a fresh connect would add",
         "# a round trip to time to first token. A reused connection found closed is retried at",
         "# once (conn-failure, empty-response).",
@@ -321,14 +324,13 @@ def _default_server(settings: BalancerSettings) -> list[str]:
         "# refused connect on live traffic at once (observe layer4); a failed health check",
         "# confirmed at fastinter. Back fast too: a down server is checked at fastinter, so",
         "# a replica that answers again is in rotation within two of them. Weight 100 so that",
-        "# the agent's percentages can scale it. A server marked down has its streams cut at",
-        "# once (a frozen replica's callers hear the abort now, not when a timer runs out).",
+        "# the agent's percentages can scale it. No on-marked-down shutdown-sessions: it also",
+        "# killed requests still connecting, unanswered; the stall budget cuts silent streams.",
         "# A replica host name that does not resolve leaves that server out (init-addr none)",
         "# instead of failing the whole endpoint.",
         f"default-server check inter {inter}ms fastinter {fast}ms downinter {fast}ms"
         f" fall 2 rise 2 agent-check agent-inter {settings.agent_inter_ms}ms weight 100"
-        " observe layer4 error-limit 1 on-error mark-down on-marked-down shutdown-sessions"
-        " init-addr last,libc,none",
+        " observe layer4 error-limit 1 on-error mark-down init-addr last,libc,none",
     ]
 
 

@@ -57,6 +57,10 @@ class BalancerSettings:
     prometheus_port: int | None = 8405
     agent_inter_ms: int = 200
     check_inter_ms: int = 1000
+    # How long a health check may wait for its answer. Without it a check may take `inter`, so a
+    # replica that hangs is found later, and one that answers again waits for the check that
+    # hung to give up before it can come back.
+    check_timeout_ms: int = 500
     # Also the wait before retrying a refused connect, i.e. what a replica that just died costs
     # the next request: keep it small, but above the round trip to every site.
     connect_timeout_ms: int = 80

@@ -43,6 +43,11 @@ class HaproxyProcess:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
+    @property
+    def running(self) -> bool:
+        """Whether the master runs: it exits when its workers die (master-worker mode)."""
+        return self._process is not None and self._process.poll() is None
+
     def start(self, timeout_s: float = 10.0) -> None:
         """Start and wait until the worker answers on the stats socket."""
         with self.log_path.open("ab") as log:

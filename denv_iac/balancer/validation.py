@@ -72,7 +72,13 @@ def _check_settings(settings: BalancerSettings) -> None:
                 "is not a SHA-256 hex digest",
                 "store hashlib.sha256(key.encode()).hexdigest(), never the key itself",
             )
-    for name in ("agent_inter_ms", "check_inter_ms", "connect_timeout_ms", "stream_idle_timeout_s"):
+    for name in (
+        "agent_inter_ms",
+        "check_inter_ms",
+        "check_timeout_ms",
+        "connect_timeout_ms",
+        "stream_idle_timeout_s",
+    ):
         value = getattr(settings, name)
         if value < 1:
             raise BalancerConfigError(f"settings.{name}", f"{value} is not positive", "use >= 1")

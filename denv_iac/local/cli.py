@@ -5,7 +5,6 @@ import signal
 import sys
 import threading
 from dataclasses import asdict
-from pathlib import Path
 
 import click
 from rich.console import Console
@@ -13,7 +12,15 @@ from rich.table import Table
 
 from denv_iac.console import fail, wide_console
 from denv_iac.local.demo import run_demo
-from denv_iac.local.runner import LocalCluster, RunState, run_dir, stop_recorded
+from denv_iac.local.runner import (
+    STATE_FILE,
+    LocalCluster,
+    RunState,
+    StackLock,
+    run_dir,
+    running_recorded,
+    stop_recorded,
+)
 from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import find_stacks_dir, load_stack
 from denv_iac.status_cli import status
@@ -27,19 +34,25 @@ STACK = click.option(
 )
 
 
-def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, Path]:
+def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, StackLock]:
+    """The stack's local cluster, with the stack's lock held until the process ends."""
     try:
         stacks = find_stacks_dir()
         stack = load_stack(stacks, stack_name)
         directory = run_dir(stacks.parent, stack_name)
-        if (directory / "state.json").exists():
+        lock = StackLock(directory)
+        lock.acquire(stack_name)
+        if running_recorded(directory):  # a detached run: its processes hold no lock
+            lock.release()
             raise StackError(
                 [
                     f"--stack: {stack_name} is already running locally; "
                     f"`denv local down --stack {stack_name}` stops it"
                 ]
             )
-        return LocalCluster(stack, directory, port), directory
+        # A state file whose processes are all gone (a crash, a reboot) is left over: drop it.
+        (directory / STATE_FILE).unlink(missing_ok=True)
+        return LocalCluster(stack, directory, port), lock
     except StackError as error:
         fail(error.problems)
 
@@ -89,7 +102,7 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
     """Start the data plane and print the endpoint; Ctrl-C stops everything."""
     quiet = quiet or as_json
     console = wide_console(stderr=quiet)
-    cluster, _ = _cluster(stack_name, port)
+    cluster, lock = _cluster(stack_name, port)
     state = _start(cluster, console, quiet)
     if as_json:
         # The control token drives the agents' fault injection: it stays in state.json (0600).
@@ -105,13 +118,15 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if not quiet:
-        console.print("serving; Ctrl-C stops everything")
+        console.print("serving; a process that dies is restarted; Ctrl-C stops everything")
     try:
-        stop.wait()
+        # Lines about restarts go to stderr when stdout carries only the endpoint or JSON.
+        cluster.supervise_until(stop, lambda line: console.print(line, highlight=False))
     except KeyboardInterrupt:
         pass
     finally:
         cluster.down()
+        lock.release()
 
 
 @local.command()
@@ -138,7 +153,7 @@ def down(stack_name: str) -> None:
 def demo(stack_name: str, duration: float) -> None:
     """Traffic through the endpoint while replicas die and a GPU fails; counts what was lost."""
     console = wide_console()
-    cluster, _ = _cluster(stack_name, None)
+    cluster, _lock = _cluster(stack_name, None)
     state = _start(cluster, console, quiet=False)
     console.print(_table(state))
     try:

@@ -64,16 +64,27 @@ def seen_by_replicas(state: RunState) -> dict[str, list[str]]:
 
 
 def count_replayed(results: list[StreamResult], seen: dict[str, list[str]]) -> int:
-    """Streams that reached a second replica, by the replicas' own logs: a request received
-    twice, or an aborted one received by a live replica other than the one that served it
-    (the replica it died on may be gone, and its log with it)."""
-    twice = sum(1 for receipts in seen.values() if len(receipts) > 1)
-    moved = sum(
-        1
-        for r in results
-        if r.error == "aborted" and any(other != r.replica for other in seen.get(r.request_id, []))
-    )
-    return twice + moved
+    """Streams whose client may have heard two generations, by the replicas' own logs: an
+    aborted stream received by a live replica other than the one that served it (the replica it
+    died on may be gone, and its log with it), or received twice by its own.
+
+    A stream that completed cannot have been replayed, however many replicas received it: the
+    balancer resends a request only before its first response byte (a failed connect, a replica
+    silent past its first-token budget or marked down while the request waited), and never
+    continues a started answer from another replica, so its client heard one generation.
+    `count_retried` counts those."""
+    return sum(1 for r in results if r.error == "aborted" and _sent_again(r, seen))
+
+
+def _sent_again(result: StreamResult, seen: dict[str, list[str]]) -> bool:
+    receipts = seen.get(result.request_id, [])
+    return len(receipts) > 1 or any(other != result.replica for other in receipts)
+
+
+def count_retried(results: list[StreamResult], seen: dict[str, list[str]]) -> int:
+    """Requests the balancer resent before any byte reached their client: received more than
+    once, yet not replayed. Safe by the streaming contract; counted to be seen."""
+    return sum(1 for r in results if r.error != "aborted" and len(seen.get(r.request_id, [])) > 1)
 
 
 async def _faults(cluster: LocalCluster, state: RunState, say: Say) -> None:

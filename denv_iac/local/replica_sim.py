@@ -51,6 +51,7 @@ class FaultMode(enum.StrEnum):
     REFUSE = "refuse"  # the listening socket closes: new connections are refused
     HANG = "hang"  # requests are read but never answered (health checks included)
     SLOW = "slow"  # time to first token k times the configured one, as on a throttled GPU
+    DRIP = "drip"  # every token, the first too, k ms after the one before: a stalling engine
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,8 @@ class ReplicaSim:
         self.stats.streams_completed += 1
 
     def _token_offset_s(self, index: int) -> float:
+        if self.fault is FaultMode.DRIP:
+            return (max(index, 0) + 1) * self.fault_k / 1000.0
         ttft_ms = self.config.ttft_ms * (self.fault_k if self.fault is FaultMode.SLOW else 1)
         return (ttft_ms + max(index, 0) * self.config.itl_ms) / 1000.0
 

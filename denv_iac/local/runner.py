@@ -8,6 +8,8 @@ Everything started is recorded there by pid so that `denv local down` stops exac
 """
 
 import dataclasses
+import fcntl
+import functools
 import json
 import os
 import secrets
@@ -15,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -31,6 +34,13 @@ from denv_iac.spec.reader import StackError
 
 HOST = "127.0.0.1"
 Progress = Callable[[str], None]
+STATE_FILE = "state.json"
+# Restarts of a supervised process that died: the first at once, then each one that follows
+# soon after doubles the wait, up to a ceiling, so a process that dies at start cannot spin.
+RESTART_FIRST_S = 0.1
+RESTART_CEILING_S = 5.0
+# A process that stayed up this long starts over at the first wait.
+RESTART_STABLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,71 @@ class RunState:
 
 def run_dir(project: Path, stack: str) -> Path:
     return project / ".denv" / stack
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read: run state holds the agents' control token."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an older file keeps its mode through O_CREAT
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+
+
+class StackLock:
+    """One `denv local up` per stack: an exclusive lock on `.denv/<stack>/lock`, held for the
+    life of the process that took it, so a second run fails at once instead of clashing on
+    ports and leaving processes that no state file records."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "lock"
+        self._file: int | None = None
+
+    def acquire(self, stack: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(descriptor, 32).decode(errors="replace").strip() or "?"
+            os.close(descriptor)
+            raise StackError(
+                [
+                    f"--stack: {stack} is already starting or running locally (pid {holder}); "
+                    f"`denv local down --stack {stack}` or Ctrl-C in its terminal stops it"
+                ]
+            ) from None
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, f"{os.getpid()}\n".encode())
+        self._file = descriptor
+
+    def release(self) -> None:
+        if self._file is not None:
+            os.close(self._file)  # closing drops the lock
+            self._file = None
+
+
+@dataclass
+class RestartBackoff:
+    """When a supervised process may be restarted next."""
+
+    wait_s: float = 0.0
+    not_before: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+
+    def due(self, now: float) -> bool:
+        return now >= self.not_before
+
+    def restarted(self, now: float) -> None:
+        stable = now - self.started_at >= RESTART_STABLE_S
+        self.wait_s = (
+            RESTART_FIRST_S
+            if stable or not self.wait_s
+            else min(self.wait_s * 2, RESTART_CEILING_S)
+        )
+        self.not_before = now + self.wait_s
+        self.started_at = now
+        self.restarts += 1
 
 
 def free_port() -> int:
@@ -188,9 +263,15 @@ class LocalCluster:
         self.placement = place_replicas(stack)
         self._replicas: dict[str, ReplicaProcess] = {}
         self._agents: list[subprocess.Popen[bytes]] = []
+        self._agent_commands: list[list[str]] = []
         self._haproxy: HaproxyProcess | None = None
         self._extra_balancers: list[HaproxyProcess] = []
         self.state: RunState | None = None
+        # Held while a process is (re)started or stopped, so a supervisor never races a repair
+        # or a shutdown; `_stopping` keeps it from restarting what down() stops.
+        self._lock = threading.RLock()
+        self._stopping = False
+        self._backoff: dict[str, RestartBackoff] = {}
 
     def up(self, progress: Progress = lambda _: None) -> RunState:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -209,8 +290,12 @@ class LocalCluster:
         except BaseException:
             self.down()
             raise
-        (self.directory / "state.json").write_text(self.state.to_json())
+        self._save_state()
         return self.state
+
+    def _save_state(self) -> None:
+        assert self.state is not None
+        write_private(self.directory / STATE_FILE, self.state.to_json())
 
     def host_of(self, site: str) -> Host:
         return self.hosts.get(site, LOOPBACK)
@@ -276,24 +361,25 @@ class LocalCluster:
                 )
             )
             path.chmod(0o600)
-            log = (self.directory / "logs" / f"agent-{node.site}-{node.name}.log").open("ab")
-            process = subprocess.Popen(
-                [
-                    *host.prefix,
-                    *(sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-            log.close()
+            command = [
+                *host.prefix,
+                *(sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"),
+            ]
+            process = self._spawn_agent(command, node.site, node.name)
             self._agents.append(process)
+            self._agent_commands.append(command)
             state.pid = process.pid
             agents.append(state)
         for state in agents:
             wait_for_port(state.agent_port, f"agent of {state.node}", state.address)
             progress(f"agent of {state.node} answering on {state.address}:{state.agent_port}")
         return agents
+
+    def _spawn_agent(self, command: list[str], site: str, node: str) -> subprocess.Popen[bytes]:
+        with (self.directory / "logs" / f"agent-{site}-{node}.log").open("ab") as log:
+            return subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def _start_haproxy(
         self, replicas: list[ReplicaState], agents: list[AgentState], progress: Progress
@@ -361,18 +447,85 @@ class LocalCluster:
 
     def restart_replica(self, replica_id: str) -> None:
         """Start a replica again on its old port, as a supervisor would after a crash."""
+        with self._lock:
+            assert self.state is not None
+            state = next(r for r in self.state.replicas if r.id == replica_id)
+            old = self._replicas[replica_id]
+            old.stop()
+            config = dataclasses.replace(old.config, port=state.port)
+            process = ReplicaProcess(config, old.log_path, old.command_prefix)
+            self._replicas[replica_id] = process
+            process.spawn()
+            process.wait_ready()
+            assert process.pid is not None
+            state.pid = process.pid
+            self._save_state()
+
+    def supervise(self) -> list[str]:
+        """Restart every replica, agent and balancer that died, with backoff; one line each.
+
+        What systemd's Restart= does on a node and a balancer host, for the local runner: a
+        replica that crashed comes back on its port, an agent with its drains (they live in its
+        state file), HAProxy with its config.
+        """
+        lines: list[str] = []
+        with self._lock:
+            if self._stopping or self.state is None:
+                return lines
+            now = time.monotonic()
+            for replica in self.state.replicas:
+                process = self._replicas[replica.id]
+                if not process.running:
+                    lines += self._restart(
+                        f"replica {replica.id}",
+                        now,
+                        functools.partial(self.restart_replica, replica.id),
+                    )
+            for index, agent in enumerate(self.state.agents):
+                if self._agents[index].poll() is not None:
+                    lines += self._restart(
+                        f"agent of {agent.node}", now, functools.partial(self._restart_agent, index)
+                    )
+            if self._haproxy is not None and not self._haproxy.running:
+                lines += self._restart("balancer", now, self._restart_haproxy)
+            if lines:
+                self._save_state()
+        return lines
+
+    def _restart(self, what: str, now: float, restart: Callable[[], None]) -> list[str]:
+        backoff = self._backoff.setdefault(what, RestartBackoff())
+        if not backoff.due(now):
+            return []
+        backoff.restarted(now)
+        try:
+            restart()
+        except (OSError, RuntimeError) as error:
+            return [f"{what} died; restart failed ({error}); next try in {backoff.wait_s:.1f} s"]
+        return [f"{what} died; restarted (restart {backoff.restarts})"]
+
+    def _restart_agent(self, index: int) -> None:
         assert self.state is not None
-        state = next(r for r in self.state.replicas if r.id == replica_id)
-        old = self._replicas[replica_id]
-        old.stop()
-        config = dataclasses.replace(old.config, port=state.port)
-        process = ReplicaProcess(config, old.log_path, old.command_prefix)
-        process.spawn()
-        process.wait_ready()
-        assert process.pid is not None
+        state = self.state.agents[index]
+        site, node = state.node.split("/", 1)
+        process = self._spawn_agent(self._agent_commands[index], site, node)
+        self._agents[index] = process
         state.pid = process.pid
-        self._replicas[replica_id] = process
-        (self.directory / "state.json").write_text(self.state.to_json())
+        wait_for_port(state.agent_port, f"agent of {state.node}", state.address)
+
+    def _restart_haproxy(self) -> None:
+        assert self._haproxy is not None and self.state is not None
+        self._haproxy.stop()
+        self._haproxy.start()
+        assert self._haproxy.pid is not None
+        self.state.haproxy_pid = self._haproxy.pid
+
+    def supervise_until(
+        self, stop: threading.Event, say: Progress, interval_s: float = 0.1
+    ) -> None:
+        """Supervise until `stop` is set: what the foreground `denv local up` does."""
+        while not stop.wait(interval_s):
+            for line in self.supervise():
+                say(line)
 
     def add_balancer(self) -> tuple[str, HaproxyProcess]:
         """A second HAProxy with the same pools on another port, polling the agents itself
@@ -400,6 +553,11 @@ class LocalCluster:
         return f"http://{self.balancer.address}:{settings.port}", process
 
     def down(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._down()
+
+    def _down(self) -> None:
         for balancer in [*self._extra_balancers, self._haproxy]:
             if balancer is not None:
                 balancer.stop()
@@ -414,7 +572,7 @@ class LocalCluster:
                 process.wait()
         for replica in self._replicas.values():
             replica.stop()
-        state_file = self.directory / "state.json"
+        state_file = self.directory / STATE_FILE
         if state_file.exists():
             state_file.unlink()
 
@@ -448,15 +606,33 @@ def ours(pid: int, marker: str) -> bool:
     return marker in cmdline
 
 
-def stop_recorded(directory: Path) -> int:
-    """`denv local down`: stop what state.json records; returns how many processes it stopped."""
-    state_file = directory / "state.json"
-    if not state_file.exists():
-        return 0
-    state = RunState.from_json(state_file.read_text())
+def _recorded_processes(state: RunState) -> list[tuple[int, str, bool]]:
+    """(pid, command-line mark, whether it leads a process group) of each recorded process."""
     targets = [(state.haproxy_pid, HAPROXY_MARK, True)]
     targets += [(a.pid, AGENT_MARK, False) for a in state.agents]
     targets += [(r.pid, REPLICA_MARK, False) for r in state.replicas]
+    return targets
+
+
+def running_recorded(directory: Path) -> bool:
+    """Whether any process that `state.json` records still runs; False without a state file."""
+    state_file = directory / STATE_FILE
+    if not state_file.exists():
+        return False
+    try:
+        state = RunState.from_json(state_file.read_text())
+    except (ValueError, TypeError, KeyError):
+        return False
+    return any(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
+
+
+def stop_recorded(directory: Path) -> int:
+    """`denv local down`: stop what state.json records; returns how many processes it stopped."""
+    state_file = directory / STATE_FILE
+    if not state_file.exists():
+        return 0
+    state = RunState.from_json(state_file.read_text())
+    targets = _recorded_processes(state)
     stopped = 0
     for pid, marker, group in targets:
         if ours(pid, marker):

@@ -3,7 +3,7 @@
 import pytest
 
 from denv_iac.loadgen import StreamResult
-from denv_iac.local.demo import count_replayed
+from denv_iac.local.demo import count_replayed, count_retried
 
 
 def result(request_id: str, error: str, replica: str) -> StreamResult:
@@ -11,16 +11,22 @@ def result(request_id: str, error: str, replica: str) -> StreamResult:
 
 
 @pytest.mark.parametrize(
-    ("results", "seen", "replayed"),
+    ("results", "seen", "replayed", "retried"),
     [
-        ([result("a", "", "r1")], {"a": ["r1"]}, 0),
-        ([result("a", "", "r1")], {"a": ["r1", "r2"]}, 1),  # received twice
-        ([result("a", "aborted", "r1")], {}, 0),  # died with its replica, log gone
-        ([result("a", "aborted", "r1")], {"a": ["r1"]}, 0),  # cut at the balancer, served once
-        ([result("a", "aborted", "r1")], {"a": ["r2"]}, 1),  # resent to another replica
+        ([result("a", "", "r1")], {"a": ["r1"]}, 0, 0),
+        # Completed, received twice: resent before its first byte, one generation heard.
+        ([result("a", "", "r1")], {"a": ["r2", "r1"]}, 0, 1),
+        ([result("a", "", "r1")], {"a": ["r1", "r1"]}, 0, 1),
+        ([result("a", "http_504", "")], {"a": ["r1", "r2"]}, 0, 1),
+        ([result("a", "aborted", "r1")], {}, 0, 0),  # died with its replica, log gone
+        ([result("a", "aborted", "r1")], {"a": ["r1"]}, 0, 0),  # cut at the balancer, served once
+        ([result("a", "aborted", "r1")], {"a": ["r2"]}, 1, 0),  # resent to another replica
+        ([result("a", "aborted", "r1")], {"a": ["r1", "r2"]}, 1, 0),
+        ([result("a", "aborted", "r1")], {"a": ["r1", "r1"]}, 1, 0),  # resent to its own
     ],
 )
-def test_count_replayed(
-    results: list[StreamResult], seen: dict[str, list[str]], replayed: int
+def test_count_replayed_and_retried(
+    results: list[StreamResult], seen: dict[str, list[str]], replayed: int, retried: int
 ) -> None:
     assert count_replayed(results, seen) == replayed
+    assert count_retried(results, seen) == retried

@@ -1,4 +1,5 @@
-"""The fast subset of the reliability scenarios: nothing lost, nothing replayed."""
+"""The fast subset of the reliability scenarios: nothing lost, replayed or hung, and the pool
+back at full strength after every fault."""
 
 import shutil
 
@@ -11,29 +12,44 @@ if shutil.which("haproxy") is None:
     pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
 
 NO_NETNS = unavailable_reason()
+OVERSHOOT_IN_SUITE_MS = 250
+# The done-when line of the recovery work: a replica whose fault cleared serves within 1 s.
+RECOVERED_WITHIN_MS = 1000
+# Recovery that waits on more than a health check: the agent's first-token probe (every
+# second, over a few samples) restores a lowered weight; a restarted process must start first.
+SLOW_RECOVERY_MS = {
+    "replica 5x slower to first token": 5000,
+    "replica dies mid-stream": 2500,
+    "agent killed and restarted": 2500,
+    "balancer killed, second takes over": 2500,
+    # A health check still waiting on the hung replica must time out first (500 ms).
+    "replica accepts, never answers": 1500,
+}
+
+
+def _check(scenario: Scenario, duration_s: float) -> None:
+    outcome = run_scenario(scenario, concurrency=16, duration_s=duration_s)
+    assert outcome.requests > 100
+    assert (outcome.lost, outcome.replayed) == (0, 0), outcome
+    # `make reliability` counts a wait 100 ms past its budget as hung (the healthy replica's
+    # own 30 ms first token included); these runs share two cores with the rest of the suite.
+    if scenario.healthy_left:
+        # With nothing healthy left the answer is a 503, which under the suite's load was seen
+        # to take up to 1.9 s; `make reliability` reports it as hung all the same.
+        assert outcome.worst_overshoot_ms < OVERSHOOT_IN_SUITE_MS, outcome
+    if scenario.faulty is not None:
+        assert outcome.detection_ms is not None
+        assert outcome.detection_ms < scenario.detect_within_ms, outcome
+    assert outcome.recovered_ms is not None, outcome
+    assert outcome.recovered_ms < SLOW_RECOVERY_MS.get(scenario.name, RECOVERED_WITHIN_MS), outcome
 
 
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.name in FAST], ids=FAST)
 def test_scenario(scenario: Scenario) -> None:
-    outcome = run_scenario(scenario, concurrency=16, duration_s=4.5)
-    assert outcome.requests > 100
-    assert outcome.lost == 0
-    assert outcome.replayed == 0
-    if scenario.faulty is not None:
-        assert outcome.detection_ms is not None
-        assert outcome.detection_ms < scenario.detect_within_ms
+    _check(scenario, duration_s=6)
 
 
 @pytest.mark.skipif(NO_NETNS is not None, reason=NO_NETNS or "")
-def test_site_partitioned() -> None:
+def test_site_partitioned_then_healed() -> None:
     (scenario,) = [s for s in SCENARIOS if s.name == PARTITION]
-    outcome = run_scenario(scenario, concurrency=16, duration_s=5)
-    assert outcome.requests > 100
-    assert outcome.lost == 0
-    assert outcome.replayed == 0
-    assert outcome.detection_ms is not None
-    assert outcome.detection_ms < scenario.detect_within_ms
-    # A partition sends no reset: streams caught on the far side fall silent, and the pool's
-    # stall budget (1 s) cuts them, or the mark-down does, well before the client's own 10 s.
-    if outcome.aborted:
-        assert outcome.streams_cut_ms is not None and outcome.streams_cut_ms < 1500
+    _check(scenario, duration_s=6)
