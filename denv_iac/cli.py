@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 # matplotlib, pyinfra, httpx and rich, seconds of start-up that `denv --help` must not pay.
 # The summary is what `denv --help` lists; tests/test_cli_start.py checks it is the command's own.
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "alerts": (
+        "denv_iac.alerts_cli:alerts",
+        "Prometheus alerting rules: a balancer or agent down, a pool below min_warm.",
+    ),
     "bench": (
         "denv_iac.bench_cli:bench",
         "Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind.",
