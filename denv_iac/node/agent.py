@@ -61,6 +61,9 @@ def unit() -> FileContent:
 Description=denv node agent (GPU and replica health for the balancer)
 After=network-online.target
 Wants=network-online.target
+# Restart=always for good: systemd's default start limit (5 starts in 10 s) would leave a
+# crash-looping unit stopped for ever, and nothing else brings it back.
+StartLimitIntervalSec=0
 
 [Service]
 ExecStart={AGENT_BIN} --config {CONFIG}

@@ -75,6 +75,9 @@ def unit(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
 Description=denv replica {replica.id}
 After=docker.service denv-agent.service
 Requires=docker.service
+# Restart=always for good: systemd's default start limit (5 starts in 10 s) would leave a
+# crash-looping unit stopped for ever, and nothing else brings it back.
+StartLimitIntervalSec=0
 
 [Service]
 ExecStartPre=-/usr/bin/docker rm -f {name}
