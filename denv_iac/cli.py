@@ -28,6 +28,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "denv_iac.bench_cli:bench",
         "Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind.",
     ),
+    "doctor": (
+        "denv_iac.doctor:doctor",
+        "Check this machine for what a stack needs, and say what to install.",
+    ),
     "local": (
         "denv_iac.local.cli:local",
         "Run a stack's whole data plane here: simulated GPUs, real agents, real HAProxy.",
