@@ -25,6 +25,7 @@ class DemoResult:
     aborted: int
     lost: int
     replayed: int
+    retried: int  # resent before their first byte: safe, shown so that it is seen
     ttft_p50_ms: float | None
     ttft_p90_ms: float | None
 
@@ -33,7 +34,8 @@ class DemoResult:
         return (
             f"requests={self.requests} aborted_streams={self.aborted} "
             f"ttft_p50_ms={self.ttft_p50_ms} ttft_p90_ms={self.ttft_p90_ms} "
-            f"lost_requests={self.lost} replayed_streams={self.replayed}"
+            f"lost_requests={self.lost} replayed_streams={self.replayed} "
+            f"retried_before_first_byte={self.retried}"
         )
 
     @property
@@ -122,7 +124,8 @@ def run_demo(cluster: LocalCluster, say: Say, duration_s: float = 10.0) -> DemoR
     results = [r for report in reports for r in report.results]
     aborted = {r.request_id for r in results if r.error == "aborted"}
     lost = sum(1 for r in results if r.error and r.error != "aborted")
-    replayed = count_replayed(results, seen_by_replicas(state))
+    seen = seen_by_replicas(state)
+    replayed = count_replayed(results, seen)
     merged = LoadReport(results, max(report.wall_s for report in reports))
     for report, recipe in zip(reports, cluster.stack.recipes, strict=True):
         s = report.summary()
@@ -131,5 +134,11 @@ def run_demo(cluster: LocalCluster, say: Say, duration_s: float = 10.0) -> DemoR
             f"TTFT p50 {s['ttft_p50_ms']} ms p90 {s['ttft_p90_ms']} ms, served by {s['replicas']}"
         )
     return DemoResult(
-        len(results), len(aborted), lost, replayed, merged.ttft_ms(50), merged.ttft_ms(90)
+        len(results),
+        len(aborted),
+        lost,
+        replayed,
+        count_retried(results, seen),
+        merged.ttft_ms(50),
+        merged.ttft_ms(90),
     )
