@@ -4,7 +4,6 @@ import hashlib
 import importlib
 import json
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +73,9 @@ class LazyGroup(click.Group):
 
 
 def _versions() -> str:
+    # Imported here: importlib.metadata costs a sixth of `denv --help`'s start.
+    from importlib.metadata import PackageNotFoundError, version
+
     lines = []
     for package in PACKAGES:
         try:
