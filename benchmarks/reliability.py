@@ -314,14 +314,15 @@ SCENARIOS = (
     # Health checks time out (1 s each, two of them): a frozen process refuses nothing.
     Scenario("replica frozen", replica_frozen, FAULTY, True, replica_thawed, 2500),
     Scenario("replica accepts, never answers", replica_hangs, FAULTY, True, replica_normal, 2500),
-    # Streams are cut by the stall budget; the agent's first-token probe lowers the weight.
+    # Streams are cut by the stall budget; the agent's first-token probe lowers the weight, and
+    # the probe's own first token takes DRIP_MS: detection waits on it.
     Scenario(
         f"replica drips a token every {DRIP_MS} ms",
         replica_drips,
         FAULTY,
         True,
         replica_normal,
-        2500,
+        3500,
     ),
     Scenario(
         "site partitioned, then healed",
@@ -357,6 +358,8 @@ FAST = (
     "every listed site down",
     "replica frozen",
     "replica accepts, never answers",
+    f"replica drips a token every {DRIP_MS} ms",
+    "node repaired under load",
 )
 
 

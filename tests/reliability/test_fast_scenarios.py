@@ -19,6 +19,9 @@ RECOVERED_WITHIN_MS = 1000
 # second, over a few samples) restores a lowered weight; a restarted process must start first.
 SLOW_RECOVERY_MS = {
     "replica 5x slower to first token": 5000,
+    "replica drips a token every 1500 ms": 5000,
+    # Counted from the fault: the whole repair (drain, restart, verify, undrain) is in it.
+    "node repaired under load": 3000,
     "replica dies mid-stream": 2500,
     "agent killed and restarted": 2500,
     "balancer killed, second takes over": 2500,
