@@ -6,9 +6,10 @@ import json
 import posixpath
 import shlex
 
+from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps
 from denv_iac.node.facts import AGENT_VENV, NodeFacts
-from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.spec import NodeDeploySpec, NodeSpecError
 from denv_iac.node.steps import UNIT_DIR, FileContent, Step, text_file, unit_path
 
 UNIT = "denv-agent.service"
@@ -121,17 +122,25 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
 
 
 def _install(spec: NodeDeploySpec) -> list[Step]:
+    """Upload the agent's wheel and install it: the one given, else the agent installed here."""
     pip = " ".join(
         [f"{AGENT_VENV}/bin/pip", "install", "-q", *map(shlex.quote, spec.agent.pip_args)]
     )
     if spec.agent.wheel is None:
-        requirement = shlex.quote(f"denv-agent=={spec.agent.version}")
-        return [
-            Step("agent", f"install denv-agent {spec.agent.version}", (f"{pip} {requirement}",))
-        ]
-    name = posixpath.basename(spec.agent.wheel)
-    with open(spec.agent.wheel, "rb") as wheel:
-        content = FileContent(posixpath.join(DIST_DIR, name), wheel.read())
+        name, data = agent_wheel()
+        here = name.split("-")[1]
+        if here != spec.agent.version:
+            raise NodeSpecError(
+                [
+                    f"agent.version {spec.agent.version}: the denv-agent here is {here}; "
+                    f"set agent.version to {here}, or give agent.wheel of {spec.agent.version}"
+                ]
+            )
+    else:
+        name = posixpath.basename(spec.agent.wheel)
+        with open(spec.agent.wheel, "rb") as wheel:
+            data = wheel.read()
+    content = FileContent(posixpath.join(DIST_DIR, name), data)
     return [
         Step(
             "agent",
