@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -10,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from denv_iac.bench_plot import FORMATS, write_plot
-from denv_iac.console import fail, wide_console
+from denv_iac.console import fail, output_file_problems, wide_console, write_output
 from denv_iac.loadgen import LoadReport, run_load
 
 TICK_S = 0.2
@@ -37,6 +39,17 @@ async def _with_progress(
             await asyncio.wait({job}, timeout=TICK_S)
             progress.update(task, completed=time.perf_counter() - start)
     return job.result()
+
+
+def _url_problems(url: str) -> list[str]:
+    example = "e.g. http://127.0.0.1:8080"
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as error:
+        return [f"URL: {url!r} is not a valid URL ({error}); {example}"]
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return [f"URL: {url!r} is not an http(s) URL with a host; {example}"]
+    return []
 
 
 def _summary_line(summary: dict[str, object]) -> str:
@@ -66,15 +79,12 @@ def _summary_line(summary: dict[str, object]) -> str:
     help="Environment variable holding the endpoint's API key, if it needs one.",
 )
 @click.option(
-    "--json",
-    "json_file",
-    type=click.Path(dir_okay=False, allow_dash=True),
-    help="Write the summary as JSON to FILE ('-' for standard output).",
+    "--json", "json_file", help="Write the summary as JSON to FILE ('-' for standard output)."
 )
 @click.option(
     "--plot",
     "plot_file",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     help="Write a figure to FILE.png (or .svg): TTFT histogram and TTFT per request over time.",
 )
 @click.option("--quiet", is_flag=True, help="No progress line and no table: one summary line.")
@@ -91,10 +101,18 @@ def bench(
     quiet: bool,
 ) -> None:
     """Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind."""
-    if not url.startswith(("http://", "https://")):
-        fail([f"URL: {url!r} is not an http(s) URL; e.g. http://127.0.0.1:8080"])
+    problems = _url_problems(url)
+    if duration is not None and not math.isfinite(duration):
+        problems.append(f"--duration: {duration} is not a number of seconds; e.g. --duration 30")
     if plot_file is not None and plot_file.suffix not in FORMATS:
-        fail([f"--plot: {plot_file} must end in {' or '.join(FORMATS)}; e.g. --plot ttft.png"])
+        problems.append(
+            f"--plot: {plot_file} must end in {' or '.join(FORMATS)}; e.g. --plot ttft.png"
+        )
+    # Checked before the load runs: a typo in a path must not cost the whole run's figures.
+    problems += output_file_problems("--json", json_file)
+    problems += output_file_problems("--plot", None if plot_file is None else str(plot_file))
+    if problems:
+        fail(problems)
     if duration is None and requests is None:
         duration = 10.0
     what = f"{url} pool {pool}, concurrency {concurrency}"
@@ -115,7 +133,7 @@ def bench(
     if to_stdout:
         click.echo(json.dumps(summary, indent=2))
     elif json_file:
-        Path(json_file).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        write_output("--json", json_file, json.dumps(summary, indent=2) + "\n")
     if quiet and not to_stdout:
         click.echo(_summary_line(summary))
     elif not to_stdout:

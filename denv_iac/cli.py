@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from denv_iac.console import fail, wide_console
+from denv_iac.console import fail, output_file_problems, wide_console, write_output
 
 if TYPE_CHECKING:
     from denv_iac.preview import PreviewResource
@@ -117,7 +117,6 @@ def main() -> None:
 @click.option(
     "--json",
     "json_file",
-    type=click.Path(dir_okay=False, allow_dash=True),
     help="Also write the plan as JSON to FILE ('-' for standard output), resources included.",
 )
 @click.option(
@@ -131,16 +130,23 @@ def main() -> None:
     is_flag=True,
     help="Also show the Pulumi resources the stack registers (a preview under mocks, offline).",
 )
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Refuse the stack on warnings too (SSH open to the world, an endpoint without keys).",
+)
 def plan(
     stack_name: str,
     stacks_dir: Path | None,
     json_file: str | None,
     lock: bool,
     show_resources: bool,
+    strict: bool,
 ) -> None:
     """Show where every replica goes, the nodes to create and the warm cost, offline."""
     from denv_iac.plan import make_plan
     from denv_iac.plan_view import render_plan, render_resources
+    from denv_iac.spec.exposure import stack_warnings
     from denv_iac.spec.reader import StackError
     from denv_iac.spec.stackfile import (
         find_stacks_dir,
@@ -150,9 +156,17 @@ def plan(
         write_lock,
     )
 
+    problems = output_file_problems("--json", json_file)
+    if problems:
+        fail(problems)
     try:
         folder = stacks_dir or find_stacks_dir()
         stack = load_stack(folder, stack_name)
+        warnings = stack_warnings(stack)
+        if strict and warnings:
+            fail([f"{line} (--strict)" for line in warnings])
+        for line in warnings:
+            click.echo(f"warning: {line}", err=True)
         previous = load_lock(folder, stack_name)
         result = make_plan(stack, previous)
         resources = (
@@ -173,7 +187,7 @@ def plan(
         if resources is not None:
             render_resources(resources, console)
         if json_file:
-            Path(json_file).write_text(json.dumps(document, indent=2) + "\n", "utf-8")
+            write_output("--json", json_file, json.dumps(document, indent=2) + "\n")
     if lock:
         path = write_lock(folder, stack_name, [r.id for r in result.placement.replicas])
         click.echo(f"wrote {path.name}", err=True)
@@ -196,7 +210,8 @@ def key() -> None:
 @key.command()
 def digest() -> None:
     """Read an API key on standard input and print its SHA-256 digest for api_key_digests."""
-    secret = sys.stdin.readline().strip()
+    # Bytes, not text: a key is whatever its owner typed, in any encoding, and is hashed as is.
+    secret = sys.stdin.buffer.readline().strip()
     if not secret:
         fail(['stdin: no API key given; pipe one in, e.g. `printf %s "$KEY" | denv key digest`'])
-    click.echo(hashlib.sha256(secret.encode()).hexdigest())
+    click.echo(hashlib.sha256(secret).hexdigest())

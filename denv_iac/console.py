@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import click
@@ -19,6 +20,27 @@ def wide_console(stderr: bool = False) -> Console:
 
     console = Console(stderr=stderr)
     return console if console.is_terminal else Console(stderr=stderr, width=160)
+
+
+def output_file_problems(option: str, name: str | None) -> list[str]:
+    """Why FILE of `--json FILE` (or another output option) cannot be written, checked before
+    the work whose result it would hold is done."""
+    if name is None or name == "-":
+        return []
+    path = Path(name)
+    if path.is_dir():
+        return [f"{option} {name}: is a folder; give a file name, e.g. {option} {path / 'out'}"]
+    if not path.parent.is_dir():
+        return [f"{option} {name}: folder {path.parent} does not exist; create it first"]
+    return []
+
+
+def write_output(option: str, name: str, text: str) -> None:
+    """Write an output file, failing with one line (exit 1) if the system refuses."""
+    try:
+        Path(name).write_text(text, encoding="utf-8")
+    except OSError as error:
+        fail([f"{option} {name}: cannot write it ({error.strerror})"], code=1)
 
 
 def fail(problems: list[str], code: int = 2) -> NoReturn:

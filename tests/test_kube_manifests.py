@@ -57,13 +57,17 @@ STACKS = {
 }
 
 
+# A Kubernetes site cannot host the balancer: it runs on a machine of its own site.
+EDGE = {"name": "edge", "kind": "local", "nodes": [{"name": "lb", "gpu": "L4", "gpus": 1}]}
+
+
 def _manifests(sites: list[Any], recipes: list[Any], site: str = "k8s") -> SiteManifests:
     stack = read_stack(
         "prod",
         {
-            "denv:sites": sites,
+            "denv:sites": [*sites, EDGE],
             "denv:recipes": recipes,
-            "denv:balancer": {"sites": [sites[0]["name"]]},
+            "denv:balancer": {"sites": ["edge"]},
         },
     )
     return site_manifests(stack, stack.site(site), place_replicas(stack).replicas)
@@ -241,6 +245,7 @@ def test_raising_min_warm_keeps_every_existing_route() -> None:
 )
 def test_site_problems(site: dict[str, Any], recipes: list[Any], problem: str | None) -> None:
     stack = read_stack(
-        "prod", {"denv:sites": [site], "denv:recipes": recipes, "denv:balancer": {"sites": ["k8s"]}}
+        "prod",
+        {"denv:sites": [site, EDGE], "denv:recipes": recipes, "denv:balancer": {"sites": ["edge"]}},
     )
     assert site_problems(stack.site("k8s"), stack.recipes) == ([problem] if problem else [])

@@ -130,7 +130,8 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
     (
         "bad address",
         lambda c: site(c, 5)["nodes"][0].update(address="a b;rm"),
-        'sites[5].nodes[0].address: "a b;rm" is not an IP address or host name',
+        'sites[5].nodes[0].address: "a b;rm" is not an IP address or host name; write a host '
+        "name in letters, digits, '.' and '-', no part starting with '-'",
     ),
     (
         "kubeconfig plaintext",
@@ -231,8 +232,7 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
     (
         "model name injection",
         lambda c: recipe(c, 0).update(models=["x\nuse_backend y"]),
-        'recipes[0].models: "x\nuse_backend y" has characters a model name may not have; use '
-        "letters, digits and . _ : / -",
+        "recipes[0].models: 'x\\nuse_backend y' holds a newline; write it on one line",
     ),
     (
         "health path",
@@ -281,6 +281,83 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "dns typo",
         lambda c: c["denv:balancer"].update(dns={"zone": "Z1", "name": "a.example"}),
         "balancer.dns.zone_id: missing; add zone_id: Z0123456789ABC",
+    ),
+    (
+        "endpoint on ssh",
+        lambda c: c["denv:balancer"].update(port=22),
+        "balancer.port: 22 is SSH's port, and the balancer opens its ports to the internet; use "
+        "another, e.g. 8080",
+    ),
+    (
+        "metrics on the agent's port",
+        lambda c: c["denv:balancer"].update(prometheus_port=9100),
+        "balancer.prometheus_port: 9100 is the node agent's port; use another, e.g. 8080",
+    ),
+    (
+        "replicas on the endpoint port",
+        lambda c: recipe(c, 0).update(port=8080),
+        "recipes[0].port: replicas on site local take ports 8080-8095, which includes 8080 (the "
+        "balancer's endpoint); move the recipe's port clear of it",
+    ),
+    (
+        "replicas on the metrics port",
+        lambda c: recipe(c, 0).update(port=8400),
+        "recipes[0].port: replicas on site local take ports 8400-8415, which includes 8405 (the "
+        "balancer's metrics); move the recipe's port clear of it",
+    ),
+    (
+        "replicas on ssh",
+        lambda c: recipe(c, 0).update(port=20),
+        "recipes[0].port: replicas on site local take ports 20-35, which includes 22 (SSH); move "
+        "the recipe's port clear of it",
+    ),
+    (
+        "replica port past 65535",
+        lambda c: recipe(c, 0).update(port=65530),
+        "recipes[0].port: 65530 leaves no room for the replicas on site local: 2 GPUs per node "
+        "take ports up to 65545; use a port of at most 65520",
+    ),
+    (
+        "two nodes on one machine",
+        lambda c: site(c, 4)["nodes"][0].update(address="192.0.2.10"),
+        'sites[5].nodes[0].address: "192.0.2.10" is also the address of node gex-1 of site '
+        "hetzner-fsn; a spare on the same machine fails with it: give each node its own machine",
+    ),
+    (
+        "port nan",
+        lambda c: recipe(c, 0).update(port=float("nan")),
+        "recipes[0].port: expected a whole number, got nan (not a finite number)",
+    ),
+    (
+        "port inf",
+        lambda c: recipe(c, 0).update(port=float("inf")),
+        "recipes[0].port: expected a whole number, got inf (not a finite number)",
+    ),
+    (
+        "price nan",
+        lambda c: site(c, 1).update(price_per_gpu_hour=float("nan")),
+        "sites[1].price_per_gpu_hour: expected a number >= 0, got nan (not a finite number)",
+    ),
+    (
+        "no balancer site",
+        lambda c: c["denv:balancer"].update(sites=[]),
+        "balancer.sites: is empty; name the site or sites that run the balancer",
+    ),
+    (
+        "integer config key",
+        lambda c: c.update({1: "x"}),
+        "1: config keys are names like denv:sites; quote this one",
+    ),
+    (
+        "balancer on kubernetes",
+        lambda c: c["denv:balancer"].update(sites=["k8s"]),
+        "balancer.sites: k8s: a kubernetes site cannot host the balancer yet; use one of aws, "
+        "hetzner, joined, local",
+    ),
+    (
+        "site name with a newline",
+        lambda c: recipe(c, 2).update(sites=["office\nhetzner-fsn"]),
+        "recipes[2].sites[0]: 'office\\nhetzner-fsn' holds a newline; write it on one line",
     ),
 ]
 

@@ -18,7 +18,6 @@ AWS_AMI_PARAMETER = (
 )
 HCLOUD_SERVER_TYPE = "cpx21"
 HCLOUD_IMAGE = "ubuntu-24.04"
-HOST_KINDS = ("aws", "hetzner", "joined", "local")
 MACHINE_HOST_KINDS = ("aws", "hetzner")  # a host is created there, reached with the site's key
 
 

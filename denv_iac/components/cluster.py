@@ -8,7 +8,6 @@ import pulumi
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
 from denv_iac.components.balancer import GlobalBalancer
 from denv_iac.components.balancer_host import (
-    HOST_KINDS,
     MACHINE_HOST_KINDS,
     BalancerHost,
     BalancerHostArgs,
@@ -102,13 +101,7 @@ def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement
     sites, balancer, secrets = seal_secrets(args["sites"], args["balancer"])
     config = {"denv:sites": sites, "denv:recipes": list(args["recipes"]), "denv:balancer": balancer}
     stack = read_stack(name, config)
-    problems = [
-        f"balancer.sites: {site}: a {stack.site(site).kind} site cannot host the balancer yet; "
-        f"use one of {', '.join(HOST_KINDS)}"
-        for site in stack.balancer.sites
-        if stack.site(site).kind not in HOST_KINDS
-    ]
-    problems += _key_problems(args["sites"], stack)
+    problems = _key_problems(args["sites"], stack)
     if problems:
         raise StackError(problems)
     placement = place_replicas(stack, args.get("previous", ()))

@@ -6,15 +6,31 @@ port) only to the site's admin CIDRs; the balancer's endpoint port to everyone.
 
 from dataclasses import dataclass
 
-from denv_iac.placement import PlacedReplica
 from denv_iac.spec.model import BalancerSpec, RecipeSpec, SiteSpec
+from denv_iac.spec.ports import (
+    AGENT_PORT,
+    AGENT_PORTS,
+    MAX_GPUS_PER_NODE,
+    PORTS_PER_GPU,
+    SSH_PORT,
+    recipe_port_range,
+    replica_port,
+)
 
-SSH_PORT = 22
-AGENT_PORT = 9100  # the node deploy's agent-check port (NodeDeploySpec.agent_port)
-AGENT_PORTS = (AGENT_PORT, AGENT_PORT + 1)  # agent-check, and the agent's local HTTP port
-MAX_GPUS_PER_NODE = 16  # the most a node spec may declare
-# A GPU holds at most 7 MIG instances, so 8 ports per GPU give every replica its own port.
-PORTS_PER_GPU = 8
+# The port plan lives with the stack model (pure); components read it from here too.
+__all__ = [
+    "AGENT_PORT",
+    "AGENT_PORTS",
+    "MAX_GPUS_PER_NODE",
+    "PORTS_PER_GPU",
+    "SSH_PORT",
+    "IngressRule",
+    "balancer_ingress_rules",
+    "recipe_port_range",
+    "replica_port",
+    "site_ingress_rules",
+    "ssh_rules",
+]
 ANYWHERE = {"v4": "0.0.0.0/0", "v6": "::/0"}
 
 
@@ -26,16 +42,6 @@ class IngressRule:
     to_port: int
     source: str  # a CIDR, or the site name of a balancer host when from_balancer
     from_balancer: bool = False
-
-
-def replica_port(recipe: RecipeSpec, replica: PlacedReplica) -> int:
-    """A replica's port on its node: fixed by its GPU and slice, so it never moves."""
-    return recipe.port + replica.gpu * PORTS_PER_GPU + (replica.slice or 0)
-
-
-def recipe_port_range(recipe: RecipeSpec, gpus_per_node: int) -> tuple[int, int]:
-    """Every port the recipe's replicas can take on a node with that many GPUs."""
-    return recipe.port, recipe.port + max(gpus_per_node, 1) * PORTS_PER_GPU - 1
 
 
 def _cidr_slug(cidr: str) -> str:

@@ -31,10 +31,11 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     device, mount_point = shlex.quote(volume.device), shlex.quote(volume.mount_point)
     steps = []
     if not facts.block_devices.get(volume.device):
+        # The device is quoted in the message too: inside "..." the shell would still expand $().
+        late = shlex.quote(f"{volume.device} not attached after {ATTACH_WAIT_S} s")
         wait = (
             f"i=0; until [ -b {device} ]; do "
-            f'[ "$i" -lt {ATTACH_WAIT_S} ] || {{ echo "{volume.device} not attached after '
-            f'{ATTACH_WAIT_S} s"; exit 1; }}; i=$((i+1)); sleep 1; done'
+            f'[ "$i" -lt {ATTACH_WAIT_S} ] || {{ echo {late}; exit 1; }}; i=$((i+1)); sleep 1; done'
         )
         # blkid -p probes the device itself (no cache) and exits non-zero only when it finds no
         # signature on it: no filesystem, and no partition table either.

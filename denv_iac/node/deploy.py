@@ -27,6 +27,7 @@ from denv_iac.node.facts import FactQuery, NodeFacts, NodeProbe
 from denv_iac.node.plan import fact_query, plan_node
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import Step
+from denv_iac.spec.values import HOST_RULE, USER_NAME, USER_RULE, is_host
 
 # Called with (index from 1, total, step, status) where status is "run", "ok" or "failed".
 Progress = Callable[[int, int, Step, str], None]
@@ -88,15 +89,35 @@ def check_target(target: Target) -> list[str]:
             problems.append(f"HOST {target.host}: {root} is not a root file system (no /bin/sh)")
     elif target.host.startswith("@") and target.host != "@local":
         problems.append(f"HOST {target.host}: use @local, @chroot/<path> or [user@]host[:port]")
+    elif target.is_ssh:
+        problems += _ssh_target_problems(target)
     if target.key is not None:
         try:
             with target.key.open("rb"):
                 pass
         except OSError as error:
             problems.append(f"--key {target.key}: cannot read it ({error.strerror})")
-    if target.host.count(":") == 1 and not target.host.rsplit(":", 1)[1].isdigit():
+    if not _port_ok(target.host):
         problems.append(f"HOST {target.host}: the port after ':' must be a number")
     return problems
+
+
+def _ssh_target_problems(target: Target) -> list[str]:
+    """An SSH host or user starting with '-' would reach ssh as an option (-oProxyCommand=...)."""
+    if not target.host:
+        return ["HOST: empty; give [user@]host[:port], @local or @chroot/<path>"]
+    name, data = target.inventory() if _port_ok(target.host) else (target.host, {})
+    problems = []
+    if not is_host(name):
+        problems.append(f"HOST {target.host!r}: not an IP address or host name; {HOST_RULE}")
+    user = data.get("ssh_user")
+    if user is not None and not USER_NAME.match(user):
+        problems.append(f"user {user!r}: not a login name; {USER_RULE}")
+    return problems
+
+
+def _port_ok(host: str) -> bool:
+    return host.count(":") != 1 or host.rsplit(":", 1)[1].isdigit()
 
 
 class _Reporter(BaseStateCallback):

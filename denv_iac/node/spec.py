@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from denv_iac.spec.values import ENV_NAME, IMAGE, IMAGE_RULE, control_character
+
 # systemd unit names and container names both accept these; replica ids become part of both.
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb$")
 # The variables model servers read for their caches; the deploy sets them, a replica cannot.
 CACHE_ENV = ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
@@ -203,8 +204,8 @@ def _replica_problems(spec: NodeDeploySpec) -> list[str]:
         if replica.id in seen:
             problems.append(f"{where}: id used twice; give each replica its own id")
         seen.add(replica.id)
-        if not replica.image or any(c.isspace() for c in replica.image):
-            problems.append(f"{where} image: give a container image reference")
+        if not IMAGE.match(replica.image):
+            problems.append(f"{where} image {replica.image!r}: {IMAGE_RULE}")
         if not 1 <= replica.port <= 65535:
             problems.append(f"{where} port {replica.port}: give a TCP port, 1-65535")
         elif replica.port in ports:
@@ -212,12 +213,12 @@ def _replica_problems(spec: NodeDeploySpec) -> list[str]:
         ports.setdefault(replica.port, where)
         problems += _share_problems(where, replica, layout)
         for name, value in replica.env.items():
-            if not _ENV_NAME.match(name) or "\n" in value:
+            if not ENV_NAME.match(name) or control_character(value):
                 problems.append(f"{where} env {name!r}: use NAME=value without newlines")
             elif name in CACHE_ENV or name == "NVIDIA_VISIBLE_DEVICES":
                 problems.append(f"{where} env {name}: set by the deploy; remove it")
-        if not replica.health_path.startswith("/"):
-            problems.append(f"{where} health_path: start it with '/'")
+        if not replica.health_path.startswith("/") or _has_blank(replica.health_path):
+            problems.append(f"{where} health_path: start it with '/', without blanks")
     return problems
 
 

@@ -7,6 +7,8 @@ import posixpath
 import shlex
 from dataclasses import dataclass
 
+from denv_iac.spec.values import control_character
+
 UNIT_DIR = "/etc/systemd/system"
 PACKAGE_UNIT_DIR = "/lib/systemd/system"
 WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
@@ -81,8 +83,18 @@ def unit_path(unit: str) -> str:
 
 
 def systemd_quote(argument: str) -> str:
-    """One ExecStart= argument, quoted the way systemd splits and expands command lines."""
+    """One ExecStart= argument, quoted the way systemd splits and expands command lines.
+
+    Control characters are written as C escapes, which systemd decodes: a raw newline would end
+    the directive and start one of the writer's choosing.
+    """
     escaped = argument.replace("%", "%%").replace("$", "$$")
-    if escaped and not any(c in escaped for c in " \t\"'\\;"):
+    if escaped and not any(c in escaped for c in " \t\"'\\;") and not control_character(escaped):
         return escaped
-    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    quoted = escaped.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + "".join(_c_escape(c) if control_character(c) else c for c in quoted) + '"'
+
+
+def _c_escape(character: str) -> str:
+    code = ord(character)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"

@@ -5,11 +5,13 @@ input: they record the problem and return a placeholder, so one pass reports eve
 """
 
 import difflib
+import math
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from denv_iac.spec.model import Secret
+from denv_iac.spec.values import ENV_NAME, ENV_RULE, control_character, describe_character
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 NAME_RULE = (
@@ -31,6 +33,8 @@ class Problems:
 def describe(value: object) -> str:
     if isinstance(value, bool):
         return "a boolean"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} (not a finite number)"
     if isinstance(value, int | float):
         return "a number"
     if isinstance(value, str):
@@ -40,6 +44,11 @@ def describe(value: object) -> str:
     if isinstance(value, dict):
         return "a mapping"
     return "empty" if value is None else type(value).__name__
+
+
+def _finite(value: object) -> bool:
+    # YAML's .nan and .inf are floats: they would print as "$nan/hour" and write NaN into JSON.
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_secret(value: object) -> bool:
@@ -71,6 +80,18 @@ class Fields:
     def problem(self, key: str, message: str) -> None:
         self.problems.add(self.at(key), message)
 
+    def one_line(self, key: str, value: str) -> bool:
+        """False, with the problem recorded, when `value` holds a newline or another control.
+
+        Every text of a stack ends up in a unit file, an env file, a rule set or a config, where
+        a newline would start a directive of its own.
+        """
+        character = control_character(value)
+        if character is None:
+            return True
+        self.problem(key, f"{value!r} holds {describe_character(character)}; write it on one line")
+        return False
+
     def text(self, key: str, default: str | None = None, *, example: str = "") -> str:
         value = self._get(key)
         if value is None:
@@ -84,7 +105,7 @@ class Fields:
         if not isinstance(value, str) or not value.strip():
             self.problem(key, f"expected a non-empty string, got {describe(value)}")
             return ""
-        return value
+        return value if self.one_line(key, value) else ""
 
     def name(self, key: str = "name") -> str:
         value = self.text(key)
@@ -105,7 +126,7 @@ class Fields:
             if default is None and self.ok:
                 self.problem(key, f"missing; add {key}: {low}")
             return default if default is not None else low
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        if not _finite(value) or value != int(value):
             self.problem(key, f"expected a whole number, got {describe(value)}")
             return default if default is not None else low
         number = int(value)
@@ -119,7 +140,7 @@ class Fields:
         value = self._get(key)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        if not _finite(value) or value < 0:
             self.problem(key, f"expected a number >= 0, got {describe(value)}")
             return None
         return float(value)
@@ -144,7 +165,7 @@ class Fields:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             self.problem(key, f"expected a list of non-empty strings, got {describe(value)}")
             return ()
-        return tuple(value)
+        return tuple(v for v in value if self.one_line(key, v))
 
     def string_map(self, key: str) -> tuple[tuple[str, str], ...]:
         value = self._get(key)
@@ -156,7 +177,14 @@ class Fields:
         ):
             self.problem(key, "expected a mapping of names to string values")
             return ()
-        return tuple(sorted((k, str(v)) for k, v in value.items()))
+        entries = []
+        for name, raw in value.items():
+            text = str(raw)
+            if not ENV_NAME.match(name):
+                self.problem(key, f"{name!r} is not a variable name; {ENV_RULE}")
+            elif self.one_line(f"{key}.{name}", text):
+                entries.append((name, text))
+        return tuple(sorted(entries))
 
     def secret(self, key: str, *, required: bool, how: str) -> Secret | None:
         value = self._get(key)
@@ -193,10 +221,14 @@ class Fields:
         for key in self.raw:
             if key in self.known:
                 continue
-            close = difflib.get_close_matches(str(key), sorted(self.known), n=1)
+            text = str(key)
+            close = difflib.get_close_matches(text, sorted(self.known), n=1)
             fix = (
                 f'did you mean "{close[0]}"?'
                 if close
                 else f"known keys: {', '.join(sorted(self.known))}"
             )
-            self.problems.add(self.at(str(key)), f"unknown key; {fix}")
+            # A key with a newline in it is shown escaped, so the message stays one line.
+            self.problems.add(
+                self.at(repr(key) if control_character(text) else text), f"unknown key; {fix}"
+            )

@@ -12,6 +12,8 @@ SITE_KINDS = (
     "kubernetes",
     "local",
 )
+# Where a balancer can run: a machine made for it (aws, hetzner) or a listed node (joined, local).
+BALANCER_HOST_KINDS = ("aws", "hetzner", "joined", "local")
 Survive = Literal["node", "site"]
 WHOLE_GPU = "whole"
 # Silence budgets that fit voice: a turn whose replica has said nothing for a second is better

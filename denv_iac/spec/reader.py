@@ -9,6 +9,7 @@ from typing import Any
 from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
+    BALANCER_HOST_KINDS,
     FIRST_TOKEN_TIMEOUT_MS,
     SITE_KINDS,
     STALL_TIMEOUT_MS,
@@ -21,6 +22,8 @@ from denv_iac.spec.model import (
     SiteSpec,
     StackSpec,
 )
+from denv_iac.spec.ports import stack_port_problems
+from denv_iac.spec.values import HOST_RULE, IMAGE, IMAGE_RULE, USER_NAME, USER_RULE, is_host
 
 CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -41,9 +44,13 @@ def read_stack(name: str, config: Mapping[str, Any], catalog: Catalog | None = N
     catalog = catalog or load_catalog()
     problems = Problems()
     for key in config:
-        if str(key).startswith("denv:") and key not in CONFIG_KEYS:
-            problems.add(str(key), f"unknown config key; use one of {', '.join(CONFIG_KEYS)}")
-    root = Fields(problems, "", {k.removeprefix("denv:"): v for k, v in config.items()})
+        if not isinstance(key, str):
+            # YAML reads `1:` or `true:` as a number or a boolean, never a config key.
+            problems.add(str(key), "config keys are names like denv:sites; quote this one")
+        elif key.startswith("denv:") and key not in CONFIG_KEYS:
+            problems.add(key, f"unknown config key; use one of {', '.join(CONFIG_KEYS)}")
+    denv = {k.removeprefix("denv:"): v for k, v in config.items() if isinstance(k, str)}
+    root = Fields(problems, "", denv)
     sites = tuple(_read_site(problems, p, raw, catalog) for p, raw in root.items("sites"))
     recipes = tuple(_read_recipe(problems, p, raw) for p, raw in root.items("recipes"))
     balancer_fields = Fields(problems, "balancer", root.raw.get("balancer", {}))
@@ -61,13 +68,11 @@ def _read_node(problems: Problems, path: str, raw: object, kind: str, catalog: C
     f = Fields(problems, path, raw)
     name = f.name()
     address = f.text("address", "" if kind == "local" else None, example="203.0.113.10")
-    if address:
-        try:
-            ipaddress.ip_address(address)
-        except ValueError:
-            if not re.match(r"^[A-Za-z0-9.-]+$", address):
-                f.problem("address", f'"{address}" is not an IP address or host name')
+    if address and not is_host(address):
+        f.problem("address", f'"{address}" is not an IP address or host name; {HOST_RULE}')
     ssh_user = "root" if kind == "local" else f.text("ssh_user", "root")
+    if ssh_user and not USER_NAME.match(ssh_user):
+        f.problem("ssh_user", f'"{ssh_user}" is not a login name; {USER_RULE}')
     if kind == "hetzner":
         model = f.text("server_model", example="GEX130")
         offering = catalog.offering("hetzner", model) if model else None
@@ -188,6 +193,8 @@ def _read_tiers(f: Fields) -> tuple[tuple[str, ...], ...]:
         if not names or not all(isinstance(n, str) and n for n in names):
             f.problems.add(path, "expected a site name, or a list of site names that share a tier")
             continue
+        if not all(f.one_line(path.removeprefix(f"{f.path}."), n) for n in names):
+            continue
         tiers.append(tuple(names))
     return tuple(tiers)
 
@@ -238,7 +245,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         gpu_models=f.text_list("gpu_models"),
         models=models,
         command=f.text_list("command"),
-        image=f.text("image", ""),
+        image=_image(f),
         port=f.integer("port", 8000, 1, 65535),
         health_path=health_path,
         cold_start_budget_s=f.integer("cold_start_budget_s", 900, 10, 86400),
@@ -257,6 +264,13 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     return recipe
 
 
+def _image(f: Fields) -> str:
+    image = f.text("image", "")
+    if image and not IMAGE.match(image):
+        f.problem("image", f'"{image}" is not a container image; {IMAGE_RULE}')
+    return image
+
+
 def _check_simulated_pace(f: Fields, simulate: SimulatedServer, stall_timeout_ms: int) -> None:
     """A simulated replica slower than the stall budget would have every stream cut."""
     gap_ms = max(simulate.ttft_ms, simulate.itl_ms)
@@ -271,6 +285,8 @@ def _check_simulated_pace(f: Fields, simulate: SimulatedServer, stall_timeout_ms
 
 def _read_balancer(f: Fields) -> BalancerSpec:
     sites = f.text_list("sites", required=True)
+    if f.has("sites") and f.raw["sites"] == []:
+        f.problem("sites", "is empty; name the site or sites that run the balancer")
     digests = f.text_list("api_key_digests")
     for digest in digests:
         if not DIGEST.match(digest):
@@ -348,6 +364,39 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
                 "balancer.sites",
                 f'site "{name}" is not defined; use one of {", ".join(site_names)}',
             )
+        elif by_name[name].kind not in BALANCER_HOST_KINDS:
+            problems.add(
+                "balancer.sites",
+                f"{name}: a {by_name[name].kind} site cannot host the balancer yet; "
+                f"use one of {', '.join(BALANCER_HOST_KINDS)}",
+            )
+    _check_addresses(problems, stack)
+    stack_port_problems(problems, stack)
+
+
+def _check_addresses(problems: Problems, stack: StackSpec) -> None:
+    """Two nodes on one machine: the spare that should survive the first would die with it."""
+    owners: dict[str, str] = {}
+    for i, site in enumerate(stack.sites):
+        for j, node in enumerate(site.nodes):
+            if not node.address:
+                continue
+            key = _canonical_host(node.address)
+            if key in owners:
+                problems.add(
+                    f"sites[{i}].nodes[{j}].address",
+                    f'"{node.address}" is also the address of {owners[key]}; a spare on the same '
+                    "machine fails with it: give each node its own machine",
+                )
+            else:
+                owners[key] = f"node {node.name} of site {site.name}"
+
+
+def _canonical_host(address: str) -> str:
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        return address.lower().rstrip(".")
 
 
 def site_gpu_models(site: SiteSpec) -> list[str]:

@@ -1,6 +1,7 @@
 """Finding and reading `stacks/Pulumi.<stack>.yaml` and its placement lock."""
 
 import json
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,9 @@ def load_stack_config(stacks_dir: Path, name: str) -> dict[str, Any]:
         known = ", ".join(available_stacks(stacks_dir)) or "none"
         raise StackError([f"--stack: no {path.name} in {stacks_dir.name}/; stacks here: {known}"])
     try:
-        document = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or "not valid YAML"
-        raise StackError([f"{path.name}{where}: {problem}; fix the YAML syntax"]) from None
+        document = parse_yaml(path.read_bytes(), path.name)
+    except OSError as error:
+        raise StackError([f"{path.name}: cannot read it ({error.strerror})"]) from None
     if document is None:
         document = {}
     if not isinstance(document, dict):
@@ -60,6 +58,61 @@ def load_stack_config(stacks_dir: Path, name: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise StackError([f"{path.name}: config: must be a mapping of keys to values"])
     return config
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping.
+
+    PyYAML keeps the last one silently: a second `denv:recipes` drops the whole first list.
+    """
+
+
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+def _refuse_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if not isinstance(key, Hashable):
+            raise _DuplicateKey(f"line {line}: a mapping key must be a plain value")
+        if key in seen:
+            raise _DuplicateKey(
+                f"line {line}: key {key!r} is given twice in one mapping (first on line "
+                f"{seen[key]}); keep one"
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _refuse_duplicates)
+
+
+def parse_yaml(data: bytes, name: str) -> Any:
+    """A YAML document from untrusted bytes; StackError with one line for any problem."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise StackError(
+            [
+                f"{name}: byte 0x{data[error.start]:02x} at offset {error.start} is not UTF-8; "
+                "save the file as UTF-8"
+            ]
+        ) from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no Python objects
+    except _DuplicateKey as error:
+        raise StackError([f"{name} {error}"]) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or "not valid YAML"
+        raise StackError([f"{name}{where}: {problem}; fix the YAML syntax"]) from None
+    except RecursionError:
+        raise StackError([f"{name}: nested too deeply; flatten the YAML"]) from None
 
 
 def load_stack(stacks_dir: Path, name: str) -> StackSpec:

@@ -323,9 +323,10 @@ def test_a_replica_on_the_agents_port_is_refused() -> None:
     args = stacks.local()
     args["recipes"][0]["port"] = 9101
     problems, run = _bad(args)
+    # Refused from the stack alone, before placement, as plain `denv plan` refuses it.
     assert problems[0] == (
-        "recipes: voice: replica voice.local.node-a.0 would take port 9101, used by the node "
-        "agent; give the recipes ports at least 128 apart"
+        "recipes[0].port: replicas on site local take ports 9101-9116, which includes 9101 "
+        "(the node agent); move the recipe's port clear of it"
     )
     assert run.registrations == []
 

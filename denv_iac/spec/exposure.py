@@ -1,0 +1,45 @@
+"""Warnings about what a valid stack exposes: legal, but rarely what anyone means.
+
+Each is one line naming the field and the fix. `denv plan` prints them and still succeeds;
+`denv plan --strict` (for CI) refuses the stack instead.
+"""
+
+import ipaddress
+
+from denv_iac.spec.model import StackSpec
+
+# Kinds whose machines get a cloud firewall from the stack: without admin_cidrs it has no SSH
+# rule, so the deploy cannot reach the machines it just created.
+FIREWALLED_KINDS = ("aws", "lambda", "nebius", "hetzner")
+# Kinds whose endpoint is reachable from other machines (a local stack listens on loopback).
+REMOTE_KINDS = ("aws", "hetzner", "joined")
+
+
+def stack_warnings(stack: StackSpec) -> list[str]:
+    warnings = []
+    for index, site in enumerate(stack.sites):
+        if site.kind not in FIREWALLED_KINDS:
+            continue  # joined machines keep their own SSH rules; local and k8s have none
+        path = f"sites[{index}].admin_cidrs"
+        world = [
+            c for c in site.admin_cidrs if ipaddress.ip_network(c, strict=False).prefixlen == 0
+        ]
+        if world:
+            warnings.append(
+                f"{path}: {', '.join(world)} opens SSH (and the balancer's metrics) to the whole "
+                "internet; list only the addresses you administer from"
+            )
+        if not site.admin_cidrs:
+            warnings.append(
+                f"{path}: none given, so the firewall admits no SSH and the deploy cannot reach "
+                "the machines; add your address, e.g. admin_cidrs: [198.51.100.7/32]"
+            )
+    kinds = {site.name: site.kind for site in stack.sites}
+    balancer = stack.balancer
+    remote = any(kinds.get(site) in REMOTE_KINDS for site in balancer.sites)
+    if remote and not balancer.api_key_digests and balancer.tls_certificate is None:
+        warnings.append(
+            "balancer: the endpoint takes neither API keys nor TLS, so anyone who finds it can "
+            "use the GPUs; add api_key_digests (see `denv key digest`) or a tls_certificate"
+        )
+    return warnings

@@ -1,0 +1,51 @@
+"""What a value may look like before it reaches a unit file, a command line, a rule or a config.
+
+The stack reader and the node spec both check values here, so a value refused in a stack file is
+refused when it comes from a node spec or a command-line flag too. The writers quote what they
+write as well; these checks are what makes a refusal name the field instead of a broken node.
+"""
+
+import ipaddress
+import re
+
+# A host name (RFC 1123 labels) or an IP address. A leading '-' would be read as an option by
+# ssh and every other tool that takes a host, so no label may start with one.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST_NAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
+HOST_RULE = "write a host name in letters, digits, '.' and '-', no part starting with '-'"
+# A login name as useradd accepts it; it goes into SSH logins and sudo.
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+USER_RULE = "use a login name of lower-case letters, digits, '_' and '-', starting with a letter"
+# A container image reference: registry/path:tag or @digest. Its first character may not be '-',
+# or `docker run` would take the image for one of its own options.
+IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
+IMAGE_RULE = "give a container image reference like vllm/vllm-openai:v0.11.0"
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_RULE = "use letters, digits and '_', not starting with a digit"
+
+
+def control_character(text: str) -> str | None:
+    """The first character that would end or bend a line of a unit, env file or rule, if any.
+
+    Newlines start a new directive in a systemd unit and a new variable in an env file; the
+    other C0/C1 controls and the Unicode line separators are no safer in a log or a terminal.
+    """
+    for character in text:
+        code = ord(character)
+        if code < 0x20 or 0x7F <= code < 0xA0 or character in "\u2028\u2029":
+            return character
+    return None
+
+
+def describe_character(character: str) -> str:
+    return {"\n": "a newline", "\r": "a carriage return", "\t": "a tab"}.get(
+        character, f"the control character U+{ord(character):04X}"
+    )
+
+
+def is_host(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return bool(HOST_NAME.match(text))
+    return True

@@ -1,0 +1,189 @@
+"""Mistaken calls of `denv` end in one line per problem and exit 2: never a traceback.
+
+Each case is run through the real command line; `--strict` turns the warnings into refusals.
+"""
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+
+from denv_iac.cli import main
+from tests.stacks import SECRET
+
+WORLD_OPEN: dict[str, Any] = {
+    "denv:sites": [
+        {
+            "name": "office",
+            "kind": "joined",
+            "ssh_private_key": SECRET,
+            "nodes": [{"name": "rack-1", "address": "192.0.2.10", "gpu": "L40S", "gpus": 2}],
+        },
+        {
+            "name": "aws-a",
+            "kind": "aws",
+            "region": "us-east-1",
+            "instance_type": "p5.48xlarge",
+            "max_nodes": 2,
+            "admin_cidrs": ["0.0.0.0/0", "::/0"],
+            "ssh_private_key": SECRET,
+        },
+        {
+            "name": "aws-b",
+            "kind": "aws",
+            "region": "us-west-2",
+            "instance_type": "p5.48xlarge",
+            "max_nodes": 2,
+            "ssh_private_key": SECRET,
+        },
+    ],
+    "denv:recipes": [{"name": "voice", "min_warm": 1, "sites": ["office", "aws-a", "aws-b"]}],
+    "denv:balancer": {"sites": ["office"]},
+}
+WARNINGS = [
+    "sites[1].admin_cidrs: 0.0.0.0/0, ::/0 opens SSH (and the balancer's metrics) to the whole "
+    "internet; list only the addresses you administer from",
+    "sites[2].admin_cidrs: none given, so the firewall admits no SSH and the deploy cannot reach "
+    "the machines; add your address, e.g. admin_cidrs: [198.51.100.7/32]",
+    "balancer: the endpoint takes neither API keys nor TLS, so anyone who finds it can use the "
+    "GPUs; add api_key_digests (see `denv key digest`) or a tls_certificate",
+]
+
+
+def denv(*args: str, stdin: bytes | None = None) -> Result:
+    return CliRunner().invoke(main, list(args), input=stdin)
+
+
+def stack_dir(tmp_path: Path, text: str | bytes) -> Path:
+    (tmp_path / "Pulumi.s.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+    return tmp_path
+
+
+def plan(folder: Path, *args: str) -> Result:
+    return denv("plan", "--stack", "s", "--stacks-dir", str(folder), *args)
+
+
+def refused(result: Result, *lines: str) -> None:
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {line}" for line in lines]
+
+
+def test_warnings_are_one_line_each_and_exit_0(tmp_path: Path) -> None:
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": WORLD_OPEN})))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"warning: {line}" for line in WARNINGS]
+
+
+def test_strict_makes_the_warnings_refusals(tmp_path: Path) -> None:
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": WORLD_OPEN})), "--strict")
+    refused(result, *(f"{line} (--strict)" for line in WARNINGS))
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    text = "config:\n  denv:recipes: []\n  denv:sites: []\n  denv:recipes: [{name: v}]\n"
+    refused(
+        plan(stack_dir(tmp_path, text)),
+        "Pulumi.s.yaml line 4: key 'denv:recipes' is given twice in one mapping (first on line "
+        "2); keep one",
+    )
+
+
+def test_a_latin1_byte_is_refused(tmp_path: Path) -> None:
+    refused(
+        plan(stack_dir(tmp_path, b"config:\n  denv:sites: caf\xe9\n")),
+        "Pulumi.s.yaml: byte 0xe9 at offset 25 is not UTF-8; save the file as UTF-8",
+    )
+
+
+def test_an_integer_config_key_is_refused(tmp_path: Path) -> None:
+    config = yaml.safe_dump({"config": {**WORLD_OPEN, 7: "x"}})
+    refused(
+        plan(stack_dir(tmp_path, config)),
+        "7: config keys are names like denv:sites; quote this one",
+    )
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_non_finite_port_is_refused(tmp_path: Path, value: str) -> None:
+    config = {**WORLD_OPEN, "denv:balancer": {"sites": ["office"], "port": "PORT"}}
+    text = yaml.safe_dump({"config": config}).replace("PORT", value)
+    shown = {".nan": "nan", ".inf": "inf", "-.inf": "-inf"}[value]
+    refused(
+        plan(stack_dir(tmp_path, text)),
+        f"balancer.port: expected a whole number, got {shown} (not a finite number)",
+    )
+
+
+def test_plan_json_into_a_missing_folder(tmp_path: Path) -> None:
+    folder = stack_dir(tmp_path, yaml.safe_dump({"config": WORLD_OPEN}))
+    target = tmp_path / "missing" / "plan.json"
+    refused(
+        plan(folder, "--json", str(target)),
+        f"--json {target}: folder {target.parent} does not exist; create it first",
+    )
+
+
+def test_plan_json_onto_a_folder(tmp_path: Path) -> None:
+    folder = stack_dir(tmp_path, yaml.safe_dump({"config": WORLD_OPEN}))
+    refused(
+        plan(folder, "--json", str(tmp_path)),
+        f"--json {tmp_path}: is a folder; give a file name, e.g. --json {tmp_path / 'out'}",
+    )
+
+
+def test_key_digest_of_bytes_that_are_not_utf8() -> None:
+    result = denv("key", "digest", stdin=b"caf\xe9\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "dafd66c0b98965e688be1fc12942c09f0350e6be0685017c3f234e97d0adc92e\n"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://", "URL: 'http://' is not an http(s) URL with a host; e.g. http://127.0.0.1:8080"),
+        (
+            "http://[::1",
+            "URL: 'http://[::1' is not a valid URL (Invalid port: ':1'); e.g. http://127.0.0.1:8080",
+        ),
+        ("ftp://x", "URL: 'ftp://x' is not an http(s) URL with a host; e.g. http://127.0.0.1:8080"),
+    ],
+)
+def test_bench_refuses_a_url_it_cannot_load(url: str, message: str) -> None:
+    refused(denv("bench", url, "--pool", "voice", "--requests", "1"), message)
+
+
+def test_bench_duration_nan_is_refused() -> None:
+    refused(
+        denv("bench", "http://127.0.0.1:9", "--pool", "v", "--duration", "nan"),
+        "--duration: nan is not a number of seconds; e.g. --duration 30",
+    )
+
+
+def test_bench_json_into_a_missing_folder_is_refused_before_the_load(tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "bench.json"
+    start = time.monotonic()
+    result = denv(
+        "bench", "http://127.0.0.1:9", "--pool", "v", "--duration", "3600", "--json", str(target)
+    )
+    refused(result, f"--json {target}: folder {target.parent} does not exist; create it first")
+    assert time.monotonic() - start < 30  # an hour of load would have run first
+
+
+def test_node_join_with_an_empty_host() -> None:
+    refused(
+        denv("node", "join", "", "--site", "office", "--dry"),
+        "HOST: empty; give [user@]host[:port], @local or @chroot/<path>",
+    )
+
+
+def test_node_join_dry_with_an_ssh_option_as_host_opens_no_ssh() -> None:
+    # Refused before any connection: ssh would have taken it as -o ProxyCommand=...
+    refused(
+        denv("node", "join", "--site", "office", "--dry", "--", "-oProxyCommand=touch /tmp/x"),
+        "HOST '-oProxyCommand=touch /tmp/x': not an IP address or host name; write a host name "
+        "in letters, digits, '.' and '-', no part starting with '-'",
+    )
