@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from denv_iac.balancer.model import BalancerSettings
-from denv_iac.components.security import AGENT_PORT, PORTS_PER_GPU, replica_port
 from denv_iac.placement import PlacedReplica
 from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
+from denv_iac.spec.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
 
 Manifest = dict[str, Any]
 

@@ -4,8 +4,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from denv_iac.catalog import Catalog, load_catalog
+from denv_iac.kube_manifests import site_problems
 from denv_iac.placement import PlacedNode, Placement, place_replicas
-from denv_iac.spec.model import SiteSpec, StackSpec
+from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
+from denv_iac.spec.ports import placed_port_problems
+from denv_iac.spec.reader import StackError
 
 HOURS_PER_MONTH = 730
 
@@ -72,9 +75,38 @@ def node_price(site: SiteSpec, node: PlacedNode, catalog: Catalog) -> tuple[floa
     return offering.usd_per_gpu_hour, offering.price_read
 
 
+def deploy_problems(stack: StackSpec, placement: Placement) -> list[str]:
+    """What the sites cannot run as placed. `denv plan` and Cluster both refuse a stack on these,
+    so a plan that succeeds is one `pulumi up` accepts."""
+    problems = placed_port_problems(stack, placement.replicas)
+    problems += imageless_problems(stack, placement)
+    for site in stack.sites:
+        if site.kind == "kubernetes":
+            problems += site_problems(site, stack.recipes)
+    return problems
+
+
+def imageless_problems(stack: StackSpec, placement: Placement) -> list[str]:
+    """Replicas on machines reached over SSH run in containers: their recipe needs an image."""
+    found: dict[str, set[str]] = {}
+    for recipe in stack.recipes:
+        for replica in placement.replicas_of(recipe.name):
+            if not recipe.image and stack.site(replica.site).kind in SSH_SITE_KINDS:
+                found.setdefault(recipe.name, set()).add(replica.site)
+    return [
+        f"recipes: {name}: give an image; its replicas run in containers on "
+        f"{', '.join(sorted(sites))}, reached over SSH"
+        for name, sites in found.items()
+    ]
+
+
 def make_plan(stack: StackSpec, previous: list[str] | None = None) -> Plan:
+    """The stack placed and priced; StackError with every problem the sites would have."""
     catalog = load_catalog()
     placement = place_replicas(stack, previous or (), catalog)
+    problems = deploy_problems(stack, placement)
+    if problems:
+        raise StackError(problems)
     costs = []
     for node in placement.nodes:
         if node.replicas == 0 and not node.create:

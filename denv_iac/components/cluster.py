@@ -19,7 +19,6 @@ from denv_iac.components.naming import child_name
 from denv_iac.components.nebius import nebius_site
 from denv_iac.components.node_setup import (
     CLOUD_SITE_KINDS,
-    SSH_SITE_KINDS,
     NodeSetup,
     NodeSetupArgs,
     balancer_ssh_user,
@@ -36,15 +35,13 @@ from denv_iac.components.secrets import (
 )
 from denv_iac.components.security import (
     AGENT_PORT,
-    AGENT_PORTS,
-    MAX_GPUS_PER_NODE,
-    PORTS_PER_GPU,
     replica_port,
 )
 from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
 from denv_iac.node import NodeDeploySpec
 from denv_iac.placement import Placement, place_replicas
-from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
+from denv_iac.plan import deploy_problems
+from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError, read_stack
 
 _EXISTING_NODE_SITES = {"hetzner": HetznerSite, "joined": JoinedSite, "local": LocalSite}
@@ -105,7 +102,9 @@ def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement
     if problems:
         raise StackError(problems)
     placement = place_replicas(stack, args.get("previous", ()))
-    _check_ports(stack, placement)
+    problems = deploy_problems(stack, placement)
+    if problems:
+        raise StackError(problems)
     return stack, placement, secrets
 
 
@@ -126,26 +125,6 @@ def _key_problems(raw_sites: Sequence[Mapping[str, Any]], stack: StackSpec) -> l
             except ValueError as error:
                 problems.append(f"sites: {raw['name']}.{error}")
     return problems
-
-
-def _check_ports(stack: StackSpec, placement: Placement) -> None:
-    """Two replicas on one node, or a replica and the agent, must never share a port."""
-    taken: dict[tuple[str, str, int], str] = {}
-    problems = []
-    apart = PORTS_PER_GPU * MAX_GPUS_PER_NODE
-    recipes = {recipe.name: recipe for recipe in stack.recipes}
-    for replica in placement.replicas:
-        port = replica_port(recipes[replica.pool], replica)
-        where = (replica.site, replica.node, port)
-        if port in AGENT_PORTS or where in taken:
-            other = taken.get(where, "the node agent")
-            problems.append(
-                f"recipes: {replica.pool}: replica {replica.id} would take port {port}, used by "
-                f"{other}; give the recipes ports at least {apart} apart"
-            )
-        taken[where] = replica.id
-    if problems:
-        raise StackError(problems)
 
 
 class Cluster(pulumi.ComponentResource):

@@ -40,11 +40,10 @@ from denv_iac.node.deploy import connect, quiet_progress
 from denv_iac.node.plan import fact_query
 from denv_iac.node.replicas import stale_steps as stale_replica_steps
 from denv_iac.placement import Placement
-from denv_iac.spec.model import SiteSpec, StackSpec
+from denv_iac.plan import imageless_problems
+from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError
 
-# Sites whose machines the deploy reaches over SSH; a local site's nodes are this machine.
-SSH_SITE_KINDS = ("aws", "hetzner", "joined", "lambda", "nebius")
 # Sites that create their machines from a provider's image, with the site's SSH key. The
 # image ships the NVIDIA driver (the deploy keeps a working one) and logs in as CLOUD_SSH_USER:
 # the Deep Learning AMIs, Lambda's images, and the user cloud-init makes on Nebius nodes.
@@ -85,11 +84,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
     addresses are left out: they are known only once the hosts exist.
     """
     recipes = {recipe.name: recipe for recipe in stack.recipes}
-    problems = [
-        f"recipes: {name}: give an image; its replicas run in containers on "
-        f"{', '.join(sorted(sites))}, reached over SSH"
-        for name, sites in _imageless(stack, placement).items()
-    ]
+    problems = imageless_problems(stack, placement)
     if problems:
         raise StackError(problems)
     specs = {}
@@ -131,15 +126,6 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
             where = f"sites: {node.site}.{node.name}"
             raise StackError([f"{where}: {p}" for p in error.problems]) from None
     return specs
-
-
-def _imageless(stack: StackSpec, placement: Placement) -> dict[str, set[str]]:
-    found: dict[str, set[str]] = {}
-    for recipe in stack.recipes:
-        for replica in placement.replicas_of(recipe.name):
-            if not recipe.image and stack.site(replica.site).kind in SSH_SITE_KINDS:
-                found.setdefault(recipe.name, set()).add(replica.site)
-    return found
 
 
 def node_ssh_user(site: SiteSpec, node: str) -> str:

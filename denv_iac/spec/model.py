@@ -12,6 +12,8 @@ SITE_KINDS = (
     "kubernetes",
     "local",
 )
+# Sites whose machines the deploy reaches over SSH; a local site's nodes are this machine.
+SSH_SITE_KINDS = ("aws", "hetzner", "joined", "lambda", "nebius")
 # Where a balancer can run: a machine made for it (aws, hetzner) or a listed node (joined, local).
 BALANCER_HOST_KINDS = ("aws", "hetzner", "joined", "local")
 Survive = Literal["node", "site"]

@@ -31,9 +31,44 @@ class Slot(Protocol):
     def slice(self) -> int | None: ...
 
 
+class Placed(Slot, Protocol):
+    """A placed replica, as the port plan of its node needs it."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def pool(self) -> str: ...
+
+    @property
+    def site(self) -> str: ...
+
+    @property
+    def node(self) -> str: ...
+
+
 def replica_port(recipe: RecipeSpec, replica: Slot) -> int:
     """A replica's port on its node: fixed by its GPU and slice, so it never moves."""
     return recipe.port + replica.gpu * PORTS_PER_GPU + (replica.slice or 0)
+
+
+def placed_port_problems(stack: StackSpec, replicas: Iterable[Placed]) -> list[str]:
+    """Two replicas on one node, or a replica and the agent, must never share a port."""
+    taken: dict[tuple[str, str, int], str] = {}
+    problems = []
+    apart = PORTS_PER_GPU * MAX_GPUS_PER_NODE
+    recipes = {recipe.name: recipe for recipe in stack.recipes}
+    for replica in replicas:
+        port = replica_port(recipes[replica.pool], replica)
+        where = (replica.site, replica.node, port)
+        if port in AGENT_PORTS or where in taken:
+            other = taken.get(where, "the node agent")
+            problems.append(
+                f"recipes: {replica.pool}: replica {replica.id} would take port {port}, used by "
+                f"{other}; give the recipes ports at least {apart} apart"
+            )
+        taken[where] = replica.id
+    return problems
 
 
 def recipe_port_range(recipe: RecipeSpec, gpus_per_node: int) -> tuple[int, int]:

@@ -21,7 +21,8 @@ from denv_iac.components.node_setup import (
     spec_to_json,
 )
 from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
-from denv_iac.spec.reader import StackError
+from denv_iac.placement import place_replicas
+from denv_iac.spec.reader import StackError, read_stack
 from tests.components import stacks
 from tests.components.harness import cluster_outputs, plain_strings, run_program
 from tests.components.test_lambda import lambda_stack
@@ -294,13 +295,21 @@ def test_node_specs_place_replicas_on_their_gpu_or_mig_instance_with_recipe_port
 def test_a_recipe_without_an_image_on_an_ssh_site_is_one_line_naming_the_field() -> None:
     args = stacks.multicloud()
     del args["recipes"][0]["image"]
-    stack, placement, _ = validate_cluster("prod", args)
-    with pytest.raises(StackError) as error:
-        node_deploy_specs(stack, placement)
-    assert str(error.value) == (
+    expected = (
         "recipes: voice: give an image; its replicas run in containers on aws-use1, "
         "reached over SSH"
     )
+    # Refused with the rest of the stack's checks, before any node spec is built ...
+    with pytest.raises(StackError) as error:
+        validate_cluster("prod", args)
+    assert str(error.value) == expected
+    # ... and by the node specs themselves, for a caller that placed the stack on its own.
+    stack = read_stack(
+        "prod", {f"denv:{key}": args[key] for key in ("sites", "recipes", "balancer")}
+    )
+    with pytest.raises(StackError) as error:
+        node_deploy_specs(stack, place_replicas(stack))
+    assert str(error.value) == expected
 
 
 root = chroot.root
