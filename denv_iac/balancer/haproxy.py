@@ -39,6 +39,33 @@ _ERROR_UNKNOWN_POOL = (
     '{"error":{"type":"invalid_request_error","code":"model_not_found",'
     '"message":"unknown pool: set the model field or the X-Denv-Pool header to a served pool"}}'
 )
+_ERROR_NO_SUCH_ENDPOINT = (
+    '{"error":{"type":"invalid_request_error","code":"not_found",'
+    '"message":"no such endpoint: the endpoint serves POST /v1/chat/completions, /v1/completions,'
+    ' /v1/embeddings, /v1/audio/*, GET /v1/realtime, /v1/models and /health"}}'
+)
+# The endpoint's API surface, decided here alone: what it forwards to a pool's replicas, by
+# method. Everything else is answered by the balancer and never forwarded: a replica's own
+# control, metrics and admin paths are not the public's.
+API_ROUTES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "POST",
+        (
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/embeddings",
+            "/v1/audio/speech",
+            "/v1/audio/transcriptions",
+            "/v1/audio/translations",
+        ),
+    ),
+    ("GET", ("/v1/realtime",)),
+)
+HEALTH_PATH = "/health"
+_HEALTH_OK = '{"status":"ok"}'
+_HEALTH_UNAVAILABLE = '{"status":"unavailable","message":"a pool has no healthy replica"}'
+MODELS_PATH = "/v1/models"
+REQUEST_ID_HEADER = "X-Request-Id"
 # HAProxy's own error pages, as JSON like every other answer of the endpoint.
 _HAPROXY_ERRORS = {
     502: '{"error":{"type":"service_unavailable","code":"bad_gateway",'
@@ -196,6 +223,25 @@ def _endpoint_frontend(
         "option http-buffer-request",
         "# Only the balancer says which replica served.",
         "http-request del-header X-Denv-Replica",
+        "",
+        f"# Every answer carries {REQUEST_ID_HEADER}, the client's when it sent one; the replica",
+        "# gets it too, and this log shows it among the captured headers.",
+        f"http-request set-header {REQUEST_ID_HEADER} %[uuid]"
+        f" unless {{ req.hdr({REQUEST_ID_HEADER}) -m found }}",
+        f"http-request set-var(txn.request_id) req.hdr({REQUEST_ID_HEADER})",
+        "http-request capture var(txn.request_id) len 64",
+        f"http-after-response set-header {REQUEST_ID_HEADER} %[var(txn.request_id)]",
+        "",
+        *_health_answer(pools),
+        "",
+        "# The API surface: anything else is answered here, never forwarded to a replica.",
+        *(f"acl api:{method} path {' '.join(paths)}" for method, paths in API_ROUTES),
+        f"acl api:models path {MODELS_PATH}",
+        "http-request return status 404 content-type application/json"
+        f" string '{_ERROR_NO_SUCH_ENDPOINT}' unless "
+        + " || ".join(
+            [*(f"METH_{method} api:{method}" for method, _ in API_ROUTES), "METH_GET api:models"]
+        ),
     ]
     if settings.api_key_digests:
         lines += [
@@ -209,11 +255,18 @@ def _endpoint_frontend(
         ]
     lines += [
         "",
-        "# Pool: the X-Denv-Pool header when sent, else the model field of the JSON body.",
+        "# The served models are the pools, as OpenAI's model list.",
+        "http-request return status 200 content-type application/json"
+        f" string '{_models_list(pools)}' if METH_GET api:models",
+        "",
+        "# Pool: the X-Denv-Pool header when sent, else the model field of the JSON body, or",
+        "# of the query string for a GET (a realtime session: /v1/realtime?model=voice).",
         "acl pool_header req.hdr(X-Denv-Pool) -m found",
         f"http-request set-var(txn.pool) req.hdr(X-Denv-Pool),map({maps.pools}) if pool_header",
         "http-request set-var(txn.pool)"
-        f" req.body,json_query('$.model'),map({maps.pools}) unless pool_header",
+        f" req.body,json_query('$.model'),map({maps.pools}) if !pool_header METH_POST",
+        f"http-request set-var(txn.pool) url_param(model),map({maps.pools})"
+        " if !pool_header METH_GET",
         "http-request return status 404 content-type application/json"
         f" string '{_ERROR_UNKNOWN_POOL}' unless {{ var(txn.pool) -m found }}",
     ]
@@ -231,6 +284,33 @@ def _endpoint_frontend(
         ["The endpoint: authenticate, pick the pool, then the most preferred tier with a replica."],
         lines,
     )
+
+
+def _health_answer(pools: Sequence[BalancerPool]) -> list[str]:
+    """`GET /health` for load balancers and DNS checks in front, without a key: 503 while a
+    pool has no healthy replica in any tier (a line per pool: HAProxy caps a line's words),
+    else 200."""
+    return [
+        f"# {HEALTH_PATH} for checks in front (no key needed): 503 while a pool has no healthy",
+        "# replica in any of its tiers.",
+        f"acl health path {HEALTH_PATH}",
+        *(
+            "http-request return status 503 content-type application/json"
+            f" string '{_HEALTH_UNAVAILABLE}' if METH_GET health "
+            + " ".join(f"{{ nbsrv({tier_backend_name(pool, tier)}) eq 0 }}" for tier in pool.tiers)
+            for pool in pools
+        ),
+        "http-request return status 200 content-type application/json"
+        f" string '{_HEALTH_OK}' if METH_GET health",
+    ]
+
+
+def _models_list(pools: Sequence[BalancerPool]) -> str:
+    """OpenAI's `GET /v1/models` answer: one model per pool (names are JSON-safe, validated)."""
+    models = ",".join(
+        f'{{"id":"{pool.name}","object":"model","owned_by":"denv"}}' for pool in pools
+    )
+    return f'{{"object":"list","data":[{models}]}}'
 
 
 def _pool_routing(pool: BalancerPool) -> list[str]:

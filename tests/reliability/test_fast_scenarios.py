@@ -12,7 +12,7 @@ if shutil.which("haproxy") is None:
     pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
 
 NO_NETNS = unavailable_reason()
-OVERSHOOT_IN_SUITE_MS = 250
+OVERSHOOT_IN_SUITE_MS = 400
 # The done-when line of the recovery work: a replica whose fault cleared serves within 1 s.
 RECOVERED_WITHIN_MS = 1000
 # Recovery that waits on more than a health check: the agent's first-token probe (every

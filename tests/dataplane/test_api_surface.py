@@ -1,0 +1,100 @@
+"""The endpoint's API surface through a real HAProxy: what it forwards, what it answers itself."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .dataplane_harness import Dataplane
+
+VOICE = ("voice.home-a.n0.0", "voice.home-b.n1.0", "voice.fallback.n2.0")
+
+
+def _replica_requests(plane: Dataplane) -> int:
+    return sum(r.stats()["requests"] for r in plane.replicas.values())
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/control/fault"),  # the simulator's own fault switch
+        ("GET", "/stats"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/chat/completions/../../control/fault"),
+        ("GET", "/v1/chat/completions"),
+        ("DELETE", "/v1/models"),
+        ("POST", "/v2/chat/completions"),
+    ],
+)
+def test_anything_off_the_api_is_answered_by_the_balancer(
+    dataplane: Dataplane, method: str, path: str
+) -> None:
+    with dataplane.client() as client:
+        response = client.request(method, path, json={"mode": "exit", "model": "voice"})
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+    assert "x-denv-replica" not in response.headers
+    assert _replica_requests(dataplane) == 0
+    # Nothing was forwarded: every replica still runs.
+    assert all(r.process.running for r in dataplane.replicas.values())
+
+
+def test_models_lists_the_pools(dataplane: Dataplane) -> None:
+    with dataplane.client() as client:
+        response = client.get("/v1/models")
+    assert response.status_code == 200
+    assert response.json() == {
+        "object": "list",
+        "data": [
+            {"id": "llm", "object": "model", "owned_by": "denv"},
+            {"id": "voice", "object": "model", "owned_by": "denv"},
+        ],
+    }
+    assert _replica_requests(dataplane) == 0
+
+
+def test_health_says_whether_every_pool_can_serve(dataplane: Dataplane) -> None:
+    with dataplane.client() as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        for replica_id in VOICE:
+            dataplane.agent.set_reply(replica_id, "down #xid 79")
+        dataplane.wait_until(
+            lambda: all(dataplane.status()[r].startswith("DOWN") for r in VOICE), 3, "voice down"
+        )
+        down = client.get("/health")
+        assert down.status_code == 503 and down.json()["status"] == "unavailable"
+        for replica_id in VOICE:
+            dataplane.agent.set_reply(replica_id, "up ready 100%")
+        dataplane.wait_until(lambda: client.get("/health").status_code == 200, 3, "health back")
+
+
+def test_every_answer_carries_a_request_id_the_replica_saw_too(dataplane: Dataplane) -> None:
+    with dataplane.client() as client:
+        kept = client.post(
+            "/v1/chat/completions",
+            json={"model": "voice", "max_tokens": 1},
+            headers={"X-Request-Id": "turn-42"},
+        )
+        made = client.post("/v1/chat/completions", json={"model": "voice", "max_tokens": 1})
+        refused = client.post("/v1/chat/completions", json={"model": "nope"})
+        off_api = client.get("/nowhere")
+    assert kept.headers["x-request-id"] == "turn-42"
+    assert dataplane.total_requests("turn-42") == 1
+    generated = made.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}", generated)
+    assert dataplane.total_requests(generated) == 1
+    for answer in (refused, off_api):
+        assert answer.status_code == 404 and answer.headers["x-request-id"]
+    assert dataplane.haproxy is not None
+    log = dataplane.haproxy.log_path.read_text()
+    assert "{turn-42}" in log and f"{{{generated}}}" in log
+
+
+def test_realtime_sessions_are_routed_by_the_model_in_the_query(dataplane: Dataplane) -> None:
+    with dataplane.client() as client:
+        response = client.get("/v1/realtime", params={"model": "voice"})
+        unknown = client.get("/v1/realtime", params={"model": "nope"})
+    # Forwarded to a voice replica (the simulator itself speaks no realtime protocol yet).
+    assert response.headers["x-denv-replica"].startswith("voice.")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
