@@ -379,17 +379,27 @@ async def _load_with_fault(
         await asyncio.sleep(duration_s / 3)
         since = time.perf_counter()
         acting = asyncio.create_task(asyncio.to_thread(scenario.fault, cluster, state))
-        if scenario.faulty is not None:
-            # Watched while the fault acts: a repair has the node back in rotation when done.
-            out_after.append(
-                await asyncio.to_thread(_wait_out_of_rotation, state, scenario.faulty, since)
+        # Watched while the fault acts: a repair has the node back in rotation when done.
+        watching = (
+            asyncio.create_task(
+                asyncio.to_thread(_wait_out_of_rotation, state, scenario.faulty, since)
             )
+            if scenario.faulty is not None
+            else None
+        )
         await acting
+        healing = since
         if scenario.clear is not None:
             await asyncio.sleep(max(0.0, since + duration_s / 3 - time.perf_counter()))
-            since = time.perf_counter()
+            healing = time.perf_counter()
             await asyncio.to_thread(scenario.clear, cluster, state)
-        recovered_after.append(await asyncio.to_thread(_wait_full_strength, state, since))
+        else:
+            # It heals by itself, maybe before the balancer even noticed: wait for the pool to
+            # be seen short first (a dead process, a server out), so recovery is not read early.
+            await asyncio.to_thread(_wait_short, state)
+        recovered_after.append(await asyncio.to_thread(_wait_full_strength, state, healing))
+        if watching is not None:
+            out_after.append(await watching)
 
     fallback = (cluster.add_balancer()[0],) if scenario.second_balancer else ()
     task = asyncio.create_task(fault())
@@ -436,6 +446,14 @@ def at_full_strength(state: RunState) -> bool:
         and all(ours(r.pid, REPLICA_MARK) for r in state.replicas)
         and all(ours(a.pid, AGENT_MARK) for a in state.agents)
     )
+
+
+def _wait_short(state: RunState, limit_s: float = 1.0) -> None:
+    """Until the pool is seen below full strength, for at most `limit_s` (a fault that never
+    showed, like a reload, is not waited for)."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline and at_full_strength(state):
+        time.sleep(0.005)
 
 
 def _wait_full_strength(state: RunState, since: float) -> float | None:
