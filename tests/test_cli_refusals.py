@@ -40,7 +40,14 @@ WORLD_OPEN: dict[str, Any] = {
             "ssh_private_key": SECRET,
         },
     ],
-    "denv:recipes": [{"name": "voice", "min_warm": 1, "sites": ["office", "aws-a", "aws-b"]}],
+    "denv:recipes": [
+        {
+            "name": "voice",
+            "image": "vllm/vllm-openai:v0.11.0",
+            "min_warm": 1,
+            "sites": ["office", "aws-a", "aws-b"],
+        }
+    ],
     "denv:balancer": {"sites": ["office"]},
 }
 WARNINGS = [
@@ -187,3 +194,39 @@ def test_node_join_dry_with_an_ssh_option_as_host_opens_no_ssh() -> None:
         "HOST '-oProxyCommand=touch /tmp/x': not an IP address or host name; write a host name "
         "in letters, digits, '.' and '-', no part starting with '-'",
     )
+
+
+def _project(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (root / "stacks").mkdir(parents=True)
+    (root / "Pulumi.yaml").write_text("name: p\nruntime: python\n")
+    monkeypatch.chdir(root)
+    return root
+
+
+def test_local_down_touches_nothing_outside_the_project(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path / "a" / "b", monkeypatch)
+    outside = project / ".denv" / ".." / ".." / "x" / "state.json"
+    outside.parent.mkdir(parents=True)
+    outside.write_text("{}")
+    refused(
+        denv("local", "down", "--stack", "../../x"),
+        "--stack: '../../x' is not a stack name; use letters, digits, '.', '_' and '-', starting "
+        "with a letter or digit",
+    )
+    assert outside.read_text() == "{}"
+
+
+def test_local_down_with_a_truncated_state_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = _project(tmp_path, monkeypatch) / ".denv" / "local" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text('{"replicas": [')
+    refused(
+        denv("local", "down", "--stack", "local"),
+        f"{state.resolve()}: unreadable (Expecting value: line 1 column 15 (char 14)); stop the "
+        "stack's processes by hand (pgrep -f denv) and delete the file",
+    )
+    assert state.exists()

@@ -355,6 +355,43 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "hetzner, joined, local",
     ),
     (
+        "address of dots",
+        lambda c: site(c, 5)["nodes"][0].update(address="..."),
+        'sites[5].nodes[0].address: "..." is not an IP address or host name; write a host name '
+        "in letters, digits, '.' and '-', no part starting with '-'",
+    ),
+    (
+        "machine names collide",
+        lambda c: c["denv:sites"].append(
+            {
+                "name": "local-node",
+                "kind": "local",
+                "nodes": [{"name": "a", "gpu": "L4", "gpus": 1}],
+            }
+        ),
+        "sites[7].nodes[0].name: node a of site local-node makes the machine name local-node-a, "
+        "as node node-a of site local does; rename a site or a node",
+    ),
+    (
+        "system namespace",
+        lambda c: site(c, 6).update(namespace="kube-system"),
+        'sites[6].namespace: "kube-system" belongs to Kubernetes; the site creates and owns its '
+        "namespace, so give one of its own, e.g. denv",
+    ),
+    (
+        "kubernetes service name starting with a digit",
+        lambda c: c["denv:recipes"].append(
+            {"name": "7b", "min_warm": 1, "sites": ["k8s"], "image": "vllm/vllm-openai:v0.11.0"}
+        ),
+        'recipes[3].name: "7b" names the Kubernetes Service of its pool on k8s, which must start '
+        "with a letter; rename it",
+    ),
+    (
+        "one mount path twice",
+        lambda c: recipe(c, 0).update(cache_dirs=["/c", "/c/"]),
+        'recipes[0].cache_dirs: "/c" is listed twice; one volume mounts at each path',
+    ),
+    (
         "site name with a newline",
         lambda c: recipe(c, 2).update(sites=["office\nhetzner-fsn"]),
         "recipes[2].sites[0]: 'office\\nhetzner-fsn' holds a newline; write it on one line",

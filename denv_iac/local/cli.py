@@ -134,10 +134,9 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
 def down(stack_name: str) -> None:
     """Stop a detached local data plane, process by recorded pid."""
     try:
-        directory = run_dir(find_stacks_dir().parent, stack_name)
+        stopped = stop_recorded(run_dir(find_stacks_dir().parent, stack_name))
     except StackError as error:
         fail(error.problems)
-    stopped = stop_recorded(directory)
     click.echo(f"stopped {stopped} processes" if stopped else f"{stack_name} is not running")
 
 

@@ -31,6 +31,7 @@ from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.placement import PlacedReplica, place_replicas
 from denv_iac.spec.model import RecipeSpec, StackSpec
 from denv_iac.spec.reader import StackError
+from denv_iac.spec.stackfile import check_stack_name
 
 HOST = "127.0.0.1"
 Progress = Callable[[str], None]
@@ -113,7 +114,7 @@ class RunState:
 
 
 def run_dir(project: Path, stack: str) -> Path:
-    return project / ".denv" / stack
+    return project / ".denv" / check_stack_name(stack)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -631,7 +632,15 @@ def stop_recorded(directory: Path) -> int:
     state_file = directory / STATE_FILE
     if not state_file.exists():
         return 0
-    state = RunState.from_json(state_file.read_text())
+    try:
+        state = RunState.from_json(state_file.read_text())
+    except (ValueError, TypeError, KeyError) as error:
+        raise StackError(
+            [
+                f"{state_file}: unreadable ({error}); stop the stack's processes by hand "
+                "(pgrep -f denv) and delete the file"
+            ]
+        ) from None
     targets = _recorded_processes(state)
     stopped = 0
     for pid, marker, group in targets:

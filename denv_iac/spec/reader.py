@@ -124,7 +124,7 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
             kind,
             **common,
             kubeconfig=f.secret("kubeconfig", required=True, how=SSH_KEY_HOW),
-            namespace=f.name("namespace") if f.has("namespace") else "denv",
+            namespace=_namespace(f),
             gpu=_gpu_model(f, "gpu", catalog),
             gpus_per_node=f.integer("gpus_per_node", None, 1, 16),
             max_nodes=f.integer("max_nodes", None, 1, 1000),
@@ -132,6 +132,22 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
     if kind:  # with the kind unknown, which keys belong is unknown too
         f.finish()
     return site
+
+
+# Namespaces Kubernetes itself runs in: a site creates and owns its namespace, and deleting the
+# stack would delete it.
+SYSTEM_NAMESPACES = ("default", "kube-node-lease", "kube-public", "kube-system")
+
+
+def _namespace(f: Fields) -> str:
+    namespace = f.name("namespace") if f.has("namespace") else "denv"
+    if namespace in SYSTEM_NAMESPACES:
+        f.problem(
+            "namespace",
+            f'"{namespace}" belongs to Kubernetes; the site creates and owns its namespace, so '
+            "give one of its own, e.g. denv",
+        )
+    return namespace
 
 
 def _read_cloud_site(
@@ -260,6 +276,8 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     for cache_dir in recipe.cache_dirs:
         if not cache_dir.startswith("/"):
             f.problem("cache_dirs", f'"{cache_dir}" is not an absolute path; start it with /')
+    for dup in _duplicates([d.rstrip("/") for d in recipe.cache_dirs]):
+        f.problem("cache_dirs", f'"{dup}" is listed twice; one volume mounts at each path')
     f.finish()
     return recipe
 
@@ -371,7 +389,35 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
                 f"use one of {', '.join(BALANCER_HOST_KINDS)}",
             )
     _check_addresses(problems, stack)
+    _check_machine_names(problems, stack)
+    for i, recipe in enumerate(stack.recipes):
+        on_kubernetes = [
+            s for s in recipe.sites if s in by_name and by_name[s].kind == "kubernetes"
+        ]
+        if on_kubernetes and recipe.name[:1].isdigit():
+            problems.add(
+                f"recipes[{i}].name",
+                f'"{recipe.name}" names the Kubernetes Service of its pool on '
+                f"{', '.join(on_kubernetes)}, which must start with a letter; rename it",
+            )
     stack_port_problems(problems, stack)
+
+
+def _check_machine_names(problems: Problems, stack: StackSpec) -> None:
+    """Machines are named stack-site-node: site a-b's node c and site a's node b-c would be one."""
+    owners: dict[str, str] = {}
+    for i, site in enumerate(stack.sites):
+        listed = [(f"sites[{i}].nodes[{j}].name", n.name) for j, n in enumerate(site.nodes)]
+        created = [(f"sites[{i}].max_nodes", f"node-{k}") for k in range(site.max_nodes)]
+        for path, node in listed if site.nodes else created:
+            joined = f"{site.name}-{node}"
+            if joined in owners:
+                problems.add(
+                    path,
+                    f"node {node} of site {site.name} makes the machine name {joined}, as "
+                    f"{owners[joined]} does; rename a site or a node",
+                )
+            owners.setdefault(joined, f"node {node} of site {site.name}")
 
 
 def _check_addresses(problems: Problems, stack: StackSpec) -> None:

@@ -1,6 +1,7 @@
 """Finding and reading `stacks/Pulumi.<stack>.yaml` and its placement lock."""
 
 import json
+import re
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,28 @@ def find_stacks_dir(start: Path | None = None) -> Path:
     )
 
 
+# Pulumi's own rule for stack names; no '/' and no leading '.', so a name never leaves its folder.
+STACK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def check_stack_name(name: str) -> str:
+    """The name, when it names a stack; StackError otherwise (it becomes a file or folder name)."""
+    if not STACK_NAME.match(name):
+        raise StackError(
+            [
+                f"--stack: {name!r} is not a stack name; use letters, digits, '.', '_' and '-', "
+                "starting with a letter or digit"
+            ]
+        )
+    return name
+
+
 def stack_path(stacks_dir: Path, name: str) -> Path:
-    return stacks_dir / f"Pulumi.{name}.yaml"
+    return stacks_dir / f"Pulumi.{check_stack_name(name)}.yaml"
 
 
 def lock_path(stacks_dir: Path, name: str) -> Path:
-    return stacks_dir / f"Pulumi.{name}.placement.json"
+    return stacks_dir / f"Pulumi.{check_stack_name(name)}.placement.json"
 
 
 def available_stacks(stacks_dir: Path) -> list[str]:
