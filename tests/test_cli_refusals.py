@@ -230,3 +230,24 @@ def test_local_down_with_a_truncated_state_file(
         "stack's processes by hand (pgrep -f denv) and delete the file",
     )
     assert state.exists()
+
+
+def test_a_digest_of_a_key_anyone_would_try_is_a_warning(tmp_path: Path) -> None:
+    test_digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+    config = {
+        **WORLD_OPEN,
+        "denv:balancer": {"sites": ["office"], "api_key_digests": [test_digest]},
+    }
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": config})))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[2:] == [
+        'warning: balancer.api_key_digests: 9f86d081884c... is the SHA-256 of "test", a key anyone '
+        "would try; make one with `openssl rand -hex 32` and list its digest"
+    ]
+
+
+def test_the_example_stacks_plan_without_warnings() -> None:
+    stacks = Path(__file__).resolve().parents[1] / "stacks"
+    for name in ("local", "k8s", "voice-multicloud"):
+        result = denv("plan", "--stack", name, "--stacks-dir", str(stacks), "--strict")
+        assert result.exit_code == 0, (name, result.output)

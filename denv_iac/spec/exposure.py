@@ -4,6 +4,7 @@ Each is one line naming the field and the fix. `denv plan` prints them and still
 `denv plan --strict` (for CI) refuses the stack instead.
 """
 
+import hashlib
 import ipaddress
 
 from denv_iac.spec.model import StackSpec
@@ -11,6 +12,9 @@ from denv_iac.spec.model import StackSpec
 # Kinds whose machines get a cloud firewall from the stack: without admin_cidrs it has no SSH
 # rule, so the deploy cannot reach the machines it just created.
 FIREWALLED_KINDS = ("aws", "lambda", "nebius", "hetzner")
+# Keys anyone would try first: an endpoint that accepts one is open to everyone.
+GUESSABLE_KEYS = ("test", "secret", "password", "changeme", "admin", "key", "demo", "1234")
+_GUESSABLE = {hashlib.sha256(key.encode()).hexdigest(): key for key in GUESSABLE_KEYS}
 # Kinds whose endpoint is reachable from other machines (a local stack listens on loopback).
 REMOTE_KINDS = ("aws", "hetzner", "joined")
 
@@ -42,4 +46,11 @@ def stack_warnings(stack: StackSpec) -> list[str]:
             "balancer: the endpoint takes neither API keys nor TLS, so anyone who finds it can "
             "use the GPUs; add api_key_digests (see `denv key digest`) or a tls_certificate"
         )
+    for digest in balancer.api_key_digests:
+        key = _GUESSABLE.get(digest.lower())
+        if key is not None:
+            warnings.append(
+                f'balancer.api_key_digests: {digest[:12]}... is the SHA-256 of "{key}", a key '
+                "anyone would try; make one with `openssl rand -hex 32` and list its digest"
+            )
     return warnings
