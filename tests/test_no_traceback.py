@@ -1,12 +1,14 @@
-"""No input ends in a traceback: arbitrary YAML-shaped stacks, and arbitrary bytes, through
-the stack reader, the plan and `denv plan` itself: exit 0 or 2, one line per message, in bounded
-time."""
+"""No input ends in a traceback: arbitrary YAML-shaped stacks and bytes through the stack
+reader, the plan and `denv plan`; arbitrary arguments to `bench`, `node join`, `status`,
+`local down` and `key digest`. Exit 0 or 2, one line per message, in bounded time."""
 
+import contextlib
 import copy
 import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
@@ -127,3 +129,76 @@ def test_denv_plan_exits_0_or_2_on_any_stack(tmp_path_factory: Any, config: Any)
 )
 def test_denv_plan_exits_0_or_2_on_any_bytes(tmp_path_factory: Any, data: bytes) -> None:
     _plan(tmp_path_factory.mktemp("stacks"), data, "--strict")
+
+
+# The other commands, with arbitrary arguments. Each call is arranged so that it is refused (or
+# done) without real work: no load is sent, no SSH is opened, no process is started.
+ARGUMENTS = st.text(max_size=30) | st.sampled_from(
+    ["", "-", "--", "..", "../../x", "http://", "http://[::1", "@local", "-oProxyCommand=id", "nan"]
+)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    (root / "stacks").mkdir()
+    (root / "Pulumi.yaml").write_text("name: p\nruntime: python\n")
+    return root
+
+
+def _denv(project: Path, *args: str, stdin: bytes | None = None) -> None:
+    with contextlib.chdir(project):
+        result = CliRunner().invoke(main, list(args), input=stdin)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert result.exit_code in (0, 2), (args, result.output)
+    lines = result.stderr.splitlines()
+    if result.exit_code == 2 and not (lines and lines[0].startswith("Usage:")):  # click's own
+        assert lines and all(line.startswith("error: ") for line in lines), lines
+
+
+@settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
+@given(ARGUMENTS, ARGUMENTS, ARGUMENTS)
+def test_bench_with_any_arguments_refuses_before_any_load(
+    project: Path, url: str, duration: str, pool: str
+) -> None:
+    # --json into a missing folder: refused before the load, whatever the other arguments.
+    args = ["bench", url, "--pool", pool, "--json", str(project / "missing" / "x.json")]
+    _denv(project, *args, *(["--duration", duration] if duration else []))
+
+
+@settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
+@given(ARGUMENTS, ARGUMENTS)
+def test_node_join_with_any_host_refuses_before_connecting(
+    project: Path, host: str, user: str
+) -> None:
+    # An unreadable --key is refused with the host's own problems, before any connection.
+    missing_key = str(project / "no-such-key")
+    _denv(
+        project,
+        "node",
+        "join",
+        "--site",
+        "s",
+        "--dry",
+        "--key",
+        missing_key,
+        "--user",
+        user,
+        "--",
+        host,
+    )
+
+
+@settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
+@given(ARGUMENTS)
+def test_stack_commands_with_any_stack_name(project: Path, name: str) -> None:
+    for command in (["plan"], ["status"], ["local", "down"]):
+        _denv(project, *command, "--stack", name)
+
+
+@settings(max_examples=60, deadline=2000)
+@given(st.binary(max_size=100))
+def test_key_digest_of_any_bytes(project: Path, data: bytes) -> None:
+    _denv(project, "key", "digest", stdin=data)
