@@ -355,6 +355,21 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "hetzner, joined, local",
     ),
     (
+        "aws region typo",
+        lambda c: site(c, 1).update(region="us-east1"),
+        'sites[1].region: "us-east1" is not a region name on aws; write it like us-east-1',
+    ),
+    (
+        "nebius region typo",
+        lambda c: site(c, 3).update(region="eu-north-1"),
+        'sites[3].region: "eu-north-1" is not a region name on nebius; write it like eu-north1',
+    ),
+    (
+        "hetzner location typo",
+        lambda c: site(c, 4).update(location="fsn"),
+        'sites[4].location: "fsn" is not one of fsn1, nbg1, hel1, ash, hil, sin',
+    ),
+    (
         "address of dots",
         lambda c: site(c, 5)["nodes"][0].update(address="..."),
         'sites[5].nodes[0].address: "..." is not an IP address or host name; write a host name '

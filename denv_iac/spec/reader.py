@@ -28,6 +28,13 @@ from denv_iac.spec.values import HOST_RULE, IMAGE, IMAGE_RULE, USER_NAME, USER_R
 CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
 SSH_KEY_HOW = "set it with 'pulumi config set --secret' (see docs/stacks.md)"
+# How each provider writes its region names, so that a typo fails here, not in the provider's API.
+REGION_FORMATS = {
+    "aws": (re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d$"), "us-east-1"),
+    "lambda": (re.compile(r"^[a-z]+(-[a-z]+)+-\d$"), "us-east-1"),
+    "nebius": (re.compile(r"^[a-z]{2}-[a-z]+\d$"), "eu-north1"),
+}
+HETZNER_LOCATIONS = ("fsn1", "nbg1", "hel1", "ash", "hil", "sin")
 PROVIDER_OF_KIND = {"aws": "aws", "lambda": "lambda", "nebius": "nebius", "hetzner": "hetzner"}
 
 
@@ -114,7 +121,7 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
             extra["ssh_private_key"] = f.secret("ssh_private_key", required=True, how=SSH_KEY_HOW)
             extra["admin_cidrs"] = _cidrs(f)
         if kind == "hetzner":
-            extra["region"] = f.text("location", "fsn1")
+            extra["region"] = f.choice("location", HETZNER_LOCATIONS, "fsn1")
         site = SiteSpec(name, kind, **common, **extra)
     elif kind in ("aws", "lambda", "nebius"):
         site = _read_cloud_site(f, name, kind, catalog, common)
@@ -153,7 +160,7 @@ def _namespace(f: Fields) -> str:
 def _read_cloud_site(
     f: Fields, name: str, kind: str, catalog: Catalog, common: dict[str, Any]
 ) -> SiteSpec:
-    region = f.text("region", example="eu-north1" if kind == "nebius" else "us-east-1")
+    region = _region(f, kind)
     if kind == "nebius":
         platform = f.text("platform", example="gpu-h100-sxm")
         preset = f.text("preset", example="1gpu-16vcpu-200gb")
@@ -190,6 +197,14 @@ def _read_cloud_site(
         extra["subnet_id"] = f.text("subnet_id", example="vpcsubnet-e00example")
         extra["image"] = f.text("image_family", "ubuntu22.04-cuda12")
     return SiteSpec(name, kind, **common, **extra)
+
+
+def _region(f: Fields, kind: str) -> str:
+    pattern, example = REGION_FORMATS[kind]
+    region = f.text("region", example=example)
+    if region and not pattern.match(region):
+        f.problem("region", f'"{region}" is not a region name on {kind}; write it like {example}')
+    return region
 
 
 def _cidrs(f: Fields) -> tuple[str, ...]:
