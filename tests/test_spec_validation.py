@@ -461,3 +461,16 @@ def test_secrets_stay_opaque() -> None:
     key = stack.site("lambda-use1").api_key
     assert isinstance(key, Secret)
     assert SECRET["secure"] not in repr(stack) and SECRET["secure"] not in str(key)
+
+
+def test_names_a_provider_would_cut_or_refuse() -> None:
+    stack = "s" * 64
+    with pytest.raises(StackError) as raised:
+        read_stack(stack, valid_config())
+    assert raised.value.problems == [
+        f"sites[2].name: Lambda names of this site, like {stack}-lambda-use1-node-1, take 83 "
+        "characters, past Lambda's 60; shorten the site or the stack name",
+        f'sites[6]: the stack name "{stack}" labels every object of this Kubernetes site, and a '
+        "label value is at most 63 letters, digits, '-', '_' and '.'; use a shorter stack name",
+    ]
+    read_stack("s" * 40, valid_config())  # 40 + "-lambda-use1-node-1" fits in 60

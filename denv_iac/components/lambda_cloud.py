@@ -6,7 +6,6 @@ each; it is kept in the resource's state, marked secret, because the engine hand
 `read` only the state, and they must reach Lambda too.
 """
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -22,19 +21,11 @@ from denv_iac.lambda_api import DEFAULT_RETRY, Instance, LambdaApiError, LambdaC
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import SiteSpec
 
+# Re-exported: the name rule lives with the stack model, which checks names for their length.
+from denv_iac.spec.values import lambda_name as lambda_name
+
 API_KEY = "api_key"
 LAMBDA_NFS = "/lambda/nfs"  # Lambda mounts each filesystem at /lambda/nfs/<its name>
-# Lambda names allow letters, digits and '-', starting with a letter, at most 60 characters.
-_NAME_CHARACTERS = re.compile(r"[^A-Za-z0-9-]")
-_NAME_LENGTH = 60
-
-
-def lambda_name(*parts: str) -> str:
-    """A name Lambda accepts for an instance, SSH key or filesystem, from dash-joined parts."""
-    name = _NAME_CHARACTERS.sub("-", "-".join(parts))
-    if not name[:1].isalpha():
-        name = f"denv-{name}"
-    return name[:_NAME_LENGTH].rstrip("-")
 
 
 def cache_file_system_name(stack: str, site: str) -> str:

@@ -23,7 +23,17 @@ from denv_iac.spec.model import (
     StackSpec,
 )
 from denv_iac.spec.ports import stack_port_problems
-from denv_iac.spec.values import HOST_RULE, IMAGE, IMAGE_RULE, USER_NAME, USER_RULE, is_host
+from denv_iac.spec.values import (
+    HOST_RULE,
+    IMAGE,
+    IMAGE_RULE,
+    LABEL_VALUE,
+    LAMBDA_NAME_LENGTH,
+    USER_NAME,
+    USER_RULE,
+    is_host,
+    lambda_full_name,
+)
 
 CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -405,6 +415,7 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
             )
     _check_addresses(problems, stack)
     _check_machine_names(problems, stack)
+    _check_provider_names(problems, stack)
     for i, recipe in enumerate(stack.recipes):
         on_kubernetes = [
             s for s in recipe.sites if s in by_name and by_name[s].kind == "kubernetes"
@@ -416,6 +427,31 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
                 f"{', '.join(on_kubernetes)}, which must start with a letter; rename it",
             )
     stack_port_problems(problems, stack)
+
+
+def _check_provider_names(problems: Problems, stack: StackSpec) -> None:
+    """Names a provider would cut or refuse: Lambda's 60 characters, Kubernetes label values."""
+    for i, site in enumerate(stack.sites):
+        if site.kind == "lambda":
+            names = [
+                lambda_full_name(stack.name, site.name, "cache"),
+                lambda_full_name(stack.name, site.name, f"node-{max(site.max_nodes - 1, 0)}"),
+            ]
+            longest = max(names, key=len)
+            if len(longest) > LAMBDA_NAME_LENGTH:
+                # Cut to 60, two sites' names could become one Lambda filesystem or instance.
+                problems.add(
+                    f"sites[{i}].name",
+                    f"Lambda names of this site, like {longest}, take {len(longest)} characters, "
+                    f"past Lambda's {LAMBDA_NAME_LENGTH}; shorten the site or the stack name",
+                )
+        if site.kind == "kubernetes" and not LABEL_VALUE.match(stack.name):
+            problems.add(
+                f"sites[{i}]",
+                f'the stack name "{stack.name}" labels every object of this Kubernetes site, and '
+                "a label value is at most 63 letters, digits, '-', '_' and '.'; use a shorter "
+                "stack name",
+            )
 
 
 def _check_machine_names(problems: Problems, stack: StackSpec) -> None:

@@ -24,6 +24,24 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 ENV_RULE = "use letters, digits and '_', not starting with a digit"
 
 
+# Lambda names allow letters, digits and '-', starting with a letter, at most 60 characters.
+LAMBDA_NAME_LENGTH = 60
+_LAMBDA_CHARACTERS = re.compile(r"[^A-Za-z0-9-]")
+# A Kubernetes label value: at most 63 of these, starting and ending with a letter or digit.
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def lambda_full_name(*parts: str) -> str:
+    """The dash-joined parts in Lambda's characters, before the name is cut to its length."""
+    name = _LAMBDA_CHARACTERS.sub("-", "-".join(parts))
+    return name if name[:1].isalpha() else f"denv-{name}"
+
+
+def lambda_name(*parts: str) -> str:
+    """A name Lambda accepts for an instance, SSH key or filesystem, from dash-joined parts."""
+    return lambda_full_name(*parts)[:LAMBDA_NAME_LENGTH].rstrip("-")
+
+
 def control_character(text: str) -> str | None:
     """The first character that would end or bend a line of a unit, env file or rule, if any.
 
