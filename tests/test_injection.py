@@ -6,6 +6,7 @@ rule set or the manifest keeps its shape and carries the value as one intact ite
 """
 
 import shlex
+import tomllib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,9 +14,15 @@ import pytest
 import yaml
 
 from denv_iac.kube_manifests import site_manifests
-from denv_iac.node import cache, firewall, replicas
+from denv_iac.node import agent, cache, firewall, replicas
 from denv_iac.node.deploy import Target, check_target
-from denv_iac.node.spec import CacheVolume, NodeDeploySpec, NodeSpecError, ReplicaSpec
+from denv_iac.node.spec import (
+    AgentSettings,
+    CacheVolume,
+    NodeDeploySpec,
+    NodeSpecError,
+    ReplicaSpec,
+)
 from denv_iac.placement import place_replicas
 from denv_iac.spec.reader import StackError, read_stack
 from tests.node.fixtures import node_facts
@@ -338,3 +345,22 @@ def test_a_value_stays_one_item_of_the_statefulset(kind: str, value: str) -> Non
     assert container["args"] == ["--model", value]
     assert {"name": "HF_TOKEN", "value": value} in container["env"]
     assert container["image"] == IMAGE
+
+
+@pytest.mark.parametrize("value", HOSTILE.values(), ids=IDS)
+def test_agent_settings_stay_one_toml_value_or_are_refused(value: str) -> None:
+    settings = {"thresholds": {"reason": value}}
+    spec = NodeDeploySpec("n", agent=AgentSettings(config=settings))
+    parsed = tomllib.loads(agent.config(spec).content.decode())
+    assert parsed["thresholds"] == {"reason": value}
+    # A hostile table or key name is refused, or (a bare TOML key such as --privileged) read back
+    # as exactly that one key.
+    for config in ({value: {"fail_after": 2}}, {"thresholds": {value: 2}}):
+        try:
+            spec = NodeDeploySpec("n", agent=AgentSettings(config=config))
+        except NodeSpecError:
+            continue
+        parsed = tomllib.loads(agent.config(spec).content.decode())
+        assert {k: parsed[k] for k in config} == config
+    with pytest.raises(NodeSpecError):
+        NodeDeploySpec("n", agent=AgentSettings(config={"thresholds": {"x": float("nan")}}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -175,6 +176,7 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
     for path in spec.cache.paths():
         if not path.startswith("/"):
             problems.append(f"cache dir {path!r}: give an absolute path")
+    problems += _agent_config_problems(spec.agent.config)
     if spec.agent.wheel is not None and not Path(spec.agent.wheel).is_file():
         problems.append(f"agent wheel {spec.agent.wheel!r}: no such file; build it or drop wheel")
     problems += _replica_problems(spec)
@@ -189,6 +191,30 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
         problems.append(
             "drain_timeout_s / ready_timeout_s: give seconds, drain 0 or more, ready 1+"
         )
+    return problems
+
+
+# TOML bare keys: the agent config writes tables and keys unquoted.
+_TOML_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _agent_config_problems(config: Mapping[str, Any]) -> list[str]:
+    """Tables of scalar settings only: a key is written bare, a value as a TOML scalar."""
+    problems = []
+    for table, values in config.items():
+        if not isinstance(table, str) or not _TOML_KEY.match(table) or not isinstance(values, dict):
+            problems.append(f"agent config {table!r}: give a table name and a mapping of settings")
+            continue
+        for key, value in values.items():
+            # json.dumps writes the value; NaN and Infinity are JSON's words, not TOML's.
+            scalar = isinstance(value, str | int | bool) or (
+                isinstance(value, float) and math.isfinite(value)
+            )
+            if not isinstance(key, str) or not _TOML_KEY.match(key) or not scalar:
+                problems.append(
+                    f"agent config {table}.{key!r}: use a name of letters, digits, '_' and '-' "
+                    "and a string, number or boolean"
+                )
     return problems
 
 
