@@ -83,6 +83,9 @@ class PoolManifests:
     service: Manifest  # headless: gives each pod its stable DNS name
     disruption_budget: Manifest
     agent_config: Manifest
+    # The recipe's `secure:` env values, without them: the component fills `stringData` with
+    # the secrets themselves, so no manifest or preview of the StatefulSet ever holds one.
+    env_secret: Manifest | None
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class SiteManifests:
         pools = [
             m
             for p in self.pools
-            for m in (p.agent_config, p.service, p.stateful_set, p.disruption_budget)
+            for m in (p.env_secret, p.agent_config, p.service, p.stateful_set, p.disruption_budget)
+            if m is not None
         ]
         gateway = [self.gateway_config, self.gateway, self.gateway_budget]
         services = [self.node_services[node] for node in sorted(self.node_services)]
@@ -342,9 +346,19 @@ def _agent_toml(replica: PlacedReplica, recipe: RecipeSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
+def env_secret_name(recipe: RecipeSpec) -> str:
+    """The Secret that holds a recipe's `secure:` env values on a kubernetes site."""
+    return f"{recipe.name}-env"
+
+
 def _server_container(recipe: RecipeSpec) -> Manifest:
     cache_env = {"HF_HOME": recipe.cache_dirs[0], "VLLM_CACHE_ROOT": recipe.cache_dirs[-1]}
-    env = [{"name": k, "value": v} for k, v in recipe.env if k not in cache_env]
+    env: list[Manifest] = [{"name": k, "value": v} for k, v in recipe.env if k not in cache_env]
+    env += [
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": env_secret_name(recipe), "key": k}}}
+        for k, _ in recipe.secret_env
+        if k not in cache_env
+    ]
     env += [{"name": k, "value": v} for k, v in cache_env.items()]
     container: Manifest = {
         "name": "server",
@@ -487,7 +501,12 @@ def _pool_manifests(
     budget = _disruption_budget(
         stack, site, recipe.name, labels, min_available(recipe, len(placed))
     )
-    return PoolManifests(recipe.name, stateful_set, service, budget, agent_config)
+    env_secret = (
+        _object("v1", "Secret", _meta(site, env_secret_name(recipe), labels), type="Opaque")
+        if recipe.secret_env
+        else None
+    )
+    return PoolManifests(recipe.name, stateful_set, service, budget, agent_config, env_secret)
 
 
 def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpec) -> Manifest:

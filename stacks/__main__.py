@@ -8,9 +8,10 @@ from denv_iac.components import Cluster
 from denv_iac.components.secrets import (
     BALANCER_SECRET_FIELDS,
     with_secret_fields,
+    with_secret_recipes,
     with_secret_sites,
 )
-from denv_iac.spec.stackfile import load_lock
+from denv_iac.spec.stackfile import declared_recipes, load_lock
 
 config = pulumi.Config("denv")
 stack = pulumi.get_stack()
@@ -22,11 +23,17 @@ balancer = with_secret_fields(
     config.require_secret_object("balancer"),
     BALANCER_SECRET_FIELDS,
 )
+# A recipe's `secure:` env values likewise; the stack file says which ones they are.
+recipes = with_secret_recipes(
+    config.require_object("recipes"),
+    config.require_secret_object("recipes"),
+    declared_recipes(Path(__file__).parent, stack),
+)
 cluster = Cluster(
     stack,
     {
         "sites": sites,
-        "recipes": config.require_object("recipes"),
+        "recipes": recipes,
         "balancer": balancer,
         "previous": load_lock(Path(__file__).parent, stack),
     },

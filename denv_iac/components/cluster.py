@@ -31,6 +31,7 @@ from denv_iac.components.secrets import (
     SecretValues,
     public_key_of,
     public_key_output,
+    recipe_env_secrets,
     seal_secrets,
 )
 from denv_iac.components.security import (
@@ -95,8 +96,10 @@ class ClusterArgs(TypedDict):
 
 def validate_cluster(name: str, args: ClusterArgs) -> tuple[StackSpec, Placement, SecretValues]:
     """The stack, its placement and its secrets; StackError with every problem otherwise."""
-    sites, balancer, secrets = seal_secrets(args["sites"], args["balancer"])
-    config = {"denv:sites": sites, "denv:recipes": list(args["recipes"]), "denv:balancer": balancer}
+    sites, balancer, recipes, secrets = seal_secrets(
+        args["sites"], args["balancer"], list(args["recipes"])
+    )
+    config = {"denv:sites": sites, "denv:recipes": recipes, "denv:balancer": balancer}
     stack = read_stack(name, config)
     problems = _key_problems(args["sites"], stack)
     if problems:
@@ -146,6 +149,7 @@ class Cluster(pulumi.ComponentResource):
         node_specs = node_deploy_specs(stack, placement)
         super().__init__("denv:index:Cluster", name, None, opts)
         self._name, self._stack, self._secrets = name, stack, secrets
+        self._placement = placement
         hosts = self._balancer_hosts()
         addresses = self._sites(placement, hosts, node_specs)
         pools = [self._pool(recipe, placement, addresses).replicas for recipe in stack.recipes]
@@ -216,6 +220,10 @@ class Cluster(pulumi.ComponentResource):
                 "spec": self._stack,
                 "nodes": [node for node in placement.nodes if node.site == site.name],
                 "secrets": {f: v for (owner, f), v in self._secrets.items() if owner == site.name},
+                "env_secrets": {
+                    recipe.name: recipe_env_secrets(self._secrets, recipe.name)
+                    for recipe in self._stack.recipes
+                },
                 "balancer_addresses": hosts,
             }
             nodes = SITE_BUILDERS[site.kind](
@@ -246,6 +254,13 @@ class Cluster(pulumi.ComponentResource):
                 "node": node_specs[node_id(site.name, node.name)],
                 "balancer_addresses": pulumi.Output.all(*(a for _, a in balancers)),
             }
+            secret_env = {
+                r.id: context["env_secrets"][r.pool]
+                for r in self._placement.replicas
+                if (r.site, r.node) == (site.name, node.name) and context["env_secrets"][r.pool]
+            }
+            if secret_env:
+                args["secret_env"] = secret_env
             if nodes.cache_devices is not None:
                 args["cache_device"] = nodes.cache_devices.apply(_node_cache_device(node.name))
             NodeSetup(

@@ -5,7 +5,7 @@ registers them, each through a provider made from the site's kubeconfig (a secre
 """
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -36,6 +36,8 @@ class KubernetesSiteArgs(TypedDict):
     replicas: Sequence[PlacedReplica]  # the replicas placed on this site
     kubeconfig: pulumi.Input[str]  # a secret
     balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+    # Each recipe's `secure:` env values: recipe name -> variable -> secret.
+    env_secrets: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
 
 
 class KubernetesSite(pulumi.ComponentResource):
@@ -77,6 +79,8 @@ class KubernetesSite(pulumi.ComponentResource):
                 addresses[node] = _load_balancer_address(
                     _register(name, {**manifest, "spec": spec}, inside)
                 )
+            elif manifest["kind"] == "Secret":
+                _register_env_secret(name, manifest, args.get("env_secrets", {}), inside)
             else:
                 _register(name, manifest, inside)
         self.node_addresses = resolved(addresses)
@@ -88,6 +92,25 @@ def _register(name: str, manifest: dict[str, Any], opts: pulumi.ResourceOptions)
     body = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
     resource_name = child_name(name, kind.lower(), manifest["metadata"]["name"])
     return _KINDS[kind](resource_name, **body, opts=opts)
+
+
+def _register_env_secret(
+    name: str,
+    manifest: dict[str, Any],
+    env_secrets: Mapping[str, Mapping[str, pulumi.Input[str]]],
+    opts: pulumi.ResourceOptions,
+) -> None:
+    """A pool's env Secret: the manifest's frame, `stringData` from the recipe's secrets."""
+    pool = manifest["metadata"]["labels"]["denv/pool"]
+    if pool not in env_secrets:
+        raise ValueError(f"KubernetesSite {name}: give env_secrets for recipe {pool}")
+    k8s.core.v1.Secret(
+        child_name(name, "secret", manifest["metadata"]["name"]),
+        metadata=manifest["metadata"],
+        type=manifest["type"],
+        string_data={k: pulumi.Output.secret(v) for k, v in sorted(env_secrets[pool].items())},
+        opts=opts,
+    )
 
 
 def _load_balancer_address(service: k8s.core.v1.Service) -> pulumi.Output[str]:
@@ -123,6 +146,7 @@ def kubernetes_site(
         "site": site,
         "replicas": replicas,
         "kubeconfig": context["secrets"]["kubeconfig"],
+        "env_secrets": context["env_secrets"],
         "balancer_addresses": context["balancer_addresses"],
     }
     component = KubernetesSite(name, args, opts)

@@ -58,6 +58,7 @@ UPDATE_ON = (
     "balancer_addresses",
     "cache_device",
     "balancer",
+    "secret_env",
 )
 REPLACE_ON = ("host",)
 
@@ -205,6 +206,12 @@ def _integers(value: Any) -> Any:
 
 def _node_spec(props: Mapping[str, Any]) -> NodeDeploySpec:
     node = {**_integers(props["node"])}
+    # Secret env values join each replica's env only here, on their way to its 0600 env file.
+    secret_env = props.get("secret_env") or {}
+    node["replicas"] = [
+        {**r, "env": {**r.get("env", {}), **secret_env.get(r["id"], {})}}
+        for r in node.get("replicas", ())
+    ]
     node["balancer_addresses"] = sorted(str(a) for a in props.get("balancer_addresses") or ())
     if props.get("cache_device"):  # the site's volume, known once it exists; else the spec's own
         node["cache_volume"] = {"device": props["cache_device"]}
@@ -283,6 +290,8 @@ class NodeSetupArgs(TypedDict):
     # spec's own `cache_volume`, if any).
     cache_device: NotRequired[pulumi.Input[str]]
     balancer: NotRequired[pulumi.Input[BalancerFiles]]  # a balancer host: what HAProxy serves
+    # A recipe's `secure:` env values, by replica id then variable: kept secrets end to end.
+    secret_env: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
 
 
 class NodeSetup(pulumi.ComponentResource):
@@ -311,13 +320,17 @@ class NodeSetup(pulumi.ComponentResource):
             ).apply(sorted)
             if "cache_device" in args:
                 props["cache_device"] = args["cache_device"]
+            if "secret_env" in args:
+                props["secret_env"] = pulumi.Output.secret(args["secret_env"])
         else:
             props["balancer"] = args["balancer"]
         deployment = NodeDeployment(
             child_name(name, "deploy"),
             props,
-            # Delete gets only the state, so the key stays there, as a secret.
-            pulumi.ResourceOptions(parent=self, additional_secret_outputs=["ssh_private_key"]),
+            # Delete gets only the state, so the key stays there, as a secret (the env too).
+            pulumi.ResourceOptions(
+                parent=self, additional_secret_outputs=["ssh_private_key", "secret_env"]
+            ),
         )
         self.applied = deployment.applied
         self.register_outputs({"applied": self.applied})

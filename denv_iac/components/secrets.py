@@ -15,8 +15,27 @@ SITE_SECRET_FIELDS = ("ssh_private_key", "api_key", "kubeconfig")
 BALANCER_SECRET_FIELDS = ("tls_certificate",)
 _SEAL = "sealed"
 
-# (site name or "balancer", field) -> the secret's value
+# (site name, "balancer" or recipe_owner(recipe), field) -> the secret's value
 SecretValues = dict[tuple[str, str], pulumi.Output[str]]
+
+
+def recipe_owner(recipe: str) -> str:
+    """The owner of a recipe's secrets in SecretValues; its fields are `env_field(name)`."""
+    return f"recipes.{recipe}"
+
+
+def env_field(variable: str) -> str:
+    return f"env.{variable}"
+
+
+def recipe_env_secrets(secrets: SecretValues, recipe: str) -> dict[str, pulumi.Output[str]]:
+    """A recipe's `secure:` env values by variable name, each a secret Output."""
+    owner, prefix = recipe_owner(recipe), env_field("")
+    return {
+        field.removeprefix(prefix): value
+        for (who, field), value in secrets.items()
+        if who == owner and field.startswith(prefix)
+    }
 
 
 def _take(owner: str, raw: Mapping[str, Any], fields: tuple[str, ...], found: SecretValues) -> Any:
@@ -29,14 +48,28 @@ def _take(owner: str, raw: Mapping[str, Any], fields: tuple[str, ...], found: Se
     return sealed
 
 
+def _take_env(recipe: Any, found: SecretValues) -> Any:
+    env = recipe.get("env") if isinstance(recipe, Mapping) else None
+    if not isinstance(env, Mapping):
+        return recipe
+    sealed = dict(env)
+    for variable, value in env.items():
+        if isinstance(value, Mapping) and set(value) == {"secure"}:
+            owner = recipe_owner(str(recipe.get("name", "")))
+            found[(owner, env_field(str(variable)))] = pulumi.Output.secret(value["secure"])
+            sealed[variable] = {"secure": _SEAL}
+    return {**recipe, "env": sealed}
+
+
 def seal_secrets(
-    sites: Sequence[Any], balancer: Mapping[str, Any]
-) -> tuple[list[Any], dict[str, Any], SecretValues]:
+    sites: Sequence[Any], balancer: Mapping[str, Any], recipes: Sequence[Any] = ()
+) -> tuple[list[Any], dict[str, Any], list[Any], SecretValues]:
     """The config with every `{secure: value}` sealed, and those values as secrets.
 
     Anything that is not a mapping is passed through untouched for `read_stack` to report.
     """
     found: SecretValues = {}
+    sealed_recipes = [_take_env(recipe, found) for recipe in recipes]
     sealed_sites = [
         _take(str(site.get("name", "")), site, SITE_SECRET_FIELDS, found)
         if isinstance(site, Mapping)
@@ -48,7 +81,7 @@ def seal_secrets(
         if isinstance(balancer, Mapping)
         else balancer
     )
-    return sealed_sites, sealed_balancer, found
+    return sealed_sites, sealed_balancer, sealed_recipes, found
 
 
 def with_secret_fields(plain: Any, secret: pulumi.Output[Any], fields: tuple[str, ...]) -> Any:
@@ -75,6 +108,59 @@ def with_secret_sites(plain: Any, secret: pulumi.Output[Any]) -> Any:
         with_secret_fields(site, secret.apply(_item(index)), SITE_SECRET_FIELDS)
         for index, site in enumerate(plain)
     ]
+
+
+def with_secret_recipes(plain: Any, secret: pulumi.Output[Any], declared: Any = None) -> Any:
+    """The `denv:recipes` list with each `secure:` env value taken from the secret read.
+
+    Pulumi hands a program its structured config decrypted, so a `secure:` env value reads as
+    plain text and only the stack file still says which values were secure: `declared` is the
+    recipes list as written there. Without it every env value is taken as a secret, so none
+    can leak, at the cost of previews that hide the plain ones too.
+    """
+    if not isinstance(plain, list):
+        return plain
+    recipes = []
+    for index, recipe in enumerate(plain):
+        env = recipe.get("env") if isinstance(recipe, Mapping) else None
+        if not isinstance(env, Mapping):
+            recipes.append(recipe)
+            continue
+        secure = _secure_names(env) | (
+            _secure_names(_env_at(declared, index)) if declared is not None else set(env)
+        )
+        secret_env = secret.apply(_item(index)).apply(_field("env"))
+        sealed = {
+            variable: {"secure": secret_env.apply(_secret_field(variable))}
+            if variable in secure
+            else value
+            for variable, value in env.items()
+        }
+        recipes.append({**recipe, "env": sealed})
+    return recipes
+
+
+def _env_at(recipes: Any, index: int) -> Any:
+    if isinstance(recipes, list) and index < len(recipes) and isinstance(recipes[index], Mapping):
+        return recipes[index].get("env")
+    return None
+
+
+def _secure_names(env: Any) -> set[str]:
+    if not isinstance(env, Mapping):
+        return set()
+    return {
+        str(name)
+        for name, value in env.items()
+        if isinstance(value, Mapping) and set(value) == {"secure"}
+    }
+
+
+def _field(key: str) -> Any:
+    def pick(raw: Any) -> Any:
+        return raw[key]
+
+    return pick
 
 
 def _item(index: int) -> Any:

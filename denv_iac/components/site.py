@@ -17,6 +17,8 @@ class SiteContext(TypedDict):
     spec: StackSpec
     nodes: Sequence[PlacedNode]  # the placed nodes of this site
     secrets: Mapping[str, pulumi.Output[str]]  # this site's secret fields, by field name
+    # Each recipe's `secure:` env values: recipe name -> variable -> secret.
+    env_secrets: Mapping[str, Mapping[str, pulumi.Output[str]]]
     balancer_addresses: Mapping[str, pulumi.Output[str]]  # balancer site -> host address
 
 

@@ -11,13 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from denv_iac.spec.values import ENV_NAME, IMAGE, IMAGE_RULE, control_character
+from denv_iac.spec.values import (
+    CACHE_ENV,
+    DEPLOY_ENV,
+    ENV_NAME,
+    IMAGE,
+    IMAGE_RULE,
+    control_character,
+)
 
 # systemd unit names and container names both accept these; replica ids become part of both.
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 _MIG_PROFILE = re.compile(r"^[1-7]g\.[0-9]+gb$")
 # The variables model servers read for their caches; the deploy sets them, a replica cannot.
-CACHE_ENV = ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
 
 
 class NodeSpecError(ValueError):
@@ -241,7 +247,7 @@ def _replica_problems(spec: NodeDeploySpec) -> list[str]:
         for name, value in replica.env.items():
             if not ENV_NAME.match(name) or control_character(value):
                 problems.append(f"{where} env {name!r}: use NAME=value without newlines")
-            elif name in CACHE_ENV or name == "NVIDIA_VISIBLE_DEVICES":
+            elif name in DEPLOY_ENV:
                 problems.append(f"{where} env {name}: set by the deploy; remove it")
         if not replica.health_path.startswith("/") or _has_blank(replica.health_path):
             problems.append(f"{where} health_path: start it with '/', without blanks")

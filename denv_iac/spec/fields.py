@@ -11,7 +11,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from denv_iac.spec.model import Secret
-from denv_iac.spec.values import ENV_NAME, ENV_RULE, control_character, describe_character
+from denv_iac.spec.values import (
+    DEPLOY_ENV,
+    ENV_NAME,
+    ENV_RULE,
+    control_character,
+    describe_character,
+)
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 NAME_RULE = (
@@ -167,24 +173,29 @@ class Fields:
             return ()
         return tuple(v for v in value if self.one_line(key, v))
 
-    def string_map(self, key: str) -> tuple[tuple[str, str], ...]:
+    def env(self, key: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, Secret], ...]]:
+        """Environment variables: the plain ones, and those given as `secure:` (Pulumi secrets)."""
         value = self._get(key)
         if value is None:
-            return ()
+            return (), ()
         if not isinstance(value, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str | int | float) and not isinstance(v, bool)
+            isinstance(k, str)
+            and (is_secret(v) or (isinstance(v, str | int | float) and not isinstance(v, bool)))
             for k, v in value.items()
         ):
-            self.problem(key, "expected a mapping of names to string values")
-            return ()
-        entries = []
+            self.problem(key, "expected a mapping of names to string values or secure: values")
+            return (), ()
+        plain, secret = [], []
         for name, raw in value.items():
-            text = str(raw)
             if not ENV_NAME.match(name):
                 self.problem(key, f"{name!r} is not a variable name; {ENV_RULE}")
-            elif self.one_line(f"{key}.{name}", text):
-                entries.append((name, text))
-        return tuple(sorted(entries))
+            elif name in DEPLOY_ENV:
+                self.problem(f"{key}.{name}", "set by the deploy for every replica; remove it")
+            elif is_secret(raw):
+                secret.append((name, Secret(raw["secure"])))
+            elif self.one_line(f"{key}.{name}", str(raw)):
+                plain.append((name, str(raw)))
+        return tuple(sorted(plain)), tuple(sorted(secret, key=lambda entry: entry[0]))
 
     def secret(self, key: str, *, required: bool, how: str) -> Secret | None:
         value = self._get(key)

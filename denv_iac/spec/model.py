@@ -107,6 +107,9 @@ class RecipeSpec:
     cache_dirs: tuple[str, ...] = ("/var/cache/denv/hf", "/var/cache/denv/compile")
     session_affinity: bool = True
     env: tuple[tuple[str, str], ...] = ()
+    # Env values given as `secure:`: each stays a Pulumi secret to the node's 0600 env file or
+    # the site's Kubernetes Secret, and is never printed.
+    secret_env: tuple[tuple[str, Secret], ...] = ()
     simulate: SimulatedServer = field(default_factory=SimulatedServer)
 
     @property

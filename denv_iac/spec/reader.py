@@ -276,6 +276,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     first_token_timeout = f.integer("first_token_timeout_ms", FIRST_TOKEN_TIMEOUT_MS, 50, 600_000)
     stall_timeout = f.integer("stall_timeout_ms", STALL_TIMEOUT_MS, 50, 3_600_000)
     _check_simulated_pace(f, simulate, stall_timeout)
+    env, secret_env = f.env("env")
     recipe = RecipeSpec(
         name=name,
         share=share,
@@ -295,7 +296,8 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         stall_timeout_ms=stall_timeout,
         cache_dirs=f.text_list("cache_dirs") or RecipeSpec.cache_dirs,
         session_affinity=f.flag("session_affinity", True),
-        env=f.string_map("env"),
+        env=env,
+        secret_env=secret_env,
         simulate=simulate,
     )
     for cache_dir in recipe.cache_dirs:

@@ -136,6 +136,19 @@ def load_stack(stacks_dir: Path, name: str) -> StackSpec:
     return read_stack(name, load_stack_config(stacks_dir, name))
 
 
+def declared_recipes(stacks_dir: Path, name: str) -> Any:
+    """`denv:recipes` as the stack file writes it, `secure:` markers kept; None without one.
+
+    A program is handed its config decrypted; only the file still says which values were secure.
+    """
+    if not stack_path(stacks_dir, name).is_file():
+        return None
+    try:
+        return load_stack_config(stacks_dir, name).get("denv:recipes")
+    except StackError:
+        return None
+
+
 def load_lock(stacks_dir: Path, name: str) -> list[str]:
     """Replica ids of the last locked placement; pinned so that edits never move them."""
     path = lock_path(stacks_dir, name)

@@ -22,6 +22,10 @@ IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
 IMAGE_RULE = "give a container image reference like vllm/vllm-openai:v0.11.0"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 ENV_RULE = "use letters, digits and '_', not starting with a digit"
+# What the deploy itself sets in every replica: the caches on the node's lasting storage.
+CACHE_ENV = ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
+# ... and the replica's own GPU; a recipe's env may set none of these.
+DEPLOY_ENV = (*CACHE_ENV, "NVIDIA_VISIBLE_DEVICES")
 
 
 # Lambda names allow letters, digits and '-', starting with a letter, at most 60 characters.

@@ -7,6 +7,7 @@ from denv_iac.components import Cluster
 from denv_iac.components.secrets import (
     BALANCER_SECRET_FIELDS,
     with_secret_fields,
+    with_secret_recipes,
     with_secret_sites,
 )
 
@@ -19,10 +20,15 @@ balancer = with_secret_fields(
     BALANCER_SECRET_FIELDS,
 )
 
+# Every env value of a recipe is taken as a secret: this program does not say which are.
+recipes = with_secret_recipes(
+    config.require_object("recipes"), config.require_secret_object("recipes")
+)
+
 logs = aws.s3.Bucket("voice-logs", force_destroy=False, tags={"team": "voice"})
 cluster = Cluster(
     "voice",
-    {"sites": sites, "recipes": config.require_object("recipes"), "balancer": balancer},
+    {"sites": sites, "recipes": recipes, "balancer": balancer},
 )
 
 pulumi.export("endpoint", cluster.endpoint)

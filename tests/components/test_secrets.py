@@ -21,7 +21,7 @@ def test_seal_secrets_takes_every_secure_value_out_as_a_secret() -> None:
     found: dict[tuple[str, str], Any] = {}
 
     def program() -> dict[str, pulumi.Output[Any]]:
-        sites, balancer, secrets = seal_secrets(args["sites"], args["balancer"])
+        sites, balancer, _, secrets = seal_secrets(args["sites"], args["balancer"])
         found.update(secrets)
         assert all(site["ssh_private_key"] == {"secure": "sealed"} for site in sites)
         assert balancer["tls_certificate"] == {"secure": "sealed"}
@@ -39,7 +39,7 @@ def test_seal_secrets_takes_every_secure_value_out_as_a_secret() -> None:
 
 
 def test_plain_text_where_a_secret_belongs_is_left_for_validation_to_report() -> None:
-    sites, _, secrets = seal_secrets([{"name": "s", "ssh_private_key": "plain"}, "junk"], {})
+    sites, _, _, secrets = seal_secrets([{"name": "s", "ssh_private_key": "plain"}, "junk"], {})
     assert sites == [{"name": "s", "ssh_private_key": "plain"}, "junk"]
     assert secrets == {}
 

@@ -27,12 +27,18 @@ def _decrypted(value: Any) -> Any:
     return value
 
 
+def _has_secure(value: Any) -> bool:
+    if isinstance(value, dict):
+        return set(value) == {"secure"} or any(_has_secure(v) for v in value.values())
+    return isinstance(value, list) and any(_has_secure(v) for v in value)
+
+
 @pytest.fixture
 def stack_config() -> Iterator[Any]:
     def use(config: dict[str, Any]) -> None:
         pulumi.runtime.set_all_config(
             {key: json.dumps(_decrypted(value)) for key, value in config.items()},
-            secret_keys=["denv:sites", "denv:balancer"],
+            secret_keys=[k for k in config if k != "denv:recipes" or _has_secure(config[k])],
         )
 
     yield use
@@ -67,6 +73,21 @@ def test_program_builds_the_cluster_and_keeps_config_secrets_secret(
     if not preview:
         assert len(run.outputs["replicas"]) == 7
         assert run.outputs["endpoint"].startswith("https://")
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_a_secure_env_value_handed_over_decrypted_stays_a_secret(
+    stack_config: Any, preview: bool
+) -> None:
+    args = stacks.multicloud()
+    args["recipes"][2]["env"] = {"HF_TOKEN": {"secure": "hf_DECRYPTED-BY-THE-ENGINE"}}
+    stack_config({f"denv:{key}": args[key] for key in ("sites", "recipes", "balancer")})
+    run = run_program(_program, preview=preview)
+    deploys = run.of_type("pulumi-python:dynamic/denv:NodeDeployment")
+    assert sum("secret_env" in r.inputs for r in deploys) == 2  # the two Hetzner nodes
+    for registration in run.registrations:
+        strings = plain_strings(registration.inputs)
+        assert not any("DECRYPTED" in s for s in strings), registration.name
 
 
 def test_program_runs_the_shipped_local_stack(stack_config: Any) -> None:
