@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import socket
 import socketserver
 import threading
@@ -322,3 +324,32 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def session_replica(plane: Dataplane, session: dict[str, str]) -> SimulatedReplica:
+    """The replica that serves the conversation `session` (an X-Denv-Session header)."""
+    with plane.client() as client:
+        outcome = stream_chat(client, {"model": "voice", "max_tokens": 1}, session)
+    assert outcome.replica is not None
+    return plane.replicas[outcome.replica]
+
+
+class Frozen:
+    """SIGSTOP, as a hung GPU process or a wedged engine looks from outside; thawed on exit."""
+
+    def __init__(self, replica: SimulatedReplica) -> None:
+        self.pid = replica.process.pid
+        assert self.pid is not None
+
+    def __enter__(self) -> float:
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGSTOP)
+        return time.monotonic()
+
+    def thaw(self) -> float:
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGCONT)
+        return time.monotonic()
+
+    def __exit__(self, *_: object) -> None:
+        self.thaw()

@@ -3,8 +3,6 @@ at most its pool's silence budget, and every fault that clears brings the replic
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +12,14 @@ import pytest
 from denv_iac.local.replica_sim import ReplicaSimConfig
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 
-from .dataplane_harness import AGENT_UP, Dataplane, SimulatedReplica, StreamOutcome, stream_chat
+from .dataplane_harness import (
+    AGENT_UP,
+    Dataplane,
+    Frozen,
+    StreamOutcome,
+    session_replica,
+    stream_chat,
+)
 
 SESSION = {"X-Denv-Session": "conversation-7"}
 # A stream long enough to be caught in flight: 40 tokens, 50 ms apart.
@@ -32,34 +37,6 @@ RECOVERY_S = 1.0
 @pytest.fixture
 def plane(start_dataplane: Callable[..., Dataplane]) -> Dataplane:
     return start_dataplane(sim=LONG_STREAMS)
-
-
-def _session_replica(plane: Dataplane) -> SimulatedReplica:
-    with plane.client() as client:
-        outcome = stream_chat(client, {"model": "voice", "max_tokens": 1}, SESSION)
-    assert outcome.replica is not None
-    return plane.replicas[outcome.replica]
-
-
-class _Frozen:
-    """SIGSTOP, as a hung GPU process or a wedged engine looks from outside; thawed on exit."""
-
-    def __init__(self, replica: SimulatedReplica) -> None:
-        self.pid = replica.process.pid
-        assert self.pid is not None
-
-    def __enter__(self) -> float:
-        assert self.pid is not None
-        os.kill(self.pid, signal.SIGSTOP)
-        return time.monotonic()
-
-    def thaw(self) -> float:
-        assert self.pid is not None
-        os.kill(self.pid, signal.SIGCONT)
-        return time.monotonic()
-
-    def __exit__(self, *_: object) -> None:
-        self.thaw()
 
 
 class _BackgroundStream:
@@ -93,9 +70,9 @@ def _back_in_rotation(plane: Dataplane, replica_id: str, since: float) -> float:
 def test_frozen_replica_cuts_its_stream_retries_new_requests_and_comes_back(
     plane: Dataplane,
 ) -> None:
-    victim = _session_replica(plane)
+    victim = session_replica(plane, SESSION)
     stream = _BackgroundStream(plane, {**SESSION, "X-Request-Id": "in-flight"})
-    with _Frozen(victim) as frozen_at:
+    with Frozen(victim) as frozen_at:
         # Sticky requests of the same conversation, sent in the moments before mark-down.
         with plane.client(timeout_s=30) as client:
             turns = [
@@ -127,13 +104,13 @@ def test_frozen_replica_cuts_its_stream_retries_new_requests_and_comes_back(
         ]
         assert len(others) <= (0 if request_id == "in-flight" else 1)
     assert back_s < RECOVERY_S
-    assert _session_replica(plane) is victim
+    assert session_replica(plane, SESSION) is victim
 
 
 def test_replica_that_accepts_and_never_answers_costs_one_budget_then_recovers(
     plane: Dataplane,
 ) -> None:
-    victim = _session_replica(plane)
+    victim = session_replica(plane, SESSION)
     victim.fault("hang")
     with plane.client(timeout_s=30) as client:
         outcomes = [
@@ -173,17 +150,17 @@ def test_answer_not_streamed_keeps_the_long_timer(
 
 @pytest.mark.parametrize("verdict", ["drain #operator", "drain #xid 63 row remap pending"])
 def test_undrain_returns_the_replica_within_a_second(plane: Dataplane, verdict: str) -> None:
-    victim = _session_replica(plane)
+    victim = session_replica(plane, SESSION)
     plane.agent.set_reply(victim.replica_id, verdict)
     plane.wait_until(lambda: plane.status()[victim.replica_id].startswith("DRAIN"), 2, "drain")
     plane.agent.set_reply(victim.replica_id, AGENT_UP)
     assert _back_in_rotation(plane, victim.replica_id, time.monotonic()) < RECOVERY_S
-    assert _session_replica(plane) is victim
+    assert session_replica(plane, SESSION) is victim
 
 
 def test_up_without_ready_would_keep_the_drain(plane: Dataplane) -> None:
     """Why the agent says `up ready`: HAProxy 2.6 ends an agent-set drain only on `ready`."""
-    victim = _session_replica(plane)
+    victim = session_replica(plane, SESSION)
     plane.agent.set_reply(victim.replica_id, "drain")
     plane.wait_until(lambda: plane.status()[victim.replica_id].startswith("DRAIN"), 2, "drain")
     plane.agent.set_reply(victim.replica_id, "up 100%")
