@@ -341,6 +341,7 @@ def _agent_toml(replica: PlacedReplica, recipe: RecipeSpec) -> str:
     if recipe.ttft_budget_ms is not None:
         lines += [
             f"ttft_budget_ms = {recipe.ttft_budget_ms}",
+            f"stall_budget_ms = {recipe.stall_timeout_ms}",
             f"probe_model = {json.dumps(recipe.model_names[0])}",
         ]
     return "\n".join(lines) + "\n"

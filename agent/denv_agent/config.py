@@ -63,6 +63,8 @@ class Probe:
     model: str
     ttft_budget_ms: float
     interval_s: float
+    # The longest silence between the probe's tokens before the replica is drained; None: no check.
+    stall_budget_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -408,7 +410,7 @@ def _probe(table: _Table, health_url: str, intervals: Intervals) -> Probe | None
     """The first-token probe is on when the replica has a TTFT budget."""
     budget = table.get("ttft_budget_ms")
     if budget is None:
-        for key in ("probe_url", "probe_model", "probe_interval_s"):
+        for key in ("probe_url", "probe_model", "probe_interval_s", "stall_budget_ms"):
             if table.get(key) is not None:
                 raise ConfigError(
                     table.name(key), "set without ttft_budget_ms", "add ttft_budget_ms"
@@ -423,6 +425,11 @@ def _probe(table: _Table, health_url: str, intervals: Intervals) -> Probe | None
         model=model,
         ttft_budget_ms=budget_ms,
         interval_s=table.number("probe_interval_s", intervals.probe_s),
+        stall_budget_ms=(
+            table.number("stall_budget_ms", 1000.0)
+            if table.get("stall_budget_ms") is not None
+            else None
+        ),
     )
 
 

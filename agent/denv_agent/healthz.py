@@ -80,6 +80,7 @@ def document(node: str, snap: Snapshot, *, simulated: bool) -> dict[str, Any]:
                     "probe_failures": reading.probe_failures,
                     "probe_error": reading.probe_error,
                     "ttft_ms": None if reading.ttft_ms is None else round(reading.ttft_ms, 1),
+                    "gap_ms": None if reading.gap_ms is None else round(reading.gap_ms, 1),
                 },
             }
         )

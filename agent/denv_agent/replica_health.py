@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import itertools
 import json
 import socket
 import threading
@@ -66,39 +67,78 @@ def check_health(url: str, timeout_s: float) -> str | None:
     return None if 200 <= status < 300 else f"http {status}"
 
 
-def probe_first_token(url: str, model: str, timeout_s: float) -> float:
-    """TTFT in ms of a one-token streamed chat completion; raises ProbeError on any failure."""
+# Tokens the probe asks for: enough to time the gaps between them as well as the first one.
+PROBE_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class ProbeTiming:
+    ttft_ms: float
+    # The longest silence between two of the probe's tokens; None when only one came.
+    max_gap_ms: float | None
+
+
+def probe_stream(
+    url: str, model: str, timeout_s: float, stall_budget_ms: float | None = None
+) -> ProbeTiming:
+    """First token and longest gap of a short streamed chat completion; ProbeError on failure.
+
+    With a stall budget the probe ends as soon as a silence after a token outlasts it: the
+    verdict is known, and waiting out the whole stream would only delay it.
+    """
     body = json.dumps(
         {
             "model": model,
             "messages": [{"role": "user", "content": "ping"}],
-            "max_tokens": 1,
+            "max_tokens": PROBE_TOKENS,
             "stream": True,
         }
     ).encode()
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     started = time.perf_counter()
     deadline = started + timeout_s
+    tokens: list[float] = []
     conn, path = _connection(url, timeout_s)
     try:
         conn.request("POST", path, body=body, headers=headers)
+        sock = conn.sock  # the response reads from it even after the connection lets it go
         response = conn.getresponse()
         if response.status != 200:
             raise ProbeError(f"http {response.status}")
         # readline() may return early on a trickling server; the deadline bounds the whole probe.
-        while time.perf_counter() < deadline:
-            line = response.readline(_MAX_LINE)
-            if not line:
-                raise ProbeError("stream ended without a token")
+        late, stalled_at = False, float("inf")
+        while len(tokens) < PROBE_TOKENS:
+            try:
+                line = response.readline(_MAX_LINE)
+            except TimeoutError:
+                line = b""
+            now = time.perf_counter()
+            late = now >= min(deadline, stalled_at)
+            if late or not line or _is_done(line):
+                break
             if _is_token(line):
-                return (time.perf_counter() - started) * 1000
-        raise ProbeError("timeout")
+                tokens.append(time.perf_counter())
+                if stall_budget_ms is not None and sock is not None:
+                    left = deadline - time.perf_counter()
+                    sock.settimeout(max(0.001, min(stall_budget_ms / 1000, left)))
+                    stalled_at = tokens[-1] + stall_budget_ms / 1000
+        if not tokens:
+            raise ProbeError("timeout" if late else "stream ended without a token")
+        if late:  # silent since its last token until the deadline: that silence is a gap
+            tokens.append(time.perf_counter())
     except ProbeError:
         raise
     except Exception as e:
         raise ProbeError(describe_failure(e)) from e
     finally:
         conn.close()
+    gaps = [(b - a) * 1000 for a, b in itertools.pairwise(tokens)]
+    return ProbeTiming((tokens[0] - started) * 1000, max(gaps) if gaps else None)
+
+
+def _is_done(line: bytes) -> bool:
+    line = line.strip()
+    return line.startswith(b"data:") and line[5:].strip() == b"[DONE]"
 
 
 def _is_token(line: bytes) -> bool:
@@ -106,8 +146,6 @@ def _is_token(line: bytes) -> bool:
     if not line.startswith(b"data:"):
         return False
     payload = line[5:].strip()
-    if payload == b"[DONE]":
-        raise ProbeError("stream ended without a token")
     try:
         choice = json.loads(payload)["choices"][0]
         text = (choice.get("delta") or {}).get("content") or choice.get("text")
@@ -127,6 +165,7 @@ class ReplicaReading:
     probe_failures: int = 0
     probe_error: str | None = None
     ttft_ms: float | None = None
+    gap_ms: float | None = None  # the last probe's longest silence between tokens
 
 
 def replica_conditions(
@@ -153,6 +192,13 @@ def replica_conditions(
                 f"ttft {reading.ttft_ms:.0f} ms over {budget:.0f} ms budget",
                 thresholds.slow_weight_pct,
             )
+        )
+    stall = replica.probe.stall_budget_ms if replica.probe else None
+    if stall is not None and reading.gap_ms is not None and reading.gap_ms >= stall:
+        # Its streams are cut at the balancer's stall budget anyway: send new ones elsewhere
+        # until a probe streams without such a pause.
+        found.append(
+            conditions.drain(f"stream stalled {reading.gap_ms:.0f} ms, over {stall:.0f} ms budget")
         )
     return found
 
@@ -228,7 +274,9 @@ class ReplicaMonitor:
 
     def _probe(self, replica_id: str, probe: Probe) -> None:
         try:
-            ttft_ms = probe_first_token(probe.url, probe.model, self.intervals.probe_timeout_s)
+            timing = probe_stream(
+                probe.url, probe.model, self.intervals.probe_timeout_s, probe.stall_budget_ms
+            )
         except ProbeError as e:
             error = str(e)
             self._update(
@@ -241,10 +289,15 @@ class ReplicaMonitor:
                 ),
             )
             return
-        self.on_ttft(replica_id, ttft_ms / 1000)
+        self.on_ttft(replica_id, timing.ttft_ms / 1000)
         self._update(
             replica_id,
             lambda old: replace(
-                old, probes=old.probes + 1, probe_failures=0, probe_error=None, ttft_ms=ttft_ms
+                old,
+                probes=old.probes + 1,
+                probe_failures=0,
+                probe_error=None,
+                ttft_ms=timing.ttft_ms,
+                gap_ms=timing.max_gap_ms,
             ),
         )

@@ -34,13 +34,16 @@ class ReplicaServer:
     """A local model server: GET /health and a streamed POST /v1/chat/completions.
 
     health: "ok", "error" (503), "hang" (no answer until closed), "garbage" (not HTTP).
-    stream: "ok" (one token after ttft_s), "no_token" ([DONE] only), "error" (500).
+    stream: "ok" (`tokens` tokens: the first after ttft_s, then one every gap_s),
+    "no_token" ([DONE] only), "error" (500).
     """
 
     def __init__(self) -> None:
         self.health = "ok"
         self.stream = "ok"
         self.ttft_s = 0.0
+        self.tokens = 1
+        self.gap_s = 0.0
         self.released = threading.Event()
         owner = self
 
@@ -67,9 +70,11 @@ class ReplicaServer:
                 self.wfile.write(f"data: {json.dumps(role)}\n\n".encode())
                 self.wfile.flush()
                 if owner.stream == "ok":
-                    owner.released.wait(owner.ttft_s)
                     token = {"choices": [{"delta": {"content": "hi"}}]}
-                    self.wfile.write(f"data: {json.dumps(token)}\n\n".encode())
+                    for index in range(owner.tokens):
+                        owner.released.wait(owner.gap_s if index else owner.ttft_s)
+                        self.wfile.write(f"data: {json.dumps(token)}\n\n".encode())
+                        self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
 
             def _send(self, status: int, body: bytes, content_type: str) -> None:

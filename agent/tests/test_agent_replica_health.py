@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from denv_agent.replica_health import (
     ProbeError,
     ReplicaReading,
     check_health,
-    probe_first_token,
+    probe_stream,
     replica_conditions,
 )
 
@@ -39,8 +40,32 @@ def test_health_check_refused() -> None:
 
 def test_probe_measures_time_to_first_token(server: ReplicaServer) -> None:
     server.ttft_s = 0.15
-    ttft_ms = probe_first_token(f"{server.base_url}/v1/chat/completions", "voice", 2.0)
-    assert 150 <= ttft_ms < 1000
+    timing = probe_stream(f"{server.base_url}/v1/chat/completions", "voice", 2.0)
+    assert 150 <= timing.ttft_ms < 1000
+    assert timing.max_gap_ms is None  # one token: no gap to time
+
+
+def test_probe_measures_the_longest_gap_between_tokens(server: ReplicaServer) -> None:
+    server.tokens, server.gap_s = 3, 0.2
+    timing = probe_stream(f"{server.base_url}/v1/chat/completions", "voice", 2.0)
+    assert timing.max_gap_ms is not None and 200 <= timing.max_gap_ms < 1000
+
+
+def test_with_a_stall_budget_the_probe_ends_once_a_pause_outlasts_it(
+    server: ReplicaServer,
+) -> None:
+    server.tokens, server.gap_s = 3, 5.0
+    started = time.monotonic()
+    timing = probe_stream(f"{server.base_url}/v1/chat/completions", "voice", 3.0, 300)
+    assert time.monotonic() - started < 1.5
+    assert timing.max_gap_ms is not None and 300 <= timing.max_gap_ms < 1000
+
+
+def test_a_stream_silent_after_its_first_token_is_one_long_gap(server: ReplicaServer) -> None:
+    server.tokens, server.gap_s = 3, 5.0
+    timing = probe_stream(f"{server.base_url}/v1/chat/completions", "voice", 0.5)
+    assert timing.ttft_ms < 400
+    assert timing.max_gap_ms is not None and timing.max_gap_ms >= 500 - timing.ttft_ms - 1
 
 
 @pytest.mark.parametrize(
@@ -49,13 +74,13 @@ def test_probe_measures_time_to_first_token(server: ReplicaServer) -> None:
 def test_probe_failures_say_why(server: ReplicaServer, stream: str, message: str) -> None:
     server.stream = stream
     with pytest.raises(ProbeError, match=message):
-        probe_first_token(f"{server.base_url}/v1/chat/completions", "voice", 1.0)
+        probe_stream(f"{server.base_url}/v1/chat/completions", "voice", 1.0)
 
 
 def test_probe_times_out_on_a_silent_stream(server: ReplicaServer) -> None:
     server.ttft_s = 5
     with pytest.raises(ProbeError, match="timeout"):
-        probe_first_token(f"{server.base_url}/v1/chat/completions", "voice", 0.2)
+        probe_stream(f"{server.base_url}/v1/chat/completions", "voice", 0.2)
 
 
 def _replica(tmp_path: Path, **extra: object) -> Replica:
@@ -90,10 +115,15 @@ def _replica(tmp_path: Path, **extra: object) -> Replica:
             [Condition(Effect.WEIGHT, "ttft 412 ms over 300 ms budget", 50)],
         ),
         (ReplicaReading(checks=3, ever_ok=True, ttft_ms=120.0), []),
+        (ReplicaReading(checks=3, ever_ok=True, ttft_ms=120.0, gap_ms=900.0), []),
+        (
+            ReplicaReading(checks=3, ever_ok=True, ttft_ms=120.0, gap_ms=1500.4),
+            [Condition(Effect.DRAIN, "stream stalled 1500 ms, over 1000 ms budget")],
+        ),
     ],
 )
 def test_replica_conditions(
     tmp_path: Path, reading: ReplicaReading, expected: list[Condition]
 ) -> None:
-    replica = _replica(tmp_path, ttft_budget_ms=300, probe_model="voice")
+    replica = _replica(tmp_path, ttft_budget_ms=300, probe_model="voice", stall_budget_ms=1000)
     assert replica_conditions(reading, replica, Thresholds()) == expected

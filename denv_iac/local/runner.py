@@ -236,8 +236,13 @@ def agent_config_toml(
             f"gpu = {replica.gpu}",
         ]
         if recipe.ttft_budget_ms is not None:
-            # The first-token probe: over budget, the agent lowers the replica's weight.
-            lines += [f"ttft_budget_ms = {recipe.ttft_budget_ms}", f'probe_model = "{recipe.name}"']
+            # The stream probe: a slow first token lowers the replica's weight; a pause between
+            # tokens past the stall budget (where the balancer cuts streams) drains it.
+            lines += [
+                f"ttft_budget_ms = {recipe.ttft_budget_ms}",
+                f"stall_budget_ms = {recipe.stall_timeout_ms}",
+                f'probe_model = "{recipe.name}"',
+            ]
     return "\n".join(lines) + "\n"
 
 
