@@ -29,6 +29,7 @@ from denv_iac.node import (
     MigSlice,
     NodeDeploySpec,
     NodeSpecError,
+    ProbeSpec,
     ReplicaSpec,
     Step,
     Target,
@@ -41,7 +42,7 @@ from denv_iac.node.plan import fact_query
 from denv_iac.node.replicas import stale_steps as stale_replica_steps
 from denv_iac.placement import Placement
 from denv_iac.plan import imageless_problems
-from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
+from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError
 
 # Sites that create their machines from a provider's image, with the site's SSH key. The
@@ -103,6 +104,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 mig_instance=r.slice or 0,
                 env=dict(recipes[r.pool].env),
                 health_path=recipes[r.pool].health_path,
+                probe=_probe(recipes[r.pool]),
             )
             for r in placement.replicas
             if (r.site, r.node) == (node.site, node.name)
@@ -129,6 +131,12 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
     return specs
 
 
+def _probe(recipe: RecipeSpec) -> ProbeSpec | None:
+    if recipe.ttft_budget_ms is None:
+        return None
+    return ProbeSpec(recipe.model_names[0], recipe.ttft_budget_ms, recipe.stall_timeout_ms)
+
+
 def node_ssh_user(site: SiteSpec, node: str) -> str:
     """Who the deploy logs in as on a GPU node of the site."""
     if site.kind in CLOUD_SITE_KINDS:
@@ -148,6 +156,11 @@ def balancer_ssh_user(site: SiteSpec) -> str:
 def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
     """The JSON form `spec_from_json` reads: what a NodeSetup keeps in its inputs."""
     data: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(spec)))
+    for replica in data["replicas"]:
+        # Added after the first release: left out when unset, so the state of a stack that
+        # does not use it stays as it was and its next preview shows no change.
+        if replica["probe"] is None:
+            del replica["probe"]
     return data
 
 

@@ -45,6 +45,13 @@ def config(spec: NodeDeploySpec) -> FileContent:
             f"health_url = {_toml(f'http://127.0.0.1:{replica.port}{replica.health_path}')}",
             f"gpu = {replica.gpu}",
         ]
+        if replica.probe is not None:
+            lines += [
+                f"ttft_budget_ms = {replica.probe.ttft_budget_ms}",
+                f"probe_model = {_toml(replica.probe.model)}",
+            ]
+            if replica.probe.stall_budget_ms is not None:
+                lines.append(f"stall_budget_ms = {replica.probe.stall_budget_ms}")
     return text_file(CONFIG, "\n".join(lines) + "\n")
 
 

@@ -92,6 +92,16 @@ class AgentSettings:
 
 
 @dataclass(frozen=True)
+class ProbeSpec:
+    """The agent's stream probe of a replica: the model it asks for, and the budgets past
+    which it lowers the replica's weight (first token) or drains it (a pause between tokens)."""
+
+    model: str
+    ttft_budget_ms: int
+    stall_budget_ms: int | None = None
+
+
+@dataclass(frozen=True)
 class ReplicaSpec:
     """One model server on a whole GPU (`mig_profile` None) or on one MIG instance of it."""
 
@@ -104,6 +114,7 @@ class ReplicaSpec:
     mig_instance: int = 0  # which instance of that profile on that GPU, in nvidia-smi -L order
     env: Mapping[str, str] = field(default_factory=dict)
     health_path: str = "/health"
+    probe: ProbeSpec | None = None  # the agent's stream probe of this replica, if any
 
     @property
     def unit(self) -> str:
@@ -251,6 +262,21 @@ def _replica_problems(spec: NodeDeploySpec) -> list[str]:
                 problems.append(f"{where} env {name}: set by the deploy; remove it")
         if not replica.health_path.startswith("/") or _has_blank(replica.health_path):
             problems.append(f"{where} health_path: start it with '/', without blanks")
+        if replica.probe is not None:
+            problems += _probe_problems(where, replica.probe)
+    return problems
+
+
+def _probe_problems(where: str, probe: ProbeSpec) -> list[str]:
+    problems = []
+    if not isinstance(probe.model, str) or not probe.model or _has_blank(probe.model):
+        problems.append(f"{where} probe model: the model name the server serves, no blanks")
+    for key in ("ttft_budget_ms", "stall_budget_ms"):
+        budget = getattr(probe, key)
+        if (budget is not None or key == "ttft_budget_ms") and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
+        ):
+            problems.append(f"{where} probe {key} {budget!r}: milliseconds, a whole number over 0")
     return problems
 
 
@@ -274,7 +300,14 @@ def spec_from_json(data: Mapping[str, Any]) -> NodeDeploySpec:
     """Build a spec from its JSON form (the field names above); raises NodeSpecError."""
     try:
         replicas = tuple(
-            ReplicaSpec(**{**r, "command": tuple(r.get("command", ())), "env": r.get("env", {})})
+            ReplicaSpec(
+                **{
+                    **r,
+                    "command": tuple(r.get("command", ())),
+                    "env": r.get("env", {}),
+                    "probe": ProbeSpec(**r["probe"]) if r.get("probe") is not None else None,
+                }
+            )
             for r in data.get("replicas", ())
         )
         agent_data = data.get("agent", {})

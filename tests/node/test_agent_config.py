@@ -1,0 +1,58 @@
+"""The node agent's config as the deploy writes it, read by the agent's own parser."""
+
+from pathlib import Path
+
+import pytest
+from denv_agent.config import parse
+
+from denv_iac.components.cluster import validate_cluster
+from denv_iac.components.node_setup import node_deploy_specs
+from denv_iac.node import agent
+from denv_iac.node.spec import NodeSpecError, spec_from_json
+from tests.components import stacks
+
+
+def _agent_config(ttft_budget_ms: int | None) -> tuple[str, str]:
+    args = stacks.multicloud()
+    if ttft_budget_ms is not None:
+        args["recipes"][2]["ttft_budget_ms"] = ttft_budget_ms  # assist, on the Hetzner boxes
+    stack, placement, _ = validate_cluster("prod", args)
+    spec = node_deploy_specs(stack, placement)["hetzner-fsn.gex-1"]
+    token = "t" * 32
+    text = (
+        agent.config(spec)
+        .content.decode()
+        .replace(f'control_token_file = "{agent.TOKEN}"', f'control_token = "{token}"')
+    )
+    return text, spec.replicas[0].id
+
+
+def test_a_recipe_with_a_ttft_budget_gets_the_stream_probe_on_its_nodes(tmp_path: Path) -> None:
+    text, replica_id = _agent_config(250)
+    (replica,) = parse(text, tmp_path).replicas
+    assert replica.id == replica_id
+    assert replica.probe is not None
+    assert (replica.probe.model, replica.probe.ttft_budget_ms) == ("assist", 250.0)
+    assert replica.probe.stall_budget_ms == 1000.0  # the recipe's stall_timeout_ms
+    assert replica.probe.url == "http://127.0.0.1:8000/v1/chat/completions"
+
+
+def test_without_a_budget_no_probe(tmp_path: Path) -> None:
+    text, _ = _agent_config(None)
+    assert parse(text, tmp_path).replicas[0].probe is None
+    assert "probe_model" not in text
+
+
+def test_a_hand_written_spec_with_a_bad_probe_is_refused() -> None:
+    replica = {"id": "a", "image": "img", "port": 8000, "gpu": 0}
+    with pytest.raises(NodeSpecError) as error:
+        spec_from_json(
+            {
+                "node_id": "joined.box-1",
+                "replicas": [{**replica, "probe": {"model": "two words", "ttft_budget_ms": 0}}],
+            }
+        )
+    assert error.value.problems == [
+        "replica 'a' probe model: the model name the server serves, no blanks",
+        "replica 'a' probe ttft_budget_ms 0: milliseconds, a whole number over 0",
+    ]
