@@ -182,10 +182,25 @@ class RestartBackoff:
         self.restarts += 1
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A port free now and never handed out before by this process.
+
+    The kernel may give the same free port to two binds in a row when the first socket is
+    closed before its port is used (an endpoint and a metrics port once came out equal), so
+    each port is handed out once.
+    """
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket() as sock:
+                sock.bind((HOST, 0))
+                port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def check_local_only(stack: StackSpec) -> None:

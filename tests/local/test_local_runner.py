@@ -13,12 +13,14 @@ import yaml
 from click.testing import CliRunner
 
 from denv_iac.cli import main
+from denv_iac.local import runner
 from denv_iac.local.demo import run_demo
 from denv_iac.local.runner import (
     HAPROXY_MARK,
     REPLICA_MARK,
     LocalCluster,
     RunState,
+    free_port,
     ours,
     stop_recorded,
 )
@@ -146,3 +148,25 @@ def test_status_command_reads_a_running_stack(
     finally:
         down = runner.invoke(main, ["local", "down", "--stack", "t"])
     assert "stopped 7 processes" in down.output
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel gives the same free port to two binds in a row: the second is not used.
+    offered = iter([47001, 47001, 47002])
+
+    class Socket:
+        def __enter__(self) -> "Socket":
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def bind(self, _address: object) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(runner.socket, "socket", Socket)
+    monkeypatch.setattr(runner, "_HANDED_OUT", set())
+    assert [free_port(), free_port()] == [47001, 47002]
