@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -18,7 +19,7 @@ from denv_iac.local.runner import LocalCluster, RestartBackoff, RunState, StackL
 from denv_iac.spec.reader import StackError, read_stack
 from tests.local.test_local_runner import CONFIG, alive, free_endpoint_port
 
-if not os.path.exists("/usr/sbin/haproxy"):
+if shutil.which("haproxy") is None:
     pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
 
 
