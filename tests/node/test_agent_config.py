@@ -5,10 +5,11 @@ from pathlib import Path
 import pytest
 from denv_agent.config import parse
 
-from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import node_deploy_specs
 from denv_iac.node import agent
 from denv_iac.node.spec import NodeSpecError, spec_from_json
+from denv_iac.placement import place_replicas
+from denv_iac.spec.reader import read_stack
 from tests.components import stacks
 
 
@@ -16,8 +17,8 @@ def _agent_config(ttft_budget_ms: int | None) -> tuple[str, str]:
     args = stacks.multicloud()
     if ttft_budget_ms is not None:
         args["recipes"][2]["ttft_budget_ms"] = ttft_budget_ms  # assist, on the Hetzner boxes
-    stack, placement, _ = validate_cluster("prod", args)
-    spec = node_deploy_specs(stack, placement)["hetzner-fsn.gex-1"]
+    stack = read_stack("prod", {f"denv:{k}": args[k] for k in ("sites", "recipes", "balancer")})
+    spec = node_deploy_specs(stack, place_replicas(stack))["hetzner-fsn.gex-1"]
     token = "t" * 32
     text = (
         agent.config(spec)
