@@ -7,6 +7,7 @@ few invokes the components make with stable canned values, so the same stack alw
 same graph. Importing this module imports Pulumi: keep it out of code paths that do not need it.
 """
 
+import asyncio
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,17 @@ class Run:
         return {r.urn: r.inputs for r in self.registrations}
 
 
+def _ensure_event_loop() -> None:
+    """Pulumi's mocks run on the thread's current event loop. An `asyncio.run` earlier in the
+    process (a team's own code, a test) leaves the thread without one, so one is made."""
+    try:
+        loop = asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        loop = None
+    if loop is None or loop.is_closed():
+        asyncio.set_event_loop(asyncio.new_event_loop())
+
+
 def run_program(
     program: Callable[[], dict[str, pulumi.Output[Any]]], *, preview: bool, run: Run | None = None
 ) -> Run:
@@ -158,6 +170,7 @@ def run_program(
     Pass `run` to keep what was registered when the program raises.
     """
     run = run or Run()
+    _ensure_event_loop()
     mocks = RecordingMocks()
     monitor = RecordingMonitor(mocks)
     monitor.registrations = run.registrations

@@ -1,5 +1,6 @@
 """`denv plan --resources`: the stack's resource graph under Pulumi's mocks, secrets masked."""
 
+import asyncio
 import copy
 import io
 import json
@@ -182,3 +183,9 @@ def test_a_duplicate_urn_is_refused_as_the_engine_would() -> None:
 
     with pytest.raises(Exception, match=r"duplicate URN .*test:index:Thing::thing"):
         run_program(program, preview=True)
+
+
+def test_the_preview_runs_after_asyncio_run_left_the_thread_without_a_loop() -> None:
+    asyncio.run(asyncio.sleep(0))  # as any asyncio program before it would
+    run = run_program(lambda: {"answer": pulumi.Output.from_input(42)}, preview=False)
+    assert run.outputs == {"answer": 42}
