@@ -9,7 +9,7 @@ NodeSetup, a dynamic resource (501 of them at the large size; see
 import time
 
 from benchmarks.placement_bench import synthetic_config
-from denv_iac.preview import preview_stack
+from denv_iac.components.preview import preview_stack
 from denv_iac.spec.reader import read_stack
 
 

@@ -34,8 +34,6 @@ import httpx
 from denv_agent.control import clear_faults, drain, inject_fault, undrain
 
 from denv_iac.balancer.runtime import server_stats
-from denv_iac.loadgen import LoadReport, StreamResult, run_load
-from denv_iac.local.demo import count_replayed, count_retried, kill_replica, seen_by_replicas
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
 from denv_iac.local.runner import (
     AGENT_MARK,
@@ -45,6 +43,8 @@ from denv_iac.local.runner import (
     free_port,
     ours,
 )
+from denv_iac.ops.demo import count_replayed, count_retried, kill_replica, seen_by_replicas
+from denv_iac.ops.loadgen import LoadReport, StreamResult, run_load
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.spec.reader import read_stack
 

@@ -16,7 +16,7 @@ import pulumi
 import yaml
 
 import denv_iac
-from denv_iac.preview import run_program
+from denv_iac.components.preview import run_program
 
 
 def _decrypted(value: Any, secret: str) -> Any:

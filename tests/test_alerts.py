@@ -8,8 +8,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from denv_iac.alerts import AGENT_JOB, BALANCER_JOB, alert_rules
 from denv_iac.cli import main
+from denv_iac.ops.alerts import AGENT_JOB, BALANCER_JOB, alert_rules
 from denv_iac.spec.reader import read_stack
 from tests.stacks import local_site
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from denv_iac.console import StepProgress
+from denv_iac.cli.console import StepProgress
 
 
 def test_each_finished_step_is_one_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:

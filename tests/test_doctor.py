@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from denv_iac.doctor import check_haproxy, haproxy_version, needed_by
+from denv_iac.cli.doctor import check_haproxy, haproxy_version, needed_by
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from denv_iac.loadgen import percentile, run_load
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.ops.loadgen import percentile, run_load
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from denv_iac.loadgen import Endpoint, run_load
+from denv_iac.ops.loadgen import Endpoint, run_load
 
 Respond = Callable[[int], bytes]  # the n-th request on a connection -> the raw response
 

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from denv_iac.cli import main
-from denv_iac.plan_view import key_inputs, render_resources
-from denv_iac.preview import PreviewResource, preview_cluster, run_program, shown
+from denv_iac.cli.plan_view import key_inputs, render_resources
+from denv_iac.components.preview import PreviewResource, preview_cluster, run_program, shown
 from tests.components import stacks
 
 ROOT = Path(__file__).resolve().parents[1]

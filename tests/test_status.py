@@ -18,8 +18,7 @@ from denv_agent.control import inject_fault
 
 from denv_iac.cli import main
 from denv_iac.local.runner import LocalCluster, RunState, free_port, ours, run_dir
-from denv_iac.spec.reader import read_stack
-from denv_iac.status import (
+from denv_iac.ops.status import (
     AGENT_UNREACHABLE,
     AgentEndpoint,
     AgentHealth,
@@ -29,6 +28,7 @@ from denv_iac.status import (
     replica_statuses,
     with_agent_health,
 )
+from denv_iac.spec.reader import read_stack
 from tests.stacks import local_site
 
 # Two nodes, one voice replica each, both needed: losing a node puts the pool below min_warm.

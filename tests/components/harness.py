@@ -1,9 +1,9 @@
-"""Pulumi's mock engine for the component tests (the product's own, `denv_iac.preview`)."""
+"""Pulumi's mock engine for the component tests: the product's own, `components.preview`."""
 
 from typing import Any
 
 from denv_iac.components import Cluster
-from denv_iac.preview import (
+from denv_iac.components.preview import (
     AMI_ID,
     SECRET_MARK,
     SECRET_SIG,

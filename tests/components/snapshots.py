@@ -4,7 +4,7 @@ import json
 import os
 from pathlib import Path
 
-from denv_iac.preview import Run
+from denv_iac.components.preview import Run
 
 GOLDEN = Path(__file__).parent / "golden"
 

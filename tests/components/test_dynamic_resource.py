@@ -7,7 +7,7 @@ import pulumi
 
 from denv_iac.components.lambda_cloud import LambdaSshKey
 from denv_iac.components.node_setup import NodeDeployment
-from denv_iac.preview import run_program
+from denv_iac.components.preview import run_program
 
 # pulumi.dynamic adds a frame per serialization without the guard: ~970 calls overflow the stack.
 MORE_THAN_THE_STACK_HOLDS = 1100

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from denv_iac.preview import shown
+from denv_iac.components.preview import shown
 from tests.components import stacks
 from tests.components.harness import cluster_outputs, run_program
 

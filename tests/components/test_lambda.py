@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from denv_iac.components.preview import SECRET_MARK, SECRET_SIG
 from denv_iac.components.secrets import public_key_of
-from denv_iac.preview import SECRET_MARK, SECRET_SIG
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program

@@ -98,6 +98,17 @@ def _cut(turn: _Turn) -> None:
     assert "incomplete chunked read" in str(cause)
 
 
+def _stream_in_flight(
+    plane: Dataplane, request_id: str
+) -> tuple[SimulatedReplica, openai.OpenAI, _Turn]:
+    """The conversation's replica, the SDK client, and a turn streaming on it a few tokens in."""
+    victim = session_replica(plane, SESSION)
+    client = _sdk(plane)
+    turn = _Turn(client, request_id)
+    time.sleep(0.3)
+    return victim, client, turn
+
+
 def _replicas_that_saw(plane: Dataplane, request_id: str) -> list[str]:
     return [
         r.replica_id for r in plane.replicas.values() if r.stats()["by_request_id"].get(request_id)
@@ -107,10 +118,7 @@ def _replicas_that_saw(plane: Dataplane, request_id: str) -> list[str]:
 def test_sdk_stream_on_a_frozen_replica_raises_within_the_stall_budget_and_the_next_turn_is_served(
     plane: Dataplane,
 ) -> None:
-    victim = session_replica(plane, SESSION)
-    client = _sdk(plane)
-    in_flight = _Turn(client, "sdk-in-flight")
-    time.sleep(0.3)  # a few tokens in
+    victim, client, in_flight = _stream_in_flight(plane, "sdk-in-flight")
     with Frozen(victim) as frozen_at:
         in_flight.join()
         next_turn = _Turn(client, "sdk-next-turn").join()
@@ -135,10 +143,7 @@ def test_sdk_stream_on_a_frozen_replica_raises_within_the_stall_budget_and_the_n
 def test_sdk_stream_whose_replica_dies_raises_at_once_and_the_next_turn_is_served(
     plane: Dataplane,
 ) -> None:
-    victim = session_replica(plane, SESSION)
-    client = _sdk(plane)
-    in_flight = _Turn(client, "sdk-killed")
-    time.sleep(0.3)
+    victim, client, in_flight = _stream_in_flight(plane, "sdk-killed")
     killed_at = time.monotonic()
     victim.kill()
     in_flight.join()

@@ -14,7 +14,6 @@ from click.testing import CliRunner
 
 from denv_iac.cli import main
 from denv_iac.local import runner
-from denv_iac.local.demo import run_demo
 from denv_iac.local.runner import (
     HAPROXY_MARK,
     REPLICA_MARK,
@@ -24,6 +23,7 @@ from denv_iac.local.runner import (
     ours,
     stop_recorded,
 )
+from denv_iac.ops.demo import run_demo
 from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import local_site, valid_config
 

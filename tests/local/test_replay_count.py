@@ -2,8 +2,8 @@
 
 import pytest
 
-from denv_iac.loadgen import StreamResult
-from denv_iac.local.demo import count_replayed, count_retried
+from denv_iac.ops.demo import count_replayed, count_retried
+from denv_iac.ops.loadgen import StreamResult
 
 
 def result(request_id: str, error: str, replica: str) -> StreamResult:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+from denv_iac.cli.node import node
 from denv_iac.node import (
     AgentSettings,
     MigSlice,
@@ -30,7 +31,6 @@ from denv_iac.node import (
     prepare_node,
     repair_node,
 )
-from denv_iac.node.cli import node
 
 from . import standin
 from .debian_root import ensure_root

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from denv_iac.node.cli import node
+from denv_iac.cli.node import node
 
 
 def run(*args: str) -> tuple[int, str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from denv_iac.console import fail
+from denv_iac.cli.console import fail
 
 HAPROXY_MIN = (2, 6)  # the oldest branch whose config the generator targets (docs/balancer.md)
 KVM = Path("/dev/kvm")

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from denv_iac.console import fail, output_file_problems, wide_console, write_output
+from denv_iac.cli.console import fail, output_file_problems, wide_console, write_output
 
 if TYPE_CHECKING:
-    from denv_iac.preview import PreviewResource
+    from denv_iac.components.preview import PreviewResource
     from denv_iac.spec.model import StackSpec
 
 # Each command's module is imported only when that command runs: together they pull in
@@ -20,27 +20,27 @@ if TYPE_CHECKING:
 # The summary is what `denv --help` lists; tests/test_cli_start.py checks it is the command's own.
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "alerts": (
-        "denv_iac.alerts_cli:alerts",
+        "denv_iac.cli.alerts:alerts",
         "Prometheus alerting rules: a balancer or agent down, a pool below min_warm.",
     ),
     "bench": (
-        "denv_iac.bench_cli:bench",
+        "denv_iac.cli.bench:bench",
         "Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind.",
     ),
     "doctor": (
-        "denv_iac.doctor:doctor",
+        "denv_iac.cli.doctor:doctor",
         "Check this machine for what a stack needs, and say what to install.",
     ),
     "local": (
-        "denv_iac.local.cli:local",
+        "denv_iac.cli.local:local",
         "Run a stack's whole data plane here: simulated GPUs, real agents, real HAProxy.",
     ),
     "node": (
-        "denv_iac.node.cli:node",
+        "denv_iac.cli.node:node",
         "Join, repair, drain and undrain GPU nodes (pyinfra over SSH, or @local / @chroot/PATH).",
     ),
     "status": (
-        "denv_iac.status_cli:status",
+        "denv_iac.cli.status:status",
         "Per pool, site and replica: state, weight, reason, active streams, last probe TTFT.",
     ),
 }
@@ -144,8 +144,8 @@ def plan(
     strict: bool,
 ) -> None:
     """Show where every replica goes, the nodes to create and the warm cost, offline."""
+    from denv_iac.cli.plan_view import render_plan, render_resources
     from denv_iac.plan import make_plan
-    from denv_iac.plan_view import render_plan, render_resources
     from denv_iac.spec.exposure import stack_warnings
     from denv_iac.spec.reader import StackError
     from denv_iac.spec.stackfile import (
@@ -197,7 +197,7 @@ def _preview(
     stack: "StackSpec", config: dict[str, Any], previous: list[str]
 ) -> "list[PreviewResource]":
     # Imported here: Pulumi and the provider SDKs take seconds to load, a plain plan none.
-    from denv_iac.preview import preview_stack
+    from denv_iac.components.preview import preview_stack
 
     return preview_stack(stack, config, previous)
 

@@ -14,7 +14,7 @@ from matplotlib import rc_context
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from denv_iac.loadgen import LoadReport, StreamResult
+from denv_iac.ops.loadgen import LoadReport, StreamResult
 
 FORMATS = (".png", ".svg")
 SIZE_IN = (9.0, 7.0)

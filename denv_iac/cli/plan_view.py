@@ -13,7 +13,7 @@ from denv_iac.plan import HOURS_PER_MONTH, Plan
 
 if TYPE_CHECKING:
     # Only for annotations: the preview module imports Pulumi, which a plain `denv plan` skips.
-    from denv_iac.preview import PreviewResource
+    from denv_iac.components.preview import PreviewResource
 
 # Inputs that tell resources apart at a glance; the rest is in `--json`.
 KEY_INPUTS = (

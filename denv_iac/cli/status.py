@@ -15,12 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from denv_iac.balancer.runtime import server_stats
-from denv_iac.console import fail, wide_console
+from denv_iac.cli.console import fail, wide_console
 from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, run_dir
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import find_stacks_dir, load_stack
-from denv_iac.status import (
+from denv_iac.ops.status import (
     AgentEndpoint,
     AgentHealth,
     PoolStatus,
@@ -33,6 +30,9 @@ from denv_iac.status import (
     replica_statuses,
     with_agent_health,
 )
+from denv_iac.spec.model import StackSpec
+from denv_iac.spec.reader import StackError
+from denv_iac.spec.stackfile import find_stacks_dir, load_stack
 
 DEFAULT_STACK = "local"
 EXAMPLE = "http://203.0.113.5:8405"

@@ -10,8 +10,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from denv_iac.console import fail, wide_console
-from denv_iac.local.demo import run_demo
+from denv_iac.cli.console import fail, wide_console
+from denv_iac.cli.status import status
 from denv_iac.local.runner import (
     STATE_FILE,
     LocalCluster,
@@ -21,9 +21,9 @@ from denv_iac.local.runner import (
     running_recorded,
     stop_recorded,
 )
+from denv_iac.ops.demo import run_demo
 from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import find_stacks_dir, load_stack
-from denv_iac.status_cli import status
 
 STACK = click.option(
     "--stack",

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from denv_iac.console import StepProgress, fail
+from denv_iac.cli.console import StepProgress, fail
 from denv_iac.node.deploy import (
     NodeUnreachable,
     StepFailed,

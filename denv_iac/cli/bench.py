@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from denv_iac.bench_plot import FORMATS, write_plot
-from denv_iac.console import fail, output_file_problems, wide_console, write_output
-from denv_iac.loadgen import LoadReport, run_load
+from denv_iac.cli.console import fail, output_file_problems, wide_console, write_output
+from denv_iac.ops.bench_plot import FORMATS, write_plot
+from denv_iac.ops.loadgen import LoadReport, run_load
 
 TICK_S = 0.2
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import httpx
 from denv_agent.control import inject_fault
 
-from denv_iac.loadgen import LoadReport, StreamResult, run_load
 from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.ops.loadgen import LoadReport, StreamResult, run_load
 
 Say = Callable[[str], None]
 
