@@ -35,9 +35,46 @@ class Offering:
 
 
 @dataclass(frozen=True)
+class ServerType:
+    """A Hetzner Cloud server type that can be ordered, and the locations that offer it."""
+
+    name: str
+    vcpus: int
+    memory_gb: int
+    dedicated: bool
+    locations: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ServerTypes:
+    """Hetzner Cloud server types as read on a date from a named source."""
+
+    types: dict[str, ServerType]
+    removed: tuple[str, ...] = ()  # names the API no longer accepts
+    read: str = ""
+    source: str = ""
+
+    def offered_at(self, location: str) -> tuple[str, ...]:
+        return tuple(name for name, t in self.types.items() if location in t.locations)
+
+    def pick(self, preference: tuple[str, ...], location: str) -> str:
+        """The first preferred type offered at location; a clear error when none is."""
+        offered = self.offered_at(location)
+        for name in preference:
+            if name in offered:
+                return name
+        raise ValueError(
+            f"no Hetzner Cloud server type of {', '.join(preference)} is offered in "
+            f"{location} (catalog read {self.read}); offered there: "
+            f"{', '.join(offered) or 'none'}; choose another location"
+        )
+
+
+@dataclass(frozen=True)
 class Catalog:
     gpus: dict[str, GpuModel]
     offerings: dict[str, dict[str, Offering]]  # provider -> name -> offering
+    hcloud_types: ServerTypes = ServerTypes({})
 
     def gpu(self, name: str) -> GpuModel | None:
         return self.gpus.get(name)
@@ -73,7 +110,19 @@ def parse_catalog(raw: dict[str, Any]) -> Catalog:
                 float(o["usd_per_gpu_hour"]),
                 o["price_read"],
             )
-    return Catalog(gpus, offerings)
+    return Catalog(gpus, offerings, parse_server_types(raw.get("hcloud_server_types", {})))
+
+
+def parse_server_types(raw: dict[str, Any]) -> ServerTypes:
+    removed = tuple(raw.get("removed", ()))
+    types: dict[str, ServerType] = {}
+    for name, t in raw.get("types", {}).items():
+        if name in removed:
+            raise ValueError(f"catalog: hcloud server type {name} is listed and also removed")
+        types[name] = ServerType(
+            name, int(t["vcpus"]), int(t["memory_gb"]), bool(t["dedicated"]), tuple(t["locations"])
+        )
+    return ServerTypes(types, removed, raw.get("read", ""), raw.get("source", ""))
 
 
 @cache

@@ -1,4 +1,5 @@
-"""The shipped catalog: consistent, and every AWS instance type one EC2 really has."""
+"""The shipped catalog: consistent, every AWS instance type one EC2 really has, and every Hetzner
+Cloud server type one the API still offers where it is named."""
 
 import gzip
 import json
@@ -7,7 +8,8 @@ from pathlib import Path
 import botocore
 import pytest
 
-from denv_iac.catalog import PROVIDERS, load_catalog, parse_catalog
+from denv_iac.catalog import PROVIDERS, load_catalog, parse_catalog, parse_server_types
+from denv_iac.spec.reader import HETZNER_LOCATIONS
 
 
 def ec2_instance_types() -> set[str]:
@@ -68,3 +70,47 @@ def test_an_offering_naming_an_unknown_gpu_is_rejected() -> None:
     }
     with pytest.raises(ValueError, match="unknown GPU Z1"):
         parse_catalog(raw)
+
+
+def test_hcloud_server_types_are_dated_sourced_and_none_is_removed() -> None:
+    types = load_catalog().hcloud_types
+    assert types.read and types.source
+    assert {"cpx21", "cx22"} <= set(types.removed)
+    assert set(types.types) & set(types.removed) == set()
+
+
+def test_every_hetzner_location_offers_some_server_type_and_only_known_locations_are_named() -> (
+    None
+):
+    types = load_catalog().hcloud_types
+    named = {loc for t in types.types.values() for loc in t.locations}
+    assert named == set(HETZNER_LOCATIONS)
+
+
+@pytest.mark.parametrize(
+    ("preference", "location", "picked"),
+    [
+        (("cpx22", "ccx13"), "fsn1", "cpx22"),
+        (("cpx22", "ccx13"), "sin", "cpx22"),
+        (("cpx22", "ccx13"), "ash", "ccx13"),
+        (("cx23",), "hel1", "cx23"),
+    ],
+)
+def test_pick_takes_the_first_type_the_location_offers(
+    preference: tuple[str, ...], location: str, picked: str
+) -> None:
+    assert load_catalog().hcloud_types.pick(preference, location) == picked
+
+
+def test_pick_says_what_the_location_offers_when_nothing_preferred_is() -> None:
+    with pytest.raises(ValueError, match=r"cx23 is offered in ash .*offered there: .*ccx13"):
+        load_catalog().hcloud_types.pick(("cx23",), "ash")
+
+
+def test_a_server_type_both_listed_and_removed_is_rejected() -> None:
+    raw = {
+        "removed": ["cpx21"],
+        "types": {"cpx21": {"vcpus": 3, "memory_gb": 4, "dedicated": False, "locations": ["ash"]}},
+    }
+    with pytest.raises(ValueError, match="cpx21 is listed and also removed"):
+        parse_server_types(raw)

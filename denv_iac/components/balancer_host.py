@@ -6,6 +6,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_hcloud as hcloud
 
+from denv_iac.catalog import load_catalog
 from denv_iac.components.aws import SecurityGroupWiring, pinned_ami, site_key_pair, vpc_of
 from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
@@ -16,7 +17,9 @@ AWS_INSTANCE_TYPE = "c7i.large"
 AWS_AMI_PARAMETER = (
     "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
 )
-HCLOUD_SERVER_TYPE = "cpx21"
+# Preferred first: shared AMD vCPUs where offered, else dedicated (the US locations); the
+# catalog says which location offers which type (cpx21 left the API at the end of 2025).
+HCLOUD_SERVER_TYPES = ("cpx22", "ccx13")
 HCLOUD_IMAGE = "ubuntu-24.04"
 MACHINE_HOST_KINDS = ("aws", "hetzner")  # a host is created there, reached with the site's key
 
@@ -105,7 +108,7 @@ class BalancerHost(pulumi.ComponentResource):
         )
         server = hcloud.Server(
             child_name(name, "vm"),
-            server_type=HCLOUD_SERVER_TYPE,
+            server_type=load_catalog().hcloud_types.pick(HCLOUD_SERVER_TYPES, site.region),
             image=HCLOUD_IMAGE,
             location=site.region,
             ssh_keys=[key.id],

@@ -3,14 +3,17 @@
 from typing import Any
 
 import pulumi
+import pytest
 
+from denv_iac.catalog import load_catalog
 from denv_iac.components import BalancerHost, GlobalBalancer, JoinedSite, WarmPool
 from denv_iac.components.pool import ReplicaEndpointArgs
 from denv_iac.placement import PlacedNode, place_replicas
 from denv_iac.spec.model import BalancerSpec, SiteSpec
+from denv_iac.spec.reader import HETZNER_LOCATIONS
 from denv_iac.spec.stackfile import load_stack
 from tests.components import stacks
-from tests.components.harness import run_program
+from tests.components.harness import Run, run_program
 from tests.components.test_stack_program import PROGRAM
 
 
@@ -96,8 +99,8 @@ def test_global_balancer_renders_from_the_pools_and_exports_digests_only() -> No
     assert [r.custom for r in run.registrations] == [False]
 
 
-def test_hetzner_balancer_host_is_a_firewalled_server_with_numeric_ids() -> None:
-    site = SiteSpec("hetzner-fsn", "hetzner", region="nbg1", admin_cidrs=(stacks.ADMIN,))
+def _hetzner_balancer_host(location: str, preview: bool) -> Run:
+    site = SiteSpec("hetzner-fsn", "hetzner", region=location, admin_cidrs=(stacks.ADMIN,))
 
     def program() -> dict[str, Any]:
         host = BalancerHost(
@@ -111,7 +114,11 @@ def test_hetzner_balancer_host_is_a_firewalled_server_with_numeric_ids() -> None
         )
         return {"address": host.address}
 
-    run = run_program(program, preview=False)
+    return run_program(program, preview=preview)
+
+
+def test_hetzner_balancer_host_is_a_firewalled_server_with_numeric_ids() -> None:
+    run = _hetzner_balancer_host("nbg1", preview=False)
     firewall = run.named("prod-balancer-hetzner-fsn-fw")
     server = run.named("prod-balancer-hetzner-fsn-vm").inputs
     assert [(r["port"], r["sourceIps"]) for r in firewall.inputs["rules"]] == [
@@ -124,3 +131,12 @@ def test_hetzner_balancer_host_is_a_firewalled_server_with_numeric_ids() -> None
     assert len(server["firewallIds"]) == 1 and float(server["firewallIds"][0]).is_integer()
     assert server["labels"]["denv-role"] == "balancer"
     assert run.outputs["address"].startswith("198.18.")
+
+
+@pytest.mark.parametrize("location", HETZNER_LOCATIONS)
+def test_hetzner_balancer_server_type_is_one_the_api_offers_at_its_location(location: str) -> None:
+    run = _hetzner_balancer_host(location, preview=True)
+    server_type = run.named("prod-balancer-hetzner-fsn-vm").inputs["serverType"]
+    types = load_catalog().hcloud_types
+    assert server_type not in types.removed
+    assert location in types.types[server_type].locations
