@@ -79,12 +79,17 @@ class ProbeTiming:
 
 
 def probe_stream(
-    url: str, model: str, timeout_s: float, stall_budget_ms: float | None = None
+    url: str,
+    model: str,
+    timeout_s: float,
+    stall_budget_ms: float | None = None,
+    on_first_token: Callable[[float], None] | None = None,
 ) -> ProbeTiming:
     """First token and longest gap of a short streamed chat completion; ProbeError on failure.
 
-    With a stall budget the probe ends as soon as a silence after a token outlasts it: the
-    verdict is known, and waiting out the whole stream would only delay it.
+    `on_first_token` hears the TTFT (ms) as soon as it is known, so a slow replica's weight
+    drops without waiting for the rest of the stream. With a stall budget the probe ends as
+    soon as a silence after a token outlasts it: the verdict is known by then.
     """
     body = json.dumps(
         {
@@ -118,6 +123,8 @@ def probe_stream(
                 break
             if _is_token(line):
                 tokens.append(time.perf_counter())
+                if len(tokens) == 1 and on_first_token is not None:
+                    on_first_token((tokens[0] - started) * 1000)
                 if stall_budget_ms is not None and sock is not None:
                     left = deadline - time.perf_counter()
                     sock.settimeout(max(0.001, min(stall_budget_ms / 1000, left)))
@@ -239,6 +246,9 @@ class ReplicaMonitor:
                         r.probe.interval_s,
                         functools.partial(self._probe, r.id, r.probe),
                         self._stop,
+                        # A slow probe's verdict stands a whole interval, so that HAProxy's
+                        # agent checks see it before the next probe can overturn it.
+                        pause_after=True,
                     )
                 )
 
@@ -272,10 +282,17 @@ class ReplicaMonitor:
             ),
         )
 
+    def _first_token(self, replica_id: str, ttft_ms: float) -> None:
+        self._update(replica_id, lambda old: replace(old, ttft_ms=ttft_ms))
+
     def _probe(self, replica_id: str, probe: Probe) -> None:
         try:
             timing = probe_stream(
-                probe.url, probe.model, self.intervals.probe_timeout_s, probe.stall_budget_ms
+                probe.url,
+                probe.model,
+                self.intervals.probe_timeout_s,
+                probe.stall_budget_ms,
+                functools.partial(self._first_token, replica_id),
             )
         except ProbeError as e:
             error = str(e)

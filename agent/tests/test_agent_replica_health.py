@@ -56,8 +56,18 @@ def test_with_a_stall_budget_the_probe_ends_once_a_pause_outlasts_it(
 ) -> None:
     server.tokens, server.gap_s = 3, 5.0
     started = time.monotonic()
-    timing = probe_stream(f"{server.base_url}/v1/chat/completions", "voice", 3.0, 300)
+    first: list[tuple[float, float]] = []
+    timing = probe_stream(
+        f"{server.base_url}/v1/chat/completions",
+        "voice",
+        3.0,
+        300,
+        lambda ttft_ms: first.append((ttft_ms, time.monotonic() - started)),
+    )
     assert time.monotonic() - started < 1.5
+    # The first token was told as it came, before the pause that ended the probe.
+    ((ttft_ms, told_after_s),) = first
+    assert ttft_ms == timing.ttft_ms and told_after_s < 0.25
     assert timing.max_gap_ms is not None and 300 <= timing.max_gap_ms < 1000
 
 
