@@ -6,6 +6,7 @@ this client. Every response is `{"data": ...}` on success and `{"error": {"code"
 Lambda's message, never the API key. No Pulumi here.
 """
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -13,10 +14,18 @@ from typing import Any
 
 import httpx
 
-API_URL = "https://cloud.lambdalabs.com/api/v1"
+# Spec 1.8.3 names cloud.lambda.ai the production server (cloud.lambdalabs.com is deprecated).
+API_URL = "https://cloud.lambda.ai/api/v1"
 NOT_FOUND_CODE = "global/object-does-not-exist"
-# Lambda allows about one request a second, and one launch every 12 s: 429s are expected.
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+FILESYSTEM_IN_USE_CODE = "filesystems/filesystem-in-use"
+THROTTLED = 429  # the request was refused, not done: always safe to send again
+UNCERTAIN_STATUSES = frozenset({500, 502, 503, 504})  # it may have been done
+# Statuses of an instance that will never serve again: preemption ends an instance too.
+GONE_STATUSES = frozenset({"terminating", "terminated", "preempted"})
+# Published limits: about one request a second overall; launches one per 12 s.
+REQUEST_INTERVAL_S = 1.0
+LAUNCH_INTERVAL_S = 12.0
+LAUNCH_PATH = "/instance-operations/launch"
 
 
 class LambdaApiError(Exception):
@@ -32,12 +41,57 @@ class LambdaApiError(Exception):
     def not_found(self) -> bool:
         return self.status == 404 or self.code == NOT_FOUND_CODE
 
+    @property
+    def uncertain(self) -> bool:
+        """Lambda may have done what was asked: a server error or a lost connection."""
+        return self.status == 0 or self.status in UNCERTAIN_STATUSES
+
+
+class Pacer:
+    """Spaces requests to Lambda's published limits, for every client of this process.
+
+    The engine runs a dynamic provider's creates on concurrent threads, each with its own client:
+    one shared pacer keeps them all together at one request a second and one launch per 12 s.
+    A caller reserves its slot under the lock and sleeps outside it.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = REQUEST_INTERVAL_S,
+        launch_interval_s: float = LAUNCH_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.interval_s, self.launch_interval_s = interval_s, launch_interval_s
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._next = float("-inf")
+        self._next_launch = float("-inf")
+
+    def slot(self, launch: bool) -> float:
+        """Reserve the next free time for a request (a launch waits for its own limit too)."""
+        with self._lock:
+            now = self._clock()
+            at = max(now, self._next, self._next_launch if launch else now)
+            self._next = at + self.interval_s
+            if launch:
+                self._next_launch = at + self.launch_interval_s
+            return at - now
+
+    def wait(self, launch: bool) -> None:
+        delay = self.slot(launch)
+        if delay > 0:
+            self._sleep(delay)
+
+
+PACER = Pacer()  # one per process: every client shares it unless a test passes its own
+
 
 @dataclass(frozen=True)
 class Instance:
     id: str
     name: str
-    status: str  # booting, active, unhealthy, terminating, terminated
+    status: str  # booting, active, unhealthy, terminating, terminated, preempted
     ip: str  # empty until the instance has booted
     region: str
     instance_type: str
@@ -70,6 +124,7 @@ class Retry:
     timeout_s: float = 30.0
     launch_wait_s: float = 1800.0  # a cold GPU VM can take many minutes to boot
     poll_s: float = 10.0
+    gone_wait_s: float = 600.0  # terminate is asynchronous: how long to wait for it
 
 
 DEFAULT_RETRY = Retry()
@@ -132,6 +187,7 @@ class LambdaClient:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         base_url: str = API_URL,
+        pacer: Pacer = PACER,
     ) -> None:
         self._http = httpx.Client(
             base_url=base_url,
@@ -140,7 +196,7 @@ class LambdaClient:
             transport=transport,
             timeout=retry.timeout_s,
         )
-        self._retry, self._sleep, self._clock = retry, sleep, clock
+        self._retry, self._sleep, self._clock, self._pacer = retry, sleep, clock, pacer
 
     def close(self) -> None:
         self._http.close()
@@ -152,20 +208,34 @@ class LambdaClient:
         self.close()
 
     def _call(
-        self, operation: str, method: str, path: str, body: Mapping[str, Any] | None = None
+        self,
+        operation: str,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        idempotent: bool = True,
     ) -> Any:
-        """The `data` of a response, after bounded retries of throttling and server errors."""
+        """The `data` of a response, after bounded retries.
+
+        A throttled request (429) was not done and is always sent again. A server error or a lost
+        connection may hide a done request: only an idempotent one (a read, a delete, a
+        terminate, a rename) is sent again; a create is not, its caller looks for what exists.
+        """
         for attempt in range(1, self._retry.attempts + 1):
             last = attempt == self._retry.attempts
+            self._pacer.wait(launch=path == LAUNCH_PATH)
             try:
                 response = self._http.request(method, path, json=body)
             except httpx.TransportError as error:
-                # A lost POST may have happened: only reads are safe to send again.
-                if method != "GET" or last:
+                if not idempotent or last:
                     raise LambdaApiError(operation, f"{type(error).__name__}: {error}") from None
                 self._sleep(self._backoff(attempt))
                 continue
-            if response.status_code in RETRY_STATUSES and not last:
+            retry = response.status_code == THROTTLED or (
+                idempotent and response.status_code in UNCERTAIN_STATUSES
+            )
+            if retry and not last:
                 self._sleep(self._delay(response, attempt))
                 continue
             if response.is_error:
@@ -189,6 +259,12 @@ class LambdaClient:
     def list_instances(self) -> list[Instance]:
         return [_instance(raw) for raw in self._call("list instances", "GET", "/instances")]
 
+    def instances_named(self, name: str) -> list[Instance]:
+        """The live instances of that name (a gone or preempted one does not count)."""
+        return [
+            i for i in self.list_instances() if i.name == name and i.status not in GONE_STATUSES
+        ]
+
     def get_instance(self, instance_id: str) -> Instance:
         raw = self._call(f"get instance {instance_id}", "GET", f"/instances/{instance_id}")
         return _instance(raw)
@@ -202,7 +278,12 @@ class LambdaClient:
         ssh_key_names: Sequence[str],
         file_system_names: Sequence[str] = (),
     ) -> str:
-        """The id of one new instance (it is still booting: see `wait_active`)."""
+        """The id of one new instance (it is still booting: see `wait_active`).
+
+        A launch is never sent twice: a second one would start a second billed instance. When
+        Lambda's answer is lost (a server error, a timeout), the instance of that name is adopted
+        if one was started, and otherwise the error says so.
+        """
         body = {
             "region_name": region,
             "instance_type_name": instance_type,
@@ -211,8 +292,36 @@ class LambdaClient:
             "name": name,
             "quantity": 1,
         }
-        data = self._call(f"launch {name}", "POST", "/instance-operations/launch", body)
+        operation = f"launch {name}"
+        try:
+            data = self._call(operation, "POST", LAUNCH_PATH, body, idempotent=False)
+        except LambdaApiError as error:
+            if not error.uncertain:
+                raise
+            return self._adopt_after_lost_launch(operation, name, error)
         return str(data["instance_ids"][0])
+
+    def _adopt_after_lost_launch(self, operation: str, name: str, error: LambdaApiError) -> str:
+        cause = str(error).removeprefix(f"Lambda Cloud {operation}: ")
+        found = self.instances_named(name)
+        if len(found) == 1:
+            return found[0].id
+        if found:
+            ids = ", ".join(sorted(i.id for i in found))
+            raise LambdaApiError(
+                operation,
+                f"{cause}; {len(found)} instances named {name} now exist ({ids}): terminate "
+                "all but one in the Lambda Cloud console, then run pulumi up again",
+                error.status,
+                error.code,
+            )
+        raise LambdaApiError(
+            operation,
+            f"{cause}; no instance named {name} was started, so none is billed: run pulumi up "
+            "again",
+            error.status,
+            error.code,
+        )
 
     def rename(self, instance_id: str, name: str) -> Instance:
         raw = self._call(
@@ -240,7 +349,7 @@ class LambdaClient:
             instance = self.get_instance(instance_id)
             if instance.status == "active" and instance.ip:
                 return instance
-            if instance.status in ("terminating", "terminated"):
+            if instance.status in GONE_STATUSES:
                 raise LambdaApiError(
                     f"launch {instance.name or instance_id}",
                     f"instance {instance_id} went {instance.status} while booting",
@@ -253,6 +362,26 @@ class LambdaClient:
                 )
             self._sleep(self._retry.poll_s)
 
+    def wait_gone(self, instance_id: str) -> None:
+        """Return once the instance is terminated (or unknown): its filesystems are then free."""
+        deadline = self._clock() + self._retry.gone_wait_s
+        while True:
+            try:
+                status = self.get_instance(instance_id).status
+            except LambdaApiError as error:
+                if error.not_found:
+                    return
+                raise
+            if status in ("terminated", "preempted"):
+                return
+            if self._clock() >= deadline:
+                raise LambdaApiError(
+                    f"terminate instance {instance_id}",
+                    f"still {status} after {self._retry.gone_wait_s:.0f} s; check the Lambda "
+                    "Cloud console, then run pulumi destroy again",
+                )
+            self._sleep(self._retry.poll_s)
+
     # SSH keys
 
     def list_ssh_keys(self) -> list[SshKey]:
@@ -260,15 +389,23 @@ class LambdaClient:
 
     def add_ssh_key(self, name: str, public_key: str) -> SshKey:
         body = {"name": name, "public_key": public_key}
-        return _ssh_key(self._call(f"add SSH key {name}", "POST", "/ssh-keys", body))
+        raw = self._call(f"add SSH key {name}", "POST", "/ssh-keys", body, idempotent=False)
+        return _ssh_key(raw)
 
     def delete_ssh_key(self, key_id: str) -> None:
-        """Delete an SSH key; one that is already gone counts as deleted."""
+        """Delete an SSH key; one that is already gone counts as deleted.
+
+        Spec 1.8.3 answers an unknown key id with 400 invalid-parameters, not 404: the key list
+        tells whether it is gone.
+        """
         try:
             self._call(f"delete SSH key {key_id}", "DELETE", f"/ssh-keys/{key_id}")
         except LambdaApiError as error:
-            if not error.not_found:
-                raise
+            if error.not_found:
+                return
+            if error.status == 400 and all(k.id != key_id for k in self.list_ssh_keys()):
+                return
+            raise
 
     # Filesystems (regional; they attach to an instance only at launch)
 
@@ -277,14 +414,25 @@ class LambdaClient:
 
     def create_file_system(self, name: str, region: str) -> FileSystem:
         body = {"name": name, "region": region}
-        return _file_system(self._call(f"create filesystem {name}", "POST", "/filesystems", body))
+        operation = f"create filesystem {name}"
+        raw = self._call(operation, "POST", "/filesystems", body, idempotent=False)
+        return _file_system(raw)
 
     def delete_file_system(self, file_system_id: str) -> None:
-        """Delete a filesystem; one that is already gone counts as deleted."""
-        try:
-            self._call(
-                f"delete filesystem {file_system_id}", "DELETE", f"/filesystems/{file_system_id}"
-            )
-        except LambdaApiError as error:
-            if not error.not_found:
-                raise
+        """Delete a filesystem; one that is already gone counts as deleted.
+
+        An instance that was terminated a moment ago may still hold it: Lambda answers
+        filesystem-in-use until the instance is gone, so that answer is waited out (bounded).
+        """
+        operation = f"delete filesystem {file_system_id}"
+        deadline = self._clock() + self._retry.gone_wait_s
+        while True:
+            try:
+                self._call(operation, "DELETE", f"/filesystems/{file_system_id}")
+                return
+            except LambdaApiError as error:
+                if error.not_found:
+                    return
+                if error.code != FILESYSTEM_IN_USE_CODE or self._clock() >= deadline:
+                    raise
+            self._sleep(self._retry.poll_s)

@@ -2,6 +2,8 @@
 
 import itertools
 import json
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +18,29 @@ from denv_iac.components.lambda_cloud import (
     LambdaSshKeyProvider,
     lambda_name,
 )
-from denv_iac.lambda_api import LambdaApiError, LambdaClient, Retry
+from denv_iac.lambda_api import (
+    API_URL,
+    LAUNCH_INTERVAL_S,
+    REQUEST_INTERVAL_S,
+    LambdaApiError,
+    LambdaClient,
+    Pacer,
+    Retry,
+)
+from tests.lambda_spec import check_request, check_response
 
 KEY = "test-lambda-api-key-0123456789abcdef"
-FAST = Retry(attempts=3, backoff_s=0.0, launch_wait_s=60.0, poll_s=5.0)
+FAST = Retry(attempts=3, backoff_s=0.0, launch_wait_s=60.0, poll_s=5.0, gone_wait_s=60.0)
 NOT_FOUND = {"code": "global/object-does-not-exist", "message": "Specified instance not found."}
+IN_USE = {
+    "code": "filesystems/filesystem-in-use",
+    "message": "Filesystem is in use",
+    "suggestion": "Terminate the instances using it first",
+}
+QUICK = Retry(attempts=3, backoff_s=0.0, launch_wait_s=60.0, poll_s=0.0, gone_wait_s=60.0)
+UNPACED = Pacer(0.0, 0.0)
+ACTIONS = {a: {"available": True} for a in ("migrate", "rebuild", "restart", "cold_reboot")}
+INTERNAL = ("polls", "gone_after")
 
 
 def _error(status: int, code: str, message: str, suggestion: str = "") -> httpx.Response:
@@ -30,47 +50,85 @@ def _error(status: int, code: str, message: str, suggestion: str = "") -> httpx.
 
 @dataclass
 class FakeLambda:
-    """Lambda's API as far as the providers use it: instances boot after `boot_polls` reads."""
+    """Lambda's API as far as the providers use it, shaped and paced as spec 1.8.3 says.
+
+    Every request and every answer is checked against the pinned spec. Instances boot after
+    `boot_polls` reads and, once terminated, stay `terminating` (holding their filesystems) for
+    `gone_polls` more requests. Requests closer than `interval_s` (launches closer than
+    `launch_interval_s`) are refused with 429, as Lambda's published limits say.
+    """
 
     boot_polls: int = 1
+    gone_polls: int = 0
     throttled: int = 0  # answer this many requests with 429 first
     failure: httpx.Response | None = None  # answer launches with this
+    launch_then_fail: httpx.Response | None = None  # start the instance, then answer this
+    interval_s: float = 0.0
+    launch_interval_s: float = 0.0
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     keys: dict[str, dict[str, Any]] = field(default_factory=dict)
     file_systems: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
     ids: "itertools.count[int]" = field(default_factory=itertools.count)
+    last: float = float("-inf")
+    last_launch: float = float("-inf")
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            return self._handle(request)
+
+    def _handle(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.host == "cloud.lambda.ai", "the deprecated host is no longer used"
         path = request.url.path.removeprefix("/api/v1")
+        body = json.loads(request.content) if request.content else None
+        check_request(request.method, request.url.path, body)
         self.requests.append((request.method, path))
+        if self._too_soon(path == "/instance-operations/launch"):
+            return _error(429, "global/too-many-requests", "Too many requests")
         if request.headers.get("Authorization") != f"Bearer {KEY}":
             return _error(401, "global/invalid-api-key", "API key was invalid, expired, or deleted")
         if self.throttled:
             self.throttled -= 1
-            return httpx.Response(429, json={"error": {"code": "global/too-many-requests"}})
+            return _error(429, "global/too-many-requests", "Too many requests")
         if self.failure is not None and path == "/instance-operations/launch":
             return self.failure
-        body = json.loads(request.content) if request.content else {}
         route = getattr(
             self, "_" + request.method.lower() + path.replace("/", "_").replace("-", "_"), None
         )
         if route is not None:
-            answer = route(body)
-            if isinstance(answer, httpx.Response):
-                return answer
-            return httpx.Response(200, json={"data": answer})
-        kind, _, item = path.rpartition("/")
-        return self._item(request.method, kind, item, body)
+            answer = route(body or {})
+            response = answer if isinstance(answer, httpx.Response) else _data(answer)
+        else:
+            kind, _, item = path.rpartition("/")
+            response = self._item(request.method, kind, item, body or {})
+        check_response(request.method, request.url.path, response.status_code, response.json())
+        if self.launch_then_fail is not None and path == "/instance-operations/launch":
+            return self.launch_then_fail
+        return response
+
+    def _too_soon(self, launch: bool) -> bool:
+        now = time.monotonic()
+        refused = now - self.last < self.interval_s or (
+            launch and now - self.last_launch < self.launch_interval_s
+        )
+        if not refused:
+            self.last = now
+            if launch:
+                self.last_launch = now
+        return refused
 
     def _id(self) -> str:
         return f"id{next(self.ids)}"
 
+    def _shown(self, instance: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in instance.items() if k not in INTERNAL}
+
     def _get_instances(self, _: Any) -> list[dict[str, Any]]:
-        return list(self.instances.values())
+        return [self._shown(i) for i in self.instances.values()]
 
     def _post_instance_operations_launch(self, body: dict[str, Any]) -> dict[str, Any]:
         instance_id = self._id()
@@ -79,9 +137,16 @@ class FakeLambda:
             "name": body["name"],
             "status": "booting",
             "region": {"name": body["region_name"], "description": "Virginia, USA"},
-            "instance_type": {"name": body["instance_type_name"]},
+            "instance_type": {
+                "name": body["instance_type_name"],
+                "description": "1x H100 (80 GB PCIe)",
+                "gpu_description": "H100 (80 GB PCIe)",
+                "price_cents_per_hour": 249,
+                "specs": {"vcpus": 26, "memory_gib": 200, "storage_gib": 1024, "gpus": 1},
+            },
             "ssh_key_names": body["ssh_key_names"],
-            "file_system_names": body["file_system_names"],
+            "file_system_names": body.get("file_system_names", []),
+            "actions": ACTIONS | {"terminate": {"available": True}},
             "polls": 0,
         }
         return {"instance_ids": [instance_id]}
@@ -90,8 +155,17 @@ class FakeLambda:
         if any(i not in self.instances for i in body["instance_ids"]):
             return httpx.Response(404, json={"error": NOT_FOUND})
         for instance_id in body["instance_ids"]:
-            self.instances[instance_id]["status"] = "terminated"
-        return {"terminated_instances": body["instance_ids"]}
+            instance = self.instances[instance_id]
+            instance["status"] = "terminating"
+            instance["gone_after"] = len(self.requests) + self.gone_polls
+            self._settle(instance)
+        return {
+            "terminated_instances": [self._shown(self.instances[i]) for i in body["instance_ids"]]
+        }
+
+    def _settle(self, instance: dict[str, Any]) -> None:
+        if instance["status"] == "terminating" and len(self.requests) >= instance["gone_after"]:
+            instance["status"] = "terminated"
 
     def _get_ssh_keys(self, _: Any) -> list[dict[str, Any]]:
         return list(self.keys.values())
@@ -102,15 +176,25 @@ class FakeLambda:
         return key
 
     def _get_file_systems(self, _: Any) -> list[dict[str, Any]]:
-        return list(self.file_systems.values())
+        return [fs | {"is_in_use": self._in_use(fs)} for fs in self.file_systems.values()]
+
+    def _in_use(self, fs: dict[str, Any]) -> bool:
+        for instance in self.instances.values():
+            self._settle(instance)
+        return any(
+            fs["name"] in i["file_system_names"] and i["status"] not in ("terminated", "preempted")
+            for i in self.instances.values()
+        )
 
     def _post_filesystems(self, body: dict[str, Any]) -> dict[str, Any]:
         fs_id = self._id()
         fs = {
             "id": fs_id,
             "name": body["name"],
-            "region": {"name": body["region"]},
+            "region": {"name": body["region"], "description": "Virginia, USA"},
             "mount_point": f"/lambda/nfs/{body['name']}",
+            "created": "2026-12-01T00:00:00Z",
+            "created_by": {"id": "u1", "email": "ops@example.com", "status": "active"},
             "is_in_use": False,
         }
         self.file_systems[fs_id] = fs
@@ -118,21 +202,30 @@ class FakeLambda:
 
     def _item(self, method: str, kind: str, item: str, body: dict[str, Any]) -> httpx.Response:
         store = {"/instances": self.instances, "/ssh-keys": self.keys}.get(kind, self.file_systems)
+        if item not in store and kind == "/ssh-keys":  # the spec's answer to an unknown key
+            return _error(400, "global/invalid-parameters", "Invalid SSH key id")
         if item not in store:
             return httpx.Response(404, json={"error": NOT_FOUND})
         if method == "DELETE":
+            if kind == "/filesystems" and self._in_use(store[item]):
+                return httpx.Response(400, json={"error": IN_USE})
             del store[item]
-            return httpx.Response(200, json={"data": {"deleted_ids": [item]}})
+            return _data({} if kind == "/ssh-keys" else {"deleted_ids": [item]})
         instance = store[item]
         if method == "POST":
             instance["name"] = body["name"]
         instance["polls"] += 1
+        self._settle(instance)
         if instance["status"] == "booting" and instance["polls"] > self.boot_polls:
             instance |= {"status": "active", "ip": f"192.0.2.{len(self.instances)}"}
-        return httpx.Response(200, json={"data": instance})
+        return _data(self._shown(instance))
 
     def launches(self) -> int:
         return self.requests.count(("POST", "/instance-operations/launch"))
+
+
+def _data(payload: Any) -> httpx.Response:
+    return httpx.Response(200, json={"data": payload})
 
 
 @pytest.fixture
@@ -144,7 +237,12 @@ def _client(fake: FakeLambda, sleeps: list[float] | None = None) -> LambdaClient
     clock = itertools.count(step=5).__next__
     record: Callable[[float], None] = (sleeps if sleeps is not None else []).append
     return LambdaClient(
-        KEY, transport=fake.transport(), retry=FAST, sleep=record, clock=lambda: float(clock())
+        KEY,
+        transport=fake.transport(),
+        retry=FAST,
+        sleep=record,
+        clock=lambda: float(clock()),
+        pacer=UNPACED,
     )
 
 
@@ -161,7 +259,7 @@ def _props(**extra: Any) -> dict[str, Any]:
 
 
 def _instances(fake: FakeLambda) -> LambdaInstanceProvider:
-    return LambdaInstanceProvider(fake.transport(), FAST)
+    return LambdaInstanceProvider(fake.transport(), QUICK, UNPACED)
 
 
 def test_launch_waits_until_the_instance_is_active_with_an_address(fake: FakeLambda) -> None:
@@ -181,7 +279,11 @@ def test_launch_waits_until_the_instance_is_active_with_an_address(fake: FakeLam
 def test_a_launch_that_never_boots_fails_after_the_bounded_wait(fake: FakeLambda) -> None:
     fake.boot_polls = 1000
     with _client(fake) as client, pytest.raises(LambdaApiError) as error:
-        client.wait_active(client.launch(name="n", region="r", instance_type="t", ssh_key_names=[]))
+        client.wait_active(
+            client.launch(
+                name="n", region="us-east-1", instance_type="gpu_1x_h100_pcie", ssh_key_names=["k"]
+            )
+        )
     assert str(error.value) == (
         "Lambda Cloud launch n: instance id0 still booting after 60 s; "
         "check the Lambda Cloud console"
@@ -213,13 +315,17 @@ def test_an_api_error_is_one_line_naming_the_operation_never_the_key(
 ) -> None:
     fake.failure = response
     with _client(fake) as client, pytest.raises(LambdaApiError) as error:
-        client.launch(name="n", region="r", instance_type="t", ssh_key_names=[])
+        client.launch(
+            name="n", region="us-east-1", instance_type="gpu_1x_h100_pcie", ssh_key_names=["k"]
+        )
     assert str(error.value) == line
     assert KEY not in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_wrong_key_is_reported_without_the_key() -> None:
-    client = LambdaClient("wrong-key-" + KEY, transport=FakeLambda().transport(), retry=FAST)
+    client = LambdaClient(
+        "wrong-key-" + KEY, transport=FakeLambda().transport(), retry=FAST, pacer=UNPACED
+    )
     with client, pytest.raises(LambdaApiError) as error:
         client.list_instances()
     assert str(error.value) == (
@@ -237,7 +343,7 @@ def test_throttling_is_retried_with_backoff_then_reported(fake: FakeLambda) -> N
     fake.throttled = 3  # one more than the attempts allowed
     with _client(fake) as client, pytest.raises(LambdaApiError) as error:
         client.list_ssh_keys()
-    assert str(error.value) == "Lambda Cloud list SSH keys: HTTP 429 Too Many Requests"
+    assert str(error.value) == "Lambda Cloud list SSH keys: Too many requests"
 
 
 def test_retry_after_and_exponential_backoff_set_the_wait() -> None:
@@ -254,6 +360,7 @@ def test_retry_after_and_exponential_backoff_set_the_wait() -> None:
         transport=httpx.MockTransport(lambda _: next(responses)),
         retry=Retry(attempts=3, backoff_s=2.0),
         sleep=sleeps.append,
+        pacer=UNPACED,
     )
     with client:
         assert client.list_file_systems() == []
@@ -266,7 +373,7 @@ def test_a_lost_connection_is_retried_for_reads_only() -> None:
 
     sleeps: list[float] = []
     client = LambdaClient(
-        KEY, transport=httpx.MockTransport(refuse), retry=FAST, sleep=sleeps.append
+        KEY, transport=httpx.MockTransport(refuse), retry=FAST, sleep=sleeps.append, pacer=UNPACED
     )
     with client, pytest.raises(LambdaApiError) as error:
         client.list_instances()
@@ -274,11 +381,11 @@ def test_a_lost_connection_is_retried_for_reads_only() -> None:
     assert len(sleeps) == FAST.attempts - 1
     sleeps.clear()
     client = LambdaClient(
-        KEY, transport=httpx.MockTransport(refuse), retry=FAST, sleep=sleeps.append
+        KEY, transport=httpx.MockTransport(refuse), retry=FAST, sleep=sleeps.append, pacer=UNPACED
     )
     with client, pytest.raises(LambdaApiError):
-        client.terminate("id0")
-    assert sleeps == []  # a terminate may have reached Lambda: never sent twice
+        client.add_ssh_key("k", "ssh-ed25519 AAAA")
+    assert sleeps == []  # a create may have reached Lambda: never sent twice
 
 
 @pytest.mark.parametrize(
@@ -362,12 +469,12 @@ def test_instance_delete_terminates_and_an_instance_already_gone_is_deleted(
 def test_ssh_key_and_filesystem_are_created_adopted_and_deleted_idempotently(
     fake: FakeLambda,
 ) -> None:
-    keys = LambdaSshKeyProvider(fake.transport(), FAST)
+    keys = LambdaSshKeyProvider(fake.transport(), QUICK, UNPACED)
     key_props = {API_KEY: KEY, "name": "prod-lambda-use1", "public_key": "ssh-ed25519 AAAA"}
     key = keys.create(key_props)
     assert key.outs == key_props and keys.create(key_props).id == key.id
     assert keys.read(key.id, key_props).id == key.id
-    file_systems = LambdaFileSystemProvider(fake.transport(), FAST)
+    file_systems = LambdaFileSystemProvider(fake.transport(), QUICK, UNPACED)
     fs_props = {API_KEY: KEY, "name": "prod-lambda-use1-cache", "region": "us-east-1"}
     fs = file_systems.create(fs_props)
     assert fs.outs == fs_props | {"mount_point": "/lambda/nfs/prod-lambda-use1-cache"}
@@ -394,3 +501,164 @@ def test_unique_names_are_freed_before_a_replacement_takes_them(
     olds = {API_KEY: KEY, "name": "n", "public_key": "ssh-ed25519 AAAA", "region": "us-east-1"}
     diff = provider.diff("id0", olds, olds | change)
     assert diff.replaces == list(change) and diff.delete_before_replace is True
+
+
+# Spec 1.8.3 and the published limits: what the client must do on a real account.
+
+
+def test_the_client_speaks_to_the_current_host() -> None:
+    assert API_URL == "https://cloud.lambda.ai/api/v1"
+
+
+def test_the_spec_check_refuses_a_launch_lambda_would_refuse() -> None:
+    body = {"region_name": "us-east-1", "instance_type_name": "gpu_1x_h100_pcie"}
+    with pytest.raises(AssertionError, match="ssh_key_names"):
+        check_request("POST", "/api/v1/instance-operations/launch", body)
+    with pytest.raises(AssertionError, match="is not one of"):
+        check_request("POST", "/api/v1/filesystems", {"name": "c", "region": "mars-1"})
+
+
+@pytest.mark.parametrize(
+    ("answer", "started"),
+    [
+        (httpx.Response(502, text="Bad Gateway"), True),
+        (httpx.Response(504, text="Gateway Timeout"), True),
+        (httpx.Response(500, json={"error": {"code": "global/unknown", "message": "boom"}}), True),
+    ],
+    ids=["502", "504", "500"],
+)
+def test_a_launch_whose_answer_is_lost_is_never_sent_again_and_its_instance_is_adopted(
+    fake: FakeLambda, answer: httpx.Response, started: bool
+) -> None:
+    fake.launch_then_fail = answer
+    provider = _instances(fake)
+    created = provider.create(_props())
+    assert fake.launches() == 1 and len(fake.instances) == 1
+    assert created.id == next(iter(fake.instances))
+    assert created.outs is not None and created.outs["ip"].startswith("192.0.2.")
+
+
+def test_a_lost_launch_that_started_nothing_fails_clearly_and_bills_nothing(
+    fake: FakeLambda,
+) -> None:
+    fake.failure = httpx.Response(502, text="Bad Gateway")
+    with pytest.raises(LambdaApiError) as error:
+        _instances(fake).create(_props())
+    assert str(error.value) == (
+        "Lambda Cloud launch prod-lambda-use1-node-0: HTTP 502 Bad Gateway; no instance named "
+        "prod-lambda-use1-node-0 was started, so none is billed: run pulumi up again"
+    )
+    assert fake.launches() == 1 and fake.instances == {}
+
+
+def test_a_launch_that_times_out_is_not_sent_again() -> None:
+    fake = FakeLambda()
+
+    def timeout_after_launch(request: httpx.Request) -> httpx.Response:
+        response = fake.handle(request)
+        if request.url.path.endswith("/launch"):
+            raise httpx.ReadTimeout("timed out", request=request)
+        return response
+
+    client = LambdaClient(
+        KEY, transport=httpx.MockTransport(timeout_after_launch), retry=FAST, pacer=UNPACED
+    )
+    with client:
+        instance_id = client.launch(
+            name="n", region="us-east-1", instance_type="gpu_1x_h100_pcie", ssh_key_names=["k"]
+        )
+    assert fake.launches() == 1 and list(fake.instances) == [instance_id]
+
+
+def test_a_preempted_instance_ends_the_wait_at_once(fake: FakeLambda) -> None:
+    fake.boot_polls = 1000
+    sleeps: list[float] = []
+    with _client(fake, sleeps) as client:
+        instance_id = client.launch(
+            name="n", region="us-east-1", instance_type="gpu_1x_h100_pcie", ssh_key_names=["k"]
+        )
+        fake.instances[instance_id]["status"] = "preempted"
+        with pytest.raises(LambdaApiError, match="went preempted while booting"):
+            client.wait_active(instance_id)
+    assert sleeps == []  # no bounded 30-minute wait on an instance that is gone
+
+
+def test_a_preempted_instance_leaves_the_state_and_is_launched_anew(fake: FakeLambda) -> None:
+    provider = _instances(fake)
+    created = provider.create(_props())
+    fake.instances[created.id]["status"] = "preempted"
+    assert provider.read(created.id, _props(ip="192.0.2.1")).id == ""
+    again = provider.create(_props())  # the next `up`: a new instance, not the dead one
+    assert again.id != created.id and fake.launches() == 2
+
+
+def test_the_filesystem_is_deleted_once_the_terminated_instance_is_gone(fake: FakeLambda) -> None:
+    fake.gone_polls = 3  # terminate is asynchronous: the instance holds the filesystem a while
+    fs_props = {API_KEY: KEY, "name": "prod-lambda-use1-cache", "region": "us-east-1"}
+    file_systems = LambdaFileSystemProvider(fake.transport(), QUICK, UNPACED)
+    fs = file_systems.create(fs_props)
+    instances = _instances(fake)
+    created = instances.create(_props())
+    instances.delete(created.id, _props())  # as the engine does: instances first
+    assert fake.instances[created.id]["status"] == "terminated"
+    file_systems.delete(fs.id, fs_props)
+    assert fake.file_systems == {}
+
+
+def test_a_filesystem_still_in_use_is_waited_for_then_deleted(fake: FakeLambda) -> None:
+    fake.gone_polls = 2
+    sleeps: list[float] = []
+    with _client(fake, sleeps) as client:
+        fs = client.create_file_system("c", "us-east-1")
+        instance_id = client.launch(
+            name="n",
+            region="us-east-1",
+            instance_type="gpu_1x_h100_pcie",
+            ssh_key_names=["k"],
+            file_system_names=["c"],
+        )
+        client.terminate(instance_id)
+        client.delete_file_system(fs.id)  # refused while the instance is still terminating
+    assert fake.file_systems == {} and sleeps == [FAST.poll_s]
+
+
+@pytest.mark.parametrize(
+    ("calls", "starts"),
+    [
+        ((False, False, False), [0.0, 1.0, 2.0]),
+        ((True, False, True), [0.0, 1.0, 12.0]),
+        ((True, True, False, False), [0.0, 12.0, 13.0, 14.0]),
+    ],
+)
+def test_the_pacer_keeps_the_published_limits(calls: tuple[bool, ...], starts: list[float]) -> None:
+    now = [0.0]
+    pacer = Pacer(clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    times = []
+    for launch in calls:
+        pacer.wait(launch)
+        times.append(now[0])
+    assert (REQUEST_INTERVAL_S, LAUNCH_INTERVAL_S) == (1.0, 12.0)
+    assert times == starts
+
+
+def test_four_concurrent_creates_succeed_within_the_rate_limits() -> None:
+    # The published limits scaled down 20 times (the pacer keeps a margin for thread jitter),
+    # so the test takes seconds, not a minute.
+    fake = FakeLambda(interval_s=REQUEST_INTERVAL_S / 20, launch_interval_s=LAUNCH_INTERVAL_S / 20)
+    pacer = Pacer(fake.interval_s + 0.02, fake.launch_interval_s + 0.02)
+    errors: list[BaseException] = []
+
+    def create(index: int) -> None:
+        provider = LambdaInstanceProvider(fake.transport(), QUICK, pacer)  # one per resource
+        try:
+            provider.create(_props(name=f"prod-lambda-use1-node-{index}"))
+        except BaseException as error:  # reported below, in the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert fake.launches() == 4 and len(fake.instances) == 4

@@ -17,7 +17,16 @@ from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, machine_name, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext, SiteNodes
-from denv_iac.lambda_api import DEFAULT_RETRY, Instance, LambdaApiError, LambdaClient, Retry
+from denv_iac.lambda_api import (
+    DEFAULT_RETRY,
+    GONE_STATUSES,
+    PACER,
+    Instance,
+    LambdaApiError,
+    LambdaClient,
+    Pacer,
+    Retry,
+)
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import SiteSpec
 
@@ -58,13 +67,23 @@ class _LambdaProvider(dynamic.ResourceProvider):
     delete_before_replace = False
 
     def __init__(
-        self, transport: httpx.BaseTransport | None = None, retry: Retry = DEFAULT_RETRY
+        self,
+        transport: httpx.BaseTransport | None = None,
+        retry: Retry = DEFAULT_RETRY,
+        pacer: Pacer | None = None,
     ) -> None:
         super().__init__()
-        self._transport, self._retry = transport, retry
+        # The provider is serialized into each resource and unpickled per call: the process's
+        # PACER is looked up at call time, so every resource shares it (a pickled copy would not).
+        self._transport, self._retry, self._pacer = transport, retry, pacer
 
     def client(self, props: Mapping[str, Any]) -> LambdaClient:
-        return LambdaClient(str(props[API_KEY]), transport=self._transport, retry=self._retry)
+        return LambdaClient(
+            str(props[API_KEY]),
+            transport=self._transport,
+            retry=self._retry,
+            pacer=self._pacer or PACER,
+        )
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> dynamic.DiffResult:
         # The serialized provider is compared by nobody: its bytes change with library versions.
@@ -96,7 +115,7 @@ def _same_launch(instance: Instance, props: Mapping[str, Any]) -> bool:
         and instance.instance_type == props["instance_type"]
         and sorted(instance.ssh_key_names) == sorted(props["ssh_key_names"])
         and sorted(instance.file_system_names) == sorted(props["file_system_names"])
-        and instance.status not in ("terminating", "terminated")
+        and instance.status not in GONE_STATUSES
     )
 
 
@@ -132,7 +151,8 @@ class LambdaInstanceProvider(_LambdaProvider):
                 if error.not_found:
                     return dynamic.ReadResult("", {})
                 raise
-        if instance.status == "terminated":
+        if instance.status in ("terminated", "preempted"):
+            # Gone for good (Lambda preempts without notice): the next `up` launches anew.
             return dynamic.ReadResult("", {})
         return dynamic.ReadResult(id_, _instance_outs(props, instance))
 
@@ -144,8 +164,11 @@ class LambdaInstanceProvider(_LambdaProvider):
         return dynamic.UpdateResult(_instance_outs(news, instance))
 
     def delete(self, id_: str, props: dict[str, Any]) -> None:
+        # Terminate is asynchronous; the site's filesystem is deleted after the instances, and
+        # Lambda refuses that while one still holds it: return only once this one is gone.
         with self.client(props) as lambda_api:
             lambda_api.terminate(id_)
+            lambda_api.wait_gone(id_)
 
 
 class LambdaSshKeyProvider(_LambdaProvider):
