@@ -47,6 +47,7 @@ def balancer_pools(
                 recipe.session_affinity,
                 recipe.first_token_timeout_ms,
                 recipe.stall_timeout_ms,
+                tuple(m for m in recipe.model_names if m != recipe.name),
             )
         )
     return tuple(pools)

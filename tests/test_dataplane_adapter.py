@@ -46,3 +46,22 @@ def test_rendered_config_passes_haproxy_check(tmp_path: Path) -> None:
     rendered = render_haproxy_config(pools, settings, str(tmp_path))
     check_haproxy_config(rendered, tmp_path)
     assert "voice.home-b.n1.0" in rendered.haproxy_cfg
+
+
+def test_a_recipes_model_names_reach_the_pools_map_and_the_model_list(tmp_path: Path) -> None:
+    config = dict(CONFIG)
+    voice, side = CONFIG["denv:recipes"]  # type: ignore[misc]
+    config["denv:recipes"] = [{**voice, "models": ["openai/whisper-large-v3", "voice"]}, side]
+    stack = read_stack("t", config)
+    pools = {p.name: p for p in balancer_pools(stack, place_replicas(stack), locate)}
+    assert pools["voice"].models == ("openai/whisper-large-v3",)
+    assert pools["side"].models == ()
+    settings = BalancerSettings(stats_socket=str(tmp_path / "s.sock"), state_file=None)
+    rendered = render_haproxy_config(tuple(pools.values()), settings, str(tmp_path))
+    check_haproxy_config(rendered, tmp_path)
+    assert rendered.files["pools.map"].splitlines()[1:] == [
+        "openai/whisper-large-v3 voice",
+        "side side",
+        "voice voice",
+    ]
+    assert '"id":"openai/whisper-large-v3"' in rendered.haproxy_cfg

@@ -39,6 +39,28 @@ _ERROR_UNKNOWN_POOL = (
     '{"error":{"type":"invalid_request_error","code":"model_not_found",'
     '"message":"unknown pool: set the model field or the X-Denv-Pool header to a served pool"}}'
 )
+_ERROR_BODY_TOO_LARGE = (
+    '{"error":{"type":"invalid_request_error","code":"body_too_large_to_route",'
+    '"message":"the model field is not within the first 64 KiB of the body:'
+    ' send the X-Denv-Pool header to name the pool"}}'
+)
+_ERROR_NOT_JSON = (
+    '{"error":{"type":"invalid_request_error","code":"invalid_json",'
+    '"message":"the body is not a JSON object: send JSON, or multipart for audio uploads"}}'
+)
+_ERROR_NO_MODEL_PART = (
+    '{"error":{"type":"invalid_request_error","code":"missing_model",'
+    '"message":"no model field before the file in the multipart body:'
+    ' send the model field first, or the X-Denv-Pool header"}}'
+)
+# The `model` part of a multipart upload (transcriptions, translations): HAProxy 2.6 has no
+# multipart parser, so a regex over the buffered body takes the value of the part named model.
+# HAProxy's regex matching ends at the first NUL byte, and audio has NUL bytes: the model part
+# has to come before the file, as the openai SDK, httpx, requests and curl -F send it.
+_MULTIPART_MODEL = (
+    r'^[\s\S]*?\r\n(?i:content-disposition): *form-data; *name="?model"?\r\n'
+    r"(?:[^\r\n]+\r\n)*\r\n([^\r\n]*)\r\n[\s\S]*"
+)
 _ERROR_NO_SUCH_ENDPOINT = (
     '{"error":{"type":"invalid_request_error","code":"not_found",'
     '"message":"no such endpoint: the endpoint serves POST /v1/chat/completions, /v1/completions,'
@@ -243,6 +265,7 @@ def _endpoint_frontend(
             [*(f"METH_{method} api:{method}" for method, _ in API_ROUTES), "METH_GET api:models"]
         ),
     ]
+    multipart_model = f"req.body,regsub('{_MULTIPART_MODEL}','\\1'),map({maps.pools})"
     if settings.api_key_digests:
         lines += [
             "",
@@ -259,16 +282,36 @@ def _endpoint_frontend(
         "http-request return status 200 content-type application/json"
         f" string '{_models_list(pools)}' if METH_GET api:models",
         "",
-        "# Pool: the X-Denv-Pool header when sent, else the model field of the JSON body, or",
-        "# of the query string for a GET (a realtime session: /v1/realtime?model=voice).",
+        "# Pool: the X-Denv-Pool header when sent, else the model field of the JSON body or",
+        "# of the multipart form (an audio upload), or of the query string for a GET (a realtime",
+        "# session: /v1/realtime?model=voice). pools.map takes pool names and their aliases.",
         "acl pool_header req.hdr(X-Denv-Pool) -m found",
+        "acl multipart req.hdr(Content-Type) -m beg -i multipart/form-data",
         f"http-request set-var(txn.pool) req.hdr(X-Denv-Pool),map({maps.pools}) if pool_header",
         "http-request set-var(txn.pool)"
-        f" req.body,json_query('$.model'),map({maps.pools}) if !pool_header METH_POST",
+        f" req.body,json_query('$.model'),map({maps.pools}) if !pool_header METH_POST !multipart",
+        "http-request set-var(txn.pool)"
+        f" {_config_word(multipart_model)}"
+        " if !pool_header METH_POST multipart",
         f"http-request set-var(txn.pool) url_param(model),map({maps.pools})"
         " if !pool_header METH_GET",
+        "acl routed var(txn.pool) -m found",
+        "# Not routed: say why. Only the first tune.bufsize bytes of a body are buffered; when the",
+        "# model field lies past them, only the header can name the pool.",
+        "http-request set-var(txn.body_len) req.body_len if !routed METH_POST",
+        "http-request set-var(txn.body_unread) req.body_size,sub(txn.body_len)"
+        " if !routed METH_POST",
+        "http-request return status 413 content-type application/json"
+        f" string '{_ERROR_BODY_TOO_LARGE}' if !routed METH_POST"
+        " { var(txn.body_unread) -m int gt 0 }",
+        "http-request return status 400 content-type application/json"
+        f" string '{_ERROR_NOT_JSON}' if !routed METH_POST !multipart"
+        " !{ req.body -m reg ^[[:space:]]*[{] }",
+        "http-request return status 400 content-type application/json"
+        f" string '{_ERROR_NO_MODEL_PART}' if !routed METH_POST multipart"
+        ' !{ req.body -m sub name=\\"model\\" }',
         "http-request return status 404 content-type application/json"
-        f" string '{_ERROR_UNKNOWN_POOL}' unless {{ var(txn.pool) -m found }}",
+        f" string '{_ERROR_UNKNOWN_POOL}' unless routed",
     ]
     lines += [
         "",
@@ -306,11 +349,17 @@ def _health_answer(pools: Sequence[BalancerPool]) -> list[str]:
 
 
 def _models_list(pools: Sequence[BalancerPool]) -> str:
-    """OpenAI's `GET /v1/models` answer: one model per pool (names are JSON-safe, validated)."""
-    models = ",".join(
-        f'{{"id":"{pool.name}","object":"model","owned_by":"denv"}}' for pool in pools
-    )
+    """OpenAI's `GET /v1/models` answer: each pool and its aliases (names are JSON-safe,
+    validated)."""
+    names = sorted({name for pool in pools for name in (pool.name, *pool.models)})
+    models = ",".join(f'{{"id":"{name}","object":"model","owned_by":"denv"}}' for name in names)
     return f'{{"object":"list","data":[{models}]}}'
+
+
+def _config_word(text: str) -> str:
+    """One config word in double quotes: a backslash, a quote or a `$` stays literal."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+    return f'"{escaped}"'
 
 
 def _pool_routing(pool: BalancerPool) -> list[str]:
@@ -451,7 +500,7 @@ def _no_replica_backend() -> str:
 
 def _pools_map(pools: Sequence[BalancerPool]) -> str:
     lines = ["# model field or X-Denv-Pool header -> pool"]
-    lines += [f"{pool.name} {pool.name}" for pool in pools]
+    lines += sorted(f"{name} {pool.name}" for pool in pools for name in {pool.name, *pool.models})
     return "\n".join(lines) + "\n"
 
 

@@ -43,6 +43,9 @@ class BalancerPool:
     # elsewhere; a started stream silent for the second, it is cut.
     first_token_timeout_ms: int = FIRST_TOKEN_TIMEOUT_MS
     stall_timeout_ms: int = STALL_TIMEOUT_MS
+    # Other `model` names served by this pool (the recipe's `models:` list); the pool's own
+    # name always routes too.
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

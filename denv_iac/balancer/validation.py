@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from denv_iac.balancer.model import BalancerPool, BalancerServer, BalancerSettings, BalancerTier
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
+# An OpenAI model name (`openai/whisper-large-v3`, `tts-1:hd`): safe in a map file, in JSON and
+# in a single-quoted HAProxy string.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 _HOSTNAME = re.compile(
     r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*"
 )
@@ -48,6 +51,27 @@ def validate_balancer_inputs(
             )
         pool_names.add(pool.name)
         _check_pool(field, pool, replica_ids)
+    _check_model_names(pools)
+
+
+def _check_model_names(pools: Sequence[BalancerPool]) -> None:
+    """Each model name routes to one pool: a pool's own name or one of its aliases."""
+    owner = {pool.name: pool.name for pool in pools}
+    for p, pool in enumerate(pools):
+        for m, model in enumerate(pool.models):
+            field = f"pools[{p}].models[{m}]"
+            if not _MODEL_NAME.fullmatch(model):
+                raise BalancerConfigError(
+                    field,
+                    f"{model!r} has characters a model name may not have",
+                    "use letters, digits and . _ : / -",
+                )
+            if owner.setdefault(model, pool.name) != pool.name:
+                raise BalancerConfigError(
+                    field,
+                    f"model {model!r} would route to pools {owner[model]!r} and {pool.name!r}",
+                    "give each model name to one pool",
+                )
 
 
 def _check_settings(settings: BalancerSettings) -> None:

@@ -163,7 +163,7 @@ def test_frontend_strips_replica_header_and_buffers_the_body() -> None:
     )
     assert (
         f"http-request set-var(txn.pool) req.body,json_query('$.model'),map({MAP_DIR}/pools.map)"
-        " if !pool_header METH_POST"
+        " if !pool_header METH_POST !multipart"
     ) in lines
 
 
@@ -292,8 +292,9 @@ def test_answers_of_the_balancer_are_json_and_cannot_break_out_of_their_quotes()
     cfg = render().haproxy_cfg
     bodies = re.findall(r"(?:lf-)?string '([^']*)'", cfg)
     errors = [body for body in bodies if body.startswith('{"error":{')]
-    # 401, 404 (no such endpoint, unknown pool), 503 of ours; HAProxy's own 502, 503, 504.
-    assert len(errors) == 7
+    # 401, 404 (no such endpoint, unknown pool), 413 (too large to route), 400 (not JSON, no
+    # model part), 503 of ours; HAProxy's own 502, 503, 504.
+    assert len(errors) == 10
     # /health: 503 (one line per pool) and 200; the model list.
     assert len(bodies) == len(errors) + 4
     for body in bodies:
@@ -529,3 +530,30 @@ def test_invalid_inputs_are_rejected_with_one_line_naming_field_and_fix(
     assert "\n" not in text
     assert "; " in text  # problem; fix
     assert text.startswith(raised.value.field)
+
+
+@pytest.mark.parametrize(
+    ("voice_models", "problem"),
+    [
+        (("llm-8b",), r"pools\[\d\]\.models\[0\].*'llm-8b' would route to pools"),
+        (("whisper large",), r"pools\[\d\]\.models\[0\].*characters"),
+        (("x'y",), r"pools\[\d\]\.models\[0\].*characters"),
+    ],
+)
+def test_a_model_name_routes_to_one_pool_and_stays_inside_its_quotes(
+    voice_models: tuple[str, ...], problem: str
+) -> None:
+    with pytest.raises(BalancerConfigError, match=problem):
+        render((dataclasses.replace(VOICE, models=voice_models), LLM))
+
+
+def test_aliases_route_to_their_pool_and_are_listed() -> None:
+    rendered = render((dataclasses.replace(VOICE, models=("tts-1", "voice")), LLM))
+    assert rendered.files["pools.map"].splitlines()[1:] == [
+        "llm-8b llm-8b",
+        "tts-1 voice",
+        "voice voice",
+    ]
+    listed = re.search(r"string '(\{\"object\":\"list\".*?)' if METH_GET", rendered.haproxy_cfg)
+    assert listed is not None
+    assert [m["id"] for m in json.loads(listed.group(1))["data"]] == ["llm-8b", "tts-1", "voice"]

@@ -45,6 +45,7 @@ class PoolLayout:
     name: str
     tiers: tuple[tuple[int, tuple[str, ...]], ...]  # (priority, sites), most preferred first
     session_affinity: bool = True
+    models: tuple[str, ...] = ()  # aliases, as a recipe's `models:` list gives them
 
 
 # Two home sites and one failover site for voice; llm lives on a site voice may not use.
@@ -211,7 +212,9 @@ class Dataplane:
                 if replica.pool == layout.name and replica.site in sites
             )
             tiers.append(BalancerTier(priority, sites, servers))
-        return BalancerPool(layout.name, tuple(tiers), layout.session_affinity)
+        return BalancerPool(
+            layout.name, tuple(tiers), layout.session_affinity, models=layout.models
+        )
 
     @property
     def url(self) -> str:

@@ -1,0 +1,130 @@
+"""Routing every API path by its body through a real HAProxy, driven by the official openai SDK:
+the model field of JSON and of multipart uploads, aliases from a recipe's `models:` list, and the
+balancer's own answers when a body cannot be routed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+from .dataplane_harness import STANDARD_POOLS, Dataplane, PoolLayout
+
+WHISPER = "openai/whisper-large-v3"
+SMALL_LLM = "small-llm:8b"
+# Audio has NUL bytes; HAProxy's regex matching stops at the first one.
+WAV = b"RIFF\x24\x08\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00" + bytes(2000)
+
+
+@pytest.fixture
+def plane(start_dataplane: Callable[..., Dataplane]) -> Dataplane:
+    voice, llm = STANDARD_POOLS
+    return start_dataplane(
+        pools=(
+            PoolLayout(voice.name, voice.tiers, models=(WHISPER, "tts-1")),
+            PoolLayout(llm.name, llm.tiers, llm.session_affinity, models=(SMALL_LLM,)),
+        )
+    )
+
+
+@pytest.fixture
+def sdk(plane: Dataplane) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{plane.url}/v1", api_key="unused", max_retries=0)
+    yield client
+    client.close()
+
+
+def _requests(plane: Dataplane) -> int:
+    return sum(r.stats()["requests"] for r in plane.replicas.values())
+
+
+def test_chat_is_routed_by_an_alias_and_streams(plane: Dataplane, sdk: openai.OpenAI) -> None:
+    raw = sdk.chat.completions.with_raw_response.create(
+        model=SMALL_LLM, messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    assert raw.headers["x-denv-replica"].startswith("llm.")
+    chunks = list(raw.parse())
+    assert chunks and any(c.choices and c.choices[0].delta.content for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("call", "pool"),
+    [
+        (lambda c: c.completions.create(model=SMALL_LLM, prompt="hi"), "llm"),
+        (lambda c: c.embeddings.create(model="llm", input="hi"), "llm"),
+        (lambda c: c.audio.speech.create(model="tts-1", voice="alloy", input="hi"), "voice"),
+        (lambda c: c.audio.transcriptions.create(model=WHISPER, file=("a.wav", WAV)), "voice"),
+        (lambda c: c.audio.translations.create(model=WHISPER, file=("a.wav", WAV)), "voice"),
+        (lambda c: c.audio.transcriptions.create(model="voice", file=("a.wav", WAV)), "voice"),
+    ],
+    ids=["completions", "embeddings", "speech", "transcriptions", "translations", "by-pool"],
+)
+def test_every_api_path_reaches_the_pool_its_model_names(
+    plane: Dataplane,
+    sdk: openai.OpenAI,
+    call: Callable[[openai.OpenAI], object],
+    pool: str,
+) -> None:
+    # The simulator does not speak these paths yet: its own 404 proves the request got there.
+    with pytest.raises(openai.NotFoundError) as caught:
+        call(sdk)
+    response = caught.value.response
+    assert response.headers["x-denv-replica"].startswith(f"{pool}.")
+    assert "no route" in response.text  # the replica's answer, not the balancer's
+
+
+def test_models_list_has_the_pools_and_their_aliases(sdk: openai.OpenAI) -> None:
+    ids = [model.id for model in sdk.models.list()]
+    assert ids == sorted(["llm", "voice", WHISPER, "tts-1", SMALL_LLM])
+
+
+def test_a_body_too_large_to_route_gets_413_naming_the_header(plane: Dataplane) -> None:
+    messages = [{"role": "user", "content": "x" * 100_000}]
+    late_model = json.dumps({"messages": messages, "model": "voice", "max_tokens": 1})
+    upload = {"file": ("a.wav", b"\x01" * 100_000), "model": (None, WHISPER)}
+    with plane.client() as client:
+        json_413 = client.post("/v1/chat/completions", content=late_model)
+        multipart_413 = client.post("/v1/audio/transcriptions", files=upload)
+        named = client.post(
+            "/v1/chat/completions", content=late_model, headers={"X-Denv-Pool": "voice"}
+        )
+    for answer in (json_413, multipart_413):
+        assert answer.status_code == 413
+        assert answer.json()["error"]["code"] == "body_too_large_to_route"
+        assert "X-Denv-Pool" in answer.json()["error"]["message"]
+    assert named.status_code == 200 and named.headers["x-denv-replica"].startswith("voice.")
+    assert _requests(plane) == 1
+
+
+def test_bodies_that_name_no_pool_are_refused_by_the_balancer(plane: Dataplane) -> None:
+    with plane.client() as client:
+        not_json = client.post("/v1/chat/completions", content=b"model=voice")
+        no_model_first = client.post(
+            "/v1/audio/transcriptions", files={"file": ("a.wav", WAV), "model": (None, "voice")}
+        )
+        unknown = client.post(
+            "/v1/audio/transcriptions", files={"model": (None, "nope"), "file": ("a.wav", WAV)}
+        )
+        json_unknown = client.post("/v1/embeddings", json={"model": "nope", "input": "x"})
+    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+    assert no_model_first.status_code == 400
+    assert no_model_first.json()["error"]["code"] == "missing_model"
+    for answer in (unknown, json_unknown):
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+    assert _requests(plane) == 0
+
+
+def test_chunked_upload_too_large_to_route_gets_413(plane: Dataplane) -> None:
+    def body() -> Iterator[bytes]:
+        yield b'{"messages":[{"role":"user","content":"'
+        for _ in range(10):
+            yield b"x" * 10_000
+        yield b'"}],"model":"voice"}'
+
+    with httpx.Client(base_url=plane.url, timeout=5) as client:
+        answer = client.post("/v1/chat/completions", content=body())
+    assert answer.status_code == 413
+    assert _requests(plane) == 0
