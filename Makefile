@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 STACK  ?= local
 PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks)
 
-.PHONY: setup test lint typecheck unit demo bench reliability soak lock clean
+.PHONY: setup test lint typecheck unit vm demo bench reliability soak lock clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ unit: setup
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# The whole VM suite: Debian VMs booted under QEMU (TCG where KVM fails), deploys over real SSH.
+# A plain `make test` runs only its fast subset.
+vm: setup
+	DENV_VM_SUITE=full $(BIN)/pytest tests/vm
 
 demo: setup
 	$(BIN)/denv local demo --stack $(STACK)
