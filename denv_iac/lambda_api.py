@@ -18,6 +18,7 @@ import httpx
 API_URL = "https://cloud.lambda.ai/api/v1"
 NOT_FOUND_CODE = "global/object-does-not-exist"
 FILESYSTEM_IN_USE_CODE = "filesystems/filesystem-in-use"
+RULESET_IN_USE_CODE = "firewall-rulesets/firewall-ruleset-in-use"
 THROTTLED = 429  # the request was refused, not done: always safe to send again
 UNCERTAIN_STATUSES = frozenset({500, 502, 503, 504})  # it may have been done
 # Statuses of an instance that will never serve again: preemption ends an instance too.
@@ -116,6 +117,15 @@ class FileSystem:
 
 
 @dataclass(frozen=True)
+class FirewallRuleset:
+    id: str
+    name: str
+    region: str
+    rules: tuple[Mapping[str, Any], ...]  # spec FirewallRule objects
+    instance_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Retry:
     """How hard to try: bounded attempts with exponential backoff, and the launch wait."""
 
@@ -158,6 +168,16 @@ def _file_system(raw: Mapping[str, Any]) -> FileSystem:
         region=_region_name(raw.get("region")),
         mount_point=str(raw.get("mount_point", "")),
         is_in_use=bool(raw.get("is_in_use", False)),
+    )
+
+
+def _ruleset(raw: Mapping[str, Any]) -> FirewallRuleset:
+    return FirewallRuleset(
+        id=str(raw["id"]),
+        name=str(raw["name"]),
+        region=_region_name(raw.get("region")),
+        rules=tuple(raw.get("rules") or ()),
+        instance_ids=tuple(raw.get("instance_ids") or ()),
     )
 
 
@@ -277,6 +297,7 @@ class LambdaClient:
         instance_type: str,
         ssh_key_names: Sequence[str],
         file_system_names: Sequence[str] = (),
+        firewall_ruleset_ids: Sequence[str] = (),
     ) -> str:
         """The id of one new instance (it is still booting: see `wait_active`).
 
@@ -284,14 +305,15 @@ class LambdaClient:
         Lambda's answer is lost (a server error, a timeout), the instance of that name is adopted
         if one was started, and otherwise the error says so.
         """
-        body = {
+        body: dict[str, Any] = {
             "region_name": region,
             "instance_type_name": instance_type,
             "ssh_key_names": list(ssh_key_names),
             "file_system_names": list(file_system_names),
             "name": name,
-            "quantity": 1,
         }
+        if firewall_ruleset_ids:
+            body["firewall_rulesets"] = [{"id": i} for i in firewall_ruleset_ids]
         operation = f"launch {name}"
         try:
             data = self._call(operation, "POST", LAUNCH_PATH, body, idempotent=False)
@@ -434,5 +456,40 @@ class LambdaClient:
                 if error.not_found:
                     return
                 if error.code != FILESYSTEM_IN_USE_CODE or self._clock() >= deadline:
+                    raise
+            self._sleep(self._retry.poll_s)
+
+    # Firewall rulesets (regional; attached to an instance at launch, their rules patched later)
+
+    def list_firewall_rulesets(self) -> list[FirewallRuleset]:
+        raw = self._call("list firewall rulesets", "GET", "/firewall-rulesets")
+        return [_ruleset(r) for r in raw]
+
+    def create_firewall_ruleset(
+        self, name: str, region: str, rules: Sequence[Mapping[str, Any]]
+    ) -> FirewallRuleset:
+        body = {"name": name, "region": region, "rules": list(rules)}
+        operation = f"create firewall ruleset {name}"
+        return _ruleset(self._call(operation, "POST", "/firewall-rulesets", body, idempotent=False))
+
+    def update_firewall_ruleset(
+        self, ruleset_id: str, name: str, rules: Sequence[Mapping[str, Any]]
+    ) -> FirewallRuleset:
+        body = {"name": name, "rules": list(rules)}
+        operation = f"update firewall ruleset {ruleset_id}"
+        return _ruleset(self._call(operation, "PATCH", f"/firewall-rulesets/{ruleset_id}", body))
+
+    def delete_firewall_ruleset(self, ruleset_id: str) -> None:
+        """Delete a ruleset, once no terminating instance holds it; one already gone is deleted."""
+        operation = f"delete firewall ruleset {ruleset_id}"
+        deadline = self._clock() + self._retry.gone_wait_s
+        while True:
+            try:
+                self._call(operation, "DELETE", f"/firewall-rulesets/{ruleset_id}")
+                return
+            except LambdaApiError as error:
+                if error.not_found:
+                    return
+                if error.code != RULESET_IN_USE_CODE or self._clock() >= deadline:
                     raise
             self._sleep(self._retry.poll_s)

@@ -14,10 +14,13 @@ import pytest
 from denv_iac.components.lambda_cloud import (
     API_KEY,
     LambdaFileSystemProvider,
+    LambdaFirewallRulesetProvider,
     LambdaInstanceProvider,
     LambdaSshKeyProvider,
+    firewall_rules,
     lambda_name,
 )
+from denv_iac.components.security import IngressRule
 from denv_iac.lambda_api import (
     API_URL,
     LAUNCH_INTERVAL_S,
@@ -68,6 +71,7 @@ class FakeLambda:
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     keys: dict[str, dict[str, Any]] = field(default_factory=dict)
     file_systems: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rulesets: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
     ids: "itertools.count[int]" = field(default_factory=itertools.count)
     last: float = float("-inf")
@@ -149,6 +153,10 @@ class FakeLambda:
             "actions": ACTIONS | {"terminate": {"available": True}},
             "polls": 0,
         }
+        for entry in body.get("firewall_rulesets", []):
+            if entry["id"] not in self.rulesets:
+                return _error(400, "global/invalid-parameters", "Unknown firewall ruleset")
+            self.rulesets[entry["id"]]["instance_ids"].append(instance_id)
         return {"instance_ids": [instance_id]}
 
     def _post_instance_operations_terminate(self, body: dict[str, Any]) -> Any:
@@ -200,7 +208,46 @@ class FakeLambda:
         self.file_systems[fs_id] = fs
         return fs
 
+    def _get_firewall_rulesets(self, _: Any) -> list[dict[str, Any]]:
+        return list(self.rulesets.values())
+
+    def _post_firewall_rulesets(self, body: dict[str, Any]) -> dict[str, Any]:
+        ruleset = {
+            "id": self._id(),
+            "name": body["name"],
+            "region": {"name": body["region"], "description": "Virginia, USA"},
+            "rules": body["rules"],
+            "created": "2026-12-01T00:00:00Z",
+            "instance_ids": [],
+        }
+        self.rulesets[ruleset["id"]] = ruleset
+        return ruleset
+
+    def _ruleset_item(self, method: str, item: str, body: dict[str, Any]) -> httpx.Response:
+        if item not in self.rulesets:
+            return httpx.Response(404, json={"error": NOT_FOUND})
+        ruleset = self.rulesets[item]
+        if method == "PATCH":
+            ruleset |= {k: body[k] for k in ("name", "rules") if k in body}
+            return _data(ruleset)
+        held = [
+            i
+            for i in ruleset["instance_ids"]
+            if i in self.instances and self.instances[i]["status"] != "terminated"
+        ]
+        if held:
+            in_use = {
+                "code": "firewall-rulesets/firewall-ruleset-in-use",
+                "message": "Firewall ruleset is in use by one or more instances.",
+                "suggestion": "Terminate the instances that use the ruleset before deleting it.",
+            }
+            return httpx.Response(400, json={"error": in_use})
+        del self.rulesets[item]
+        return _data({})
+
     def _item(self, method: str, kind: str, item: str, body: dict[str, Any]) -> httpx.Response:
+        if kind == "/firewall-rulesets":
+            return self._ruleset_item(method, item, body)
         store = {"/instances": self.instances, "/ssh-keys": self.keys}.get(kind, self.file_systems)
         if item not in store and kind == "/ssh-keys":  # the spec's answer to an unknown key
             return _error(400, "global/invalid-parameters", "Invalid SSH key id")
@@ -662,3 +709,91 @@ def test_four_concurrent_creates_succeed_within_the_rate_limits() -> None:
         thread.join()
     assert errors == []
     assert fake.launches() == 4 and len(fake.instances) == 4
+
+
+RULES = [
+    {
+        "protocol": "tcp",
+        "port_range": [9100, 9100],
+        "source_network": "198.51.100.7/32",
+        "description": "agent-check from balancer hetzner-fsn",
+    }
+]
+
+
+@pytest.mark.parametrize(
+    ("rule", "rendered"),
+    [
+        (
+            IngressRule("agent-from-b", "agent-check from balancer b", 9100, 9100, "b", True),
+            [
+                {
+                    "protocol": "tcp",
+                    "port_range": [9100, 9100],
+                    "source_network": "198.51.100.7/32",
+                    "description": "agent-check from balancer b",
+                }
+            ],
+        ),
+        (
+            IngressRule("voice-from-b", "voice replicas from balancer b", 8000, 8007, "b", True),
+            [
+                {
+                    "protocol": "tcp",
+                    "port_range": [8000, 8007],
+                    "source_network": "198.51.100.7/32",
+                    "description": "voice replicas from balancer b",
+                }
+            ],
+        ),
+        (
+            IngressRule("ssh", "SSH from admin 203.0.113.0/24", 22, 22, "203.0.113.0/24"),
+            [
+                {
+                    "protocol": "tcp",
+                    "port_range": [22, 22],
+                    "source_network": "203.0.113.0/24",
+                    "description": "SSH from admin 203.0.113.0/24",
+                }
+            ],
+        ),
+        (IngressRule("ssh6", "SSH from admin 2001:db8::/32", 22, 22, "2001:db8::/32"), []),
+        (IngressRule("agent-from-v6", "agent-check from balancer c", 9100, 9100, "c", True), []),
+    ],
+    ids=["agent", "replicas", "ssh", "ipv6-admin", "ipv6-balancer"],
+)
+def test_firewall_rules_open_ports_to_balancers_and_ssh_to_admins_in_ipv4(
+    rule: IngressRule, rendered: list[dict[str, Any]]
+) -> None:
+    rules = firewall_rules([rule], {"b": "198.51.100.7", "c": "2001:db8::7"})
+    assert rules == rendered
+    body = {"name": "n", "region": "us-east-1", "rules": rules}
+    check_request("POST", "/api/v1/firewall-rulesets", body)  # the shape Lambda takes
+
+
+def test_the_ruleset_is_attached_at_launch_patched_in_place_and_deleted_after_its_instances(
+    fake: FakeLambda,
+) -> None:
+    fake.gone_polls = 2
+    rulesets = LambdaFirewallRulesetProvider(fake.transport(), QUICK, UNPACED)
+    fw_props = {API_KEY: KEY, "name": "prod-lambda-use1", "region": "us-east-1", "rules": RULES}
+    as_engine_sends = fw_props | {"rules": [RULES[0] | {"port_range": [9100.0, 9100.0]}]}
+    ruleset = rulesets.create(as_engine_sends)
+    assert fake.rulesets[ruleset.id]["rules"] == RULES  # integers on the wire, as the spec says
+    assert rulesets.create(fw_props).id == ruleset.id  # adopted by name and region
+    instances = _instances(fake)
+    created = instances.create(_props(firewall_rulesets=[ruleset.id]))
+    assert fake.rulesets[ruleset.id]["instance_ids"] == [created.id]
+    moved = [RULES[0] | {"source_network": "198.51.100.8/32"}]
+    rulesets.update(ruleset.id, fw_props, fw_props | {"rules": moved})
+    assert fake.rulesets[ruleset.id]["rules"] == moved and len(fake.rulesets) == 1
+    assert rulesets.diff(ruleset.id, fw_props, fw_props | {"rules": moved}).replaces == []
+    instances.delete(created.id, _props())
+    rulesets.delete(ruleset.id, fw_props)
+    assert fake.rulesets == {}
+
+
+def test_an_instance_launched_before_its_site_had_a_ruleset_is_not_replaced_for_one() -> None:
+    olds = {k: v for k, v in _props(ip="192.0.2.1").items()}
+    diff = LambdaInstanceProvider().diff("id0", olds, _props(firewall_rulesets=["fw0"]))
+    assert (diff.changes, diff.replaces) == (False, [])

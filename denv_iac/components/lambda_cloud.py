@@ -1,13 +1,13 @@
 """Lambda Cloud: GPU nodes as Lambda instances, through dynamic providers over its REST API.
 
-Lambda has no Pulumi or Terraform provider of record, so three `pulumi.dynamic` providers call
-`denv_iac.lambda_api`: an instance, an SSH key and a filesystem. The API key is a secret input of
-each; it is kept in the resource's state, marked secret, because the engine hands `delete` and
-`read` only the state, and they must reach Lambda too.
+Lambda has no Pulumi or Terraform provider of record, so four `pulumi.dynamic` providers call
+`denv_iac.lambda_api`: an instance, an SSH key, a filesystem and a firewall ruleset. The API key
+is a secret input of each; it is kept in the resource's state, marked secret, because the engine
+hands `delete` and `read` only the state, and they must reach Lambda too.
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import httpx
 import pulumi
@@ -16,6 +16,7 @@ import pulumi.dynamic as dynamic
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, machine_name, resolved
 from denv_iac.components.secrets import public_key_output
+from denv_iac.components.security import IngressRule, site_ingress_rules
 from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.lambda_api import (
     DEFAULT_RETRY,
@@ -28,7 +29,7 @@ from denv_iac.lambda_api import (
     Retry,
 )
 from denv_iac.placement import PlacedNode
-from denv_iac.spec.model import SiteSpec
+from denv_iac.spec.model import RecipeSpec, SiteSpec
 
 # Re-exported: the name rule lives with the stack model, which checks names for their length.
 from denv_iac.spec.values import lambda_name as lambda_name
@@ -45,6 +46,35 @@ def cache_file_system_name(stack: str, site: str) -> str:
 def cache_mount_point(stack: str, site: str) -> str:
     """Where Lambda mounts the site's cache filesystem on every instance launched with it."""
     return f"{LAMBDA_NFS}/{cache_file_system_name(stack, site)}"
+
+
+def firewall_rules(
+    rules: Sequence[IngressRule], balancer_addresses: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """Spec FirewallRule objects from the site's ingress rows (Lambda filters IPv4 only).
+
+    A balancer row opens its ports to that balancer host's address; an IPv6 source has no
+    place in a Lambda ruleset and is left to the node's own firewall.
+    """
+    out = []
+    for rule in rules:
+        source = balancer_addresses[rule.source] if rule.from_balancer else rule.source
+        if not source or ":" in source:
+            continue
+        out.append(
+            {
+                "protocol": "tcp",
+                "port_range": [rule.from_port, rule.to_port],
+                "source_network": source if "/" in source else f"{source}/32",
+                "description": rule.description[:128],
+            }
+        )
+    return out
+
+
+def wire_rules(rules: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rules as Lambda takes them: the engine hands a dynamic provider numbers as floats."""
+    return [{**rule, "port_range": [int(p) for p in rule["port_range"]]} for rule in rules]
 
 
 def changed_keys(
@@ -100,7 +130,14 @@ class _LambdaProvider(dynamic.ResourceProvider):
         return dynamic.UpdateResult(_inputs(news, self.inputs))
 
 
-INSTANCE_INPUTS = ("name", "region", "instance_type", "ssh_key_names", "file_system_names")
+INSTANCE_INPUTS = (
+    "name",
+    "region",
+    "instance_type",
+    "ssh_key_names",
+    "file_system_names",
+    "firewall_rulesets",
+)
 
 
 def _instance_outs(props: Mapping[str, Any], instance: Instance) -> dict[str, Any]:
@@ -125,6 +162,14 @@ class LambdaInstanceProvider(_LambdaProvider):
     inputs = INSTANCE_INPUTS
     replace_on = ("region", "instance_type", "ssh_key_names", "file_system_names")
 
+    def diff(self, id_: str, olds: dict[str, Any], news: dict[str, Any]) -> dynamic.DiffResult:
+        # A ruleset attaches only at launch, and its rules are patched in place: an instance
+        # launched before its site had one keeps running (the account's rules apply to it)
+        # rather than be replaced, billed GPU and warm caches lost, for a firewall.
+        if "firewall_rulesets" not in olds:
+            news = {k: v for k, v in news.items() if k != "firewall_rulesets"}
+        return super().diff(id_, olds, news)
+
     def create(self, props: dict[str, Any]) -> dynamic.CreateResult:
         with self.client(props) as lambda_api:
             # A GPU instance bills by the hour: never launch a second one for the same resource.
@@ -138,6 +183,7 @@ class LambdaInstanceProvider(_LambdaProvider):
                     instance_type=props["instance_type"],
                     ssh_key_names=props["ssh_key_names"],
                     file_system_names=props["file_system_names"],
+                    firewall_ruleset_ids=props.get("firewall_rulesets") or (),
                 )
             )
             instance = lambda_api.wait_active(instance_id)
@@ -239,6 +285,53 @@ class LambdaFileSystemProvider(_LambdaProvider):
             lambda_api.delete_file_system(id_)
 
 
+class LambdaFirewallRulesetProvider(_LambdaProvider):
+    """One regional firewall ruleset: its name and rules are patched in place.
+
+    One of the same name and region is adopted (a retried create, or a state lost), its rules
+    set to these.
+    """
+
+    inputs = ("name", "region", "rules")
+    replace_on = ("region",)
+
+    def create(self, props: dict[str, Any]) -> dynamic.CreateResult:
+        with self.client(props) as lambda_api:
+            found = [
+                r
+                for r in lambda_api.list_firewall_rulesets()
+                if r.name == props["name"] and r.region == props["region"]
+            ]
+            if found:
+                ruleset = lambda_api.update_firewall_ruleset(
+                    found[0].id, props["name"], wire_rules(props["rules"])
+                )
+            else:
+                ruleset = lambda_api.create_firewall_ruleset(
+                    props["name"], props["region"], wire_rules(props["rules"])
+                )
+        return dynamic.CreateResult(ruleset.id, _inputs(props, self.inputs))
+
+    def read(self, id_: str, props: dict[str, Any]) -> dynamic.ReadResult:
+        with self.client(props) as lambda_api:
+            found = [r for r in lambda_api.list_firewall_rulesets() if r.id == id_]
+        if not found:
+            return dynamic.ReadResult("", {})
+        return dynamic.ReadResult(
+            id_, {**_inputs(props, self.inputs), "rules": list(found[0].rules)}
+        )
+
+    def update(self, id_: str, olds: dict[str, Any], news: dict[str, Any]) -> dynamic.UpdateResult:
+        if changed_keys(olds, news, ("name", "rules")):
+            with self.client(news) as lambda_api:
+                lambda_api.update_firewall_ruleset(id_, news["name"], wire_rules(news["rules"]))
+        return dynamic.UpdateResult(_inputs(news, self.inputs))
+
+    def delete(self, id_: str, props: dict[str, Any]) -> None:
+        with self.client(props) as lambda_api:
+            lambda_api.delete_firewall_ruleset(id_)
+
+
 def _secret_state(opts: pulumi.ResourceOptions | None) -> pulumi.ResourceOptions:
     # The API key is a secret input; its copy in the state must stay one, whatever the engine.
     return pulumi.ResourceOptions.merge(
@@ -246,63 +339,57 @@ def _secret_state(opts: pulumi.ResourceOptions | None) -> pulumi.ResourceOptions
     )
 
 
-class LambdaInstance(DynamicResource, module="lambda", name="Instance"):
+class _LambdaResource(DynamicResource):
+    """What the four resources share: their provider, the secret API key, outputs to fill."""
+
+    default_provider: type[_LambdaProvider] = _LambdaProvider
+    outputs: tuple[str, ...] = ()  # outputs that only the provider sets
+
+    def __init__(
+        self,
+        resource_name: str,
+        props: Mapping[str, pulumi.Input[Any]],
+        opts: pulumi.ResourceOptions | None = None,
+        provider: _LambdaProvider | None = None,
+    ) -> None:
+        super().__init__(
+            provider or self.default_provider(),
+            resource_name,
+            {**props, **dict.fromkeys(self.outputs)},
+            _secret_state(opts),
+        )
+
+
+class LambdaInstance(_LambdaResource, module="lambda", name="Instance"):
     """A Lambda instance, active with an address once created."""
 
+    default_provider = LambdaInstanceProvider
+    outputs = ("ip",)
     name: pulumi.Output[str]
     ip: pulumi.Output[str]
 
-    def __init__(
-        self,
-        resource_name: str,
-        props: Mapping[str, pulumi.Input[Any]],
-        opts: pulumi.ResourceOptions | None = None,
-        provider: LambdaInstanceProvider | None = None,
-    ) -> None:
-        super().__init__(
-            provider or LambdaInstanceProvider(),
-            resource_name,
-            {**props, "ip": None},
-            _secret_state(opts),
-        )
 
-
-class LambdaSshKey(DynamicResource, module="lambda", name="SshKey"):
+class LambdaSshKey(_LambdaResource, module="lambda", name="SshKey"):
     """An SSH key of the Lambda account, named for the instances launched with it."""
 
+    default_provider = LambdaSshKeyProvider
     name: pulumi.Output[str]
 
-    def __init__(
-        self,
-        resource_name: str,
-        props: Mapping[str, pulumi.Input[Any]],
-        opts: pulumi.ResourceOptions | None = None,
-        provider: LambdaSshKeyProvider | None = None,
-    ) -> None:
-        super().__init__(
-            provider or LambdaSshKeyProvider(), resource_name, dict(props), _secret_state(opts)
-        )
 
-
-class LambdaFileSystem(DynamicResource, module="lambda", name="FileSystem"):
+class LambdaFileSystem(_LambdaResource, module="lambda", name="FileSystem"):
     """A Lambda filesystem, mounted on the instances launched with it."""
 
+    default_provider = LambdaFileSystemProvider
+    outputs = ("mount_point",)
     name: pulumi.Output[str]
     mount_point: pulumi.Output[str]
 
-    def __init__(
-        self,
-        resource_name: str,
-        props: Mapping[str, pulumi.Input[Any]],
-        opts: pulumi.ResourceOptions | None = None,
-        provider: LambdaFileSystemProvider | None = None,
-    ) -> None:
-        super().__init__(
-            provider or LambdaFileSystemProvider(),
-            resource_name,
-            {**props, "mount_point": None},
-            _secret_state(opts),
-        )
+
+class LambdaFirewallRuleset(_LambdaResource, module="lambda", name="FirewallRuleset"):
+    """A Lambda firewall ruleset of one region, attached to the site's instances at launch."""
+
+    default_provider = LambdaFirewallRulesetProvider
+    name: pulumi.Output[str]
 
 
 class LambdaSiteArgs(TypedDict):
@@ -311,6 +398,8 @@ class LambdaSiteArgs(TypedDict):
     nodes: Sequence[PlacedNode]  # the placed nodes of this site
     public_key: pulumi.Input[str]  # OpenSSH public key of the site's SSH key
     api_key: pulumi.Input[str]  # the Lambda Cloud API key, a secret
+    recipes: NotRequired[Sequence[RecipeSpec]]  # what may run here: the ports to open
+    balancer_addresses: NotRequired[Mapping[str, pulumi.Input[str]]]  # balancer site -> address
 
 
 class LambdaSite(pulumi.ComponentResource):
@@ -320,11 +409,11 @@ class LambdaSite(pulumi.ComponentResource):
     region, made before any instance: it holds the weights and compile caches, and a node that
     replaces another finds them there. Drivers come preinstalled (Lambda Stack).
 
-    Lambda's cloud firewall allows only SSH and ICMP by default, and its rules belong to the
-    whole account, not to one instance; this component does not change them. Open the replica
-    and agent ports (see `denv_iac.components.security.site_ingress_rules`) to the balancer
-    addresses in the account's firewall rules; the node deploy's host firewall then limits them
-    to the balancer hosts on each node.
+    Lambda's firewall allows only SSH and ICMP by default. The site has a firewall ruleset in
+    its region (spec 1.8.3's `/firewall-rulesets`), attached to each instance at launch: the
+    replica and agent ports open to the balancer hosts' addresses, SSH to the admin CIDRs
+    (`denv_iac.components.security.site_ingress_rules`); a balancer moving patches its rules in
+    place. The node deploy's host firewall narrows them again on each node.
     """
 
     node_addresses: pulumi.Output[dict[str, str]]
@@ -355,6 +444,21 @@ class LambdaSite(pulumi.ComponentResource):
             },
             child,
         )
+        balancers = args.get("balancer_addresses", {})
+        rows = site_ingress_rules(site, tuple(args.get("recipes", ())), tuple(balancers))
+        hosts = sorted(balancers)
+        ruleset = LambdaFirewallRuleset(
+            child_name(name, "fw"),
+            {
+                API_KEY: api_key,
+                "name": lambda_name(stack, site.name),
+                "region": site.region,
+                "rules": pulumi.Output.all(*(balancers[h] for h in hosts)).apply(
+                    lambda addresses: firewall_rules(rows, dict(zip(hosts, addresses, strict=True)))
+                ),
+            },
+            child,
+        )
         addresses: dict[str, pulumi.Output[str]] = {}
         for node in args["nodes"]:
             if not node.create:
@@ -368,6 +472,7 @@ class LambdaSite(pulumi.ComponentResource):
                     "instance_type": node.offering,
                     "ssh_key_names": [key.name],
                     "file_system_names": [cache.name],
+                    "firewall_rulesets": [ruleset.id],
                 },
                 child,
             )
@@ -386,6 +491,8 @@ def lambda_site(
         "nodes": context["nodes"],
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "api_key": context["secrets"][API_KEY],
+        "recipes": context["spec"].recipes,
+        "balancer_addresses": context["balancer_addresses"],
     }
     component = LambdaSite(name, args, opts)
     return SiteNodes(component, component.node_addresses)

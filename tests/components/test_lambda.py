@@ -54,9 +54,14 @@ def test_one_instance_per_node_launched_with_the_sites_key_and_filesystem(previe
     assert [r.name for r in run.of_type(INSTANCE)] == [
         f"prod-lambda-use1-node-{i}" for i in range(3)
     ]
+    firewall = run.named("prod-lambda-use1-fw")
+    assert firewall.type == "pulumi-python:dynamic/lambda:FirewallRuleset"
     for instance in run.of_type(INSTANCE):
         assert instance.parent == site.urn
-        assert {k: v for k, v in instance.inputs.items() if k not in ("__provider", "api_key")} == {
+        if not preview:  # launched with the site's ruleset (its id is unknown in a preview)
+            assert instance.inputs["firewall_rulesets"] == [f"{firewall.name}-id"]
+        skip = ("__provider", "api_key", "firewall_rulesets")
+        assert {k: v for k, v in instance.inputs.items() if k not in skip} == {
             "name": instance.name,
             "region": "us-east-1",
             "instance_type": "gpu_1x_h100_pcie",
@@ -70,6 +75,20 @@ def test_one_instance_per_node_launched_with_the_sites_key_and_filesystem(previe
     assert key.type == "pulumi-python:dynamic/lambda:SshKey"
     if not preview:
         assert key.inputs["public_key"] == public_key_of(SSH_KEY)
+
+
+def test_the_ruleset_opens_replica_and_agent_ports_to_the_balancer_and_ssh_to_admins() -> None:
+    run = _run(preview=False)
+    firewall = run.named("prod-lambda-use1-fw").inputs
+    balancer = run.outputs["balancer_addresses"][0]
+    rules = {
+        (r["description"], tuple(r["port_range"]), r["source_network"]) for r in firewall["rules"]
+    }
+    assert (firewall["name"], firewall["region"]) == ("prod-lambda-use1", "us-east-1")
+    assert ("agent-check from balancer hetzner-fsn", (9100, 9100), f"{balancer}/32") in rules
+    assert ("voice replicas from balancer hetzner-fsn", (8000, 8007), f"{balancer}/32") in rules
+    assert any(d.startswith("SSH from admin") and p == (22, 22) for d, p, _ in rules)
+    assert len(rules) == 3
 
 
 def test_the_balancer_routes_voice_to_the_lambda_instances_addresses() -> None:
@@ -133,7 +152,7 @@ def test_the_api_key_and_ssh_key_are_secrets_in_every_input(preview: bool) -> No
         assert not any(API_KEY in s for s in strings), registration.name
         assert not any(line in s for s in strings for line in key_lines), registration.name
     dynamic = [r for r in run.registrations if r.type.startswith("pulumi-python:dynamic/lambda:")]
-    assert len(dynamic) == 5
+    assert len(dynamic) == 6  # SSH key, cache filesystem, firewall ruleset, three instances
     for registration in dynamic:
         assert registration.inputs["api_key"][SECRET_SIG] == SECRET_MARK
         # the serialized provider holds code and settings, never the key it is given
