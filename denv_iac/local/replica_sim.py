@@ -1,10 +1,13 @@
 """A simulated GPU replica: an OpenAI-compatible streaming server with configurable latency.
 
 It stands in for a model server in the local runner, the data-plane tests and the benchmarks:
-`POST /v1/chat/completions` (SSE when `stream` is true), `GET /health`, `GET /stats` (what it
-received, so tests can prove a request was never replayed) and `POST /control/fault` to make
-it fail the ways real replicas do. Plain asyncio and a minimal HTTP/1.1, so that it is never
-the bottleneck of a measurement and needs nothing beyond the standard library.
+`POST /v1/chat/completions` (SSE when `stream` is true), the voice paths (`POST
+/v1/audio/speech` streamed PCM, `POST /v1/audio/transcriptions` and `/translations` of a
+multipart upload, `GET /v1/realtime` over WebSocket; see voice_sim), `GET /health`, `GET
+/stats` (what it received, so tests can prove a request was never replayed) and `POST
+/control/fault` to make it fail the ways real replicas do. Plain asyncio and a minimal
+HTTP/1.1, so that it is never the bottleneck of a measurement and needs nothing beyond the
+standard library.
 
     python -m denv_iac.local.replica_sim --id voice.local.n0.0 --port 0 --ttft-ms 50
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import enum
 import json
@@ -28,12 +32,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from denv_iac.local import voice_sim
+from denv_iac.local.voice_sim import OpCode
+
 READY_PREFIX = "replica_sim ready"
 SELF_HEADER = "X-Denv-Replica-Self"
 
 _MAX_HEAD_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 16 * 1024 * 1024
-_ROUTES = ("/stats", "/control/fault", "/health", "/v1/chat/completions")
+_ROUTES = (
+    "/stats",
+    "/control/fault",
+    "/health",
+    "/v1/chat/completions",
+    "/v1/audio/speech",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/realtime",
+)
+_TRANSCRIPTION_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -79,6 +96,9 @@ class _Stats:
     health_checks: int = 0
     streams_completed: int = 0
     streams_aborted: int = 0
+    realtime_sessions: int = 0
+    realtime_turns_completed: int = 0
+    realtime_turns_aborted: int = 0
     by_request_id: Counter[str] = field(default_factory=Counter)
 
 
@@ -145,7 +165,7 @@ class ReplicaSim:
                 self._idle.discard(writer)
                 if request is None:
                     return
-                if not await self._dispatch(request, writer):
+                if not await self._dispatch(request, reader, writer):
                     return
         except (ConnectionError, _ConnectionAborted):
             return
@@ -156,7 +176,9 @@ class ReplicaSim:
             self._open.discard(writer)
             writer.transport.close()
 
-    async def _dispatch(self, request: _Request, writer: asyncio.StreamWriter) -> bool:
+    async def _dispatch(
+        self, request: _Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         """Serve one request; False when the connection must close afterwards."""
         path = request.path.split("?", 1)[0]
         route = (request.method, path)
@@ -172,6 +194,13 @@ class ReplicaSim:
             )
         elif route == ("POST", "/v1/chat/completions"):
             await self._chat_completion(request, writer)
+        elif route == ("POST", "/v1/audio/speech"):
+            await self._speech(request, writer)
+        elif request.method == "POST" and path in _TRANSCRIPTION_PATHS:
+            await self._transcription(request, writer)
+        elif route == ("GET", "/v1/realtime"):
+            await self._realtime(request, reader, writer)
+            return False
         elif path in _ROUTES:
             await self._respond(writer, 405, {"error": "method not allowed"}, request)
         else:
@@ -205,6 +234,9 @@ class ReplicaSim:
             "health_checks": self.stats.health_checks,
             "streams_completed": self.stats.streams_completed,
             "streams_aborted": self.stats.streams_aborted,
+            "realtime_sessions": self.stats.realtime_sessions,
+            "realtime_turns_completed": self.stats.realtime_turns_completed,
+            "realtime_turns_aborted": self.stats.realtime_turns_aborted,
             "by_request_id": dict(sorted(self.stats.by_request_id.items())),
         }
 
@@ -218,10 +250,7 @@ class ReplicaSim:
         except (ValueError, TypeError) as error:
             await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
             return
-        request_id = request.headers.get("x-request-id") or body.get("user")
-        self.stats.requests += 1
-        if request_id:
-            self.stats.by_request_id[str(request_id)] += 1
+        self._count(request.headers.get("x-request-id") or body.get("user"))
         await self._hang_if_asked()
         self._completion_seq += 1
         completion = _Completion(
@@ -263,6 +292,106 @@ class ReplicaSim:
         )
         await writer.drain()
         self.stats.streams_completed += 1
+
+    def _count(self, request_id: object) -> None:
+        self.stats.requests += 1
+        if request_id:
+            self.stats.by_request_id[str(request_id)] += 1
+
+    async def _speech(self, request: _Request, writer: asyncio.StreamWriter) -> None:
+        """Streamed speech: audio frames paced like tokens, a crash (die_after_tokens) cuts it."""
+        received = time.monotonic()
+        try:
+            body = json.loads(request.body)
+            if not isinstance(body, dict) or not str(body.get("input", "")):
+                raise ValueError("send a JSON object with input")
+        except (ValueError, TypeError) as error:
+            await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
+            return
+        self._count(request.headers.get("x-request-id"))
+        await self._hang_if_asked()
+        pcm = body.get("response_format") == "pcm"
+        content_type = "audio/pcm" if pcm else "audio/wav"
+        writer.write(_head(200, content_type, self.config, request.keep_alive, chunked=True))
+        writer.write(b"\r\n")
+        await writer.drain()
+        die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
+        for index in range(self.config.tokens):
+            await self._sleep_until(received, self._token_offset_s(index))
+            if index == die_after:
+                self.stats.streams_aborted += 1
+                _reset(writer)
+                raise _ConnectionAborted
+            header = voice_sim.wav_header() if index == 0 and not pcm else b""
+            writer.write(_chunk(header + voice_sim.audio_frame(index)))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        self.stats.streams_completed += 1
+
+    async def _transcription(self, request: _Request, writer: asyncio.StreamWriter) -> None:
+        """The transcript of an uploaded file, whole, after the first-token time."""
+        received = time.monotonic()
+        try:
+            upload = voice_sim.parse_multipart(
+                request.headers.get("content-type", ""), request.body
+            )
+        except ValueError as error:
+            await self._respond(writer, 400, {"error": f"invalid upload: {error}"}, request)
+            return
+        self._count(request.headers.get("x-request-id"))
+        await self._hang_if_asked()
+        await self._sleep_until(received, self._token_offset_s(0))
+        text = voice_sim.transcript_text(upload)
+        if upload.fields.get("response_format") == "text":
+            payload = text.encode()
+            head = _head(200, "text/plain", self.config, request.keep_alive, chunked=False)
+            writer.write(head + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            await writer.drain()
+        else:
+            await self._respond(writer, 200, {"text": text}, request)
+
+    async def _realtime(
+        self, request: _Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """A realtime session: session.created, then one answer per response.create."""
+        handshake = voice_sim.handshake_response(
+            request.headers, {SELF_HEADER: self.config.replica_id}
+        )
+        if handshake is None:
+            await self._respond(writer, 400, {"error": "send a WebSocket upgrade"}, request)
+            return
+        self.stats.realtime_sessions += 1
+        self._count(request.headers.get("x-request-id"))
+        await self._hang_if_asked()
+        writer.write(handshake)
+        session = _RealtimeSession(self, writer, request)
+        await session.send(
+            "session.created",
+            session={
+                "id": session.id,
+                "object": "realtime.session",
+                "model": session.model,
+                "replica": self.config.replica_id,
+                "input_audio_format": "pcm16",
+                "output_audio_format": "pcm16",
+            },
+        )
+        while True:
+            try:
+                opcode, payload = await voice_sim.read_frame(reader)
+            except (asyncio.IncompleteReadError, ValueError):
+                return
+            if opcode == OpCode.CLOSE:
+                writer.write(voice_sim.encode_frame(OpCode.CLOSE, payload[:2]))
+                await writer.drain()
+                writer.close()
+                return
+            if opcode == OpCode.PING:
+                writer.write(voice_sim.encode_frame(OpCode.PONG, payload))
+                await writer.drain()
+            elif opcode == OpCode.TEXT:
+                await session.on_event(payload)
 
     def _token_offset_s(self, index: int) -> float:
         if self.fault is FaultMode.DRIP:
@@ -318,6 +447,69 @@ class _Completion:
         }
         usage = {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
         return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage}
+
+
+class _RealtimeSession:
+    """One realtime WebSocket session of the simulated replica."""
+
+    def __init__(self, sim: ReplicaSim, writer: asyncio.StreamWriter, request: _Request) -> None:
+        self.sim, self.writer = sim, writer
+        self.seq = 0
+        self.turns = 0
+        query = request.path.partition("?")[2]
+        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
+        self.model = params.get("model", "")
+        session = request.headers.get("x-denv-session", "")
+        self.id = f"sess_{sim.config.replica_id}_{session or sim.stats.realtime_sessions}"
+
+    async def send(self, kind: str, **fields: Any) -> None:
+        self.seq += 1
+        self.writer.write(voice_sim.realtime_event(kind, self.seq, **fields))
+        await self.writer.drain()
+
+    async def on_event(self, payload: bytes) -> None:
+        try:
+            event = json.loads(payload)
+            kind = event["type"]
+        except (ValueError, KeyError, TypeError):
+            await self.send("error", error={"type": "invalid_request_error", "message": "bad"})
+            return
+        if kind == "session.update":
+            await self.send("session.updated", session={"id": self.id, "model": self.model})
+        elif kind == "input_audio_buffer.commit":
+            await self.send("input_audio_buffer.committed", item_id=f"item_in_{self.seq}")
+        elif kind == "response.create":
+            await self.turn()
+
+    async def turn(self) -> None:
+        """Audio deltas of 20 ms PCM16 frames at 24 kHz and their transcript, then done."""
+        sim = self.sim
+        received = time.monotonic()
+        await sim._hang_if_asked()
+        self.turns += 1
+        response_id = f"resp_{self.id}_{self.turns}"
+        item = {"response_id": response_id, "item_id": f"item_{response_id}"}
+        part = {**item, "output_index": 0, "content_index": 0}
+        await self.send("response.created", response={"id": response_id, "status": "in_progress"})
+        die_after = sim.fault_k if sim.fault is FaultMode.DIE_AFTER_TOKENS else None
+        transcript = ""
+        for index in range(sim.config.tokens):
+            await sim._sleep_until(received, sim._token_offset_s(index))
+            if index == die_after:
+                sim.stats.realtime_turns_aborted += 1
+                _reset(self.writer)
+                raise _ConnectionAborted
+            audio = base64.b64encode(voice_sim.audio_frame(index)).decode()
+            await self.send("response.audio.delta", **part, delta=audio)
+            await self.send("response.audio_transcript.delta", **part, delta=_token_text(index))
+            transcript += _token_text(index)
+        await self.send("response.audio.done", **part)
+        await self.send("response.audio_transcript.done", **part, transcript=transcript)
+        await self.send(
+            "response.done",
+            response={"id": response_id, "status": "completed", "replica": sim.config.replica_id},
+        )
+        sim.stats.realtime_turns_completed += 1
 
 
 class _BadRequest(Exception):

@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 
-from .dataplane_harness import STANDARD_POOLS, Dataplane, PoolLayout
+from denv_iac.local.voice_sim import FRAME_BYTES, audio_frame
+
+from .dataplane_harness import FAST_REPLICA, STANDARD_POOLS, Dataplane, PoolLayout
 
 WHISPER = "openai/whisper-large-v3"
 SMALL_LLM = "small-llm:8b"
@@ -55,25 +57,40 @@ def test_chat_is_routed_by_an_alias_and_streams(plane: Dataplane, sdk: openai.Op
     [
         (lambda c: c.completions.create(model=SMALL_LLM, prompt="hi"), "llm"),
         (lambda c: c.embeddings.create(model="llm", input="hi"), "llm"),
-        (lambda c: c.audio.speech.create(model="tts-1", voice="alloy", input="hi"), "voice"),
-        (lambda c: c.audio.transcriptions.create(model=WHISPER, file=("a.wav", WAV)), "voice"),
-        (lambda c: c.audio.translations.create(model=WHISPER, file=("a.wav", WAV)), "voice"),
-        (lambda c: c.audio.transcriptions.create(model="voice", file=("a.wav", WAV)), "voice"),
     ],
-    ids=["completions", "embeddings", "speech", "transcriptions", "translations", "by-pool"],
+    ids=["completions", "embeddings"],
 )
-def test_every_api_path_reaches_the_pool_its_model_names(
-    plane: Dataplane,
-    sdk: openai.OpenAI,
-    call: Callable[[openai.OpenAI], object],
-    pool: str,
+def test_text_paths_reach_the_pool_their_model_names(
+    sdk: openai.OpenAI, call: Callable[[openai.OpenAI], object], pool: str
 ) -> None:
-    # The simulator does not speak these paths yet: its own 404 proves the request got there.
+    # The simulator does not speak these paths: its own 404 proves the request got there.
     with pytest.raises(openai.NotFoundError) as caught:
         call(sdk)
     response = caught.value.response
     assert response.headers["x-denv-replica"].startswith(f"{pool}.")
     assert "no route" in response.text  # the replica's answer, not the balancer's
+
+
+def test_speech_streams_audio_from_the_pool_its_alias_names(sdk: openai.OpenAI) -> None:
+    with sdk.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input="hello", response_format="pcm"
+    ) as response:
+        assert response.headers["x-denv-replica"].startswith("voice.")
+        audio = b"".join(response.iter_bytes())
+    assert len(audio) == FAST_REPLICA.tokens * FRAME_BYTES
+    assert audio[:FRAME_BYTES] == audio_frame(0)
+
+
+@pytest.mark.parametrize("model", [WHISPER, "voice"])
+def test_uploads_are_transcribed_by_the_pool_their_model_field_names(
+    sdk: openai.OpenAI, model: str
+) -> None:
+    raw = sdk.audio.transcriptions.with_raw_response.create(model=model, file=("a.wav", WAV))
+    assert raw.headers["x-denv-replica"].startswith("voice.")
+    assert "a.wav" in raw.parse().text
+    translated = sdk.audio.translations.with_raw_response.create(model=model, file=("b.wav", WAV))
+    assert translated.headers["x-denv-replica"].startswith("voice.")
+    assert "b.wav" in translated.parse().text
 
 
 def test_models_list_has_the_pools_and_their_aliases(sdk: openai.OpenAI) -> None:
@@ -128,3 +145,23 @@ def test_chunked_upload_too_large_to_route_gets_413(plane: Dataplane) -> None:
         answer = client.post("/v1/chat/completions", content=body())
     assert answer.status_code == 413
     assert _requests(plane) == 0
+
+
+def test_speech_whose_replica_dies_mid_stream_is_cut_and_not_replayed(
+    plane: Dataplane, sdk: openai.OpenAI
+) -> None:
+    for replica in plane.replicas.values():
+        replica.fault("die_after_tokens", 3)
+    received = b""
+    # The SDK's raw audio stream surfaces its HTTP stack's error as is (no [DONE] to miss here:
+    # the cut chunked body is the signal).
+    speech = sdk.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input="hello", response_format="pcm"
+    )
+    with pytest.raises(Exception) as cut, speech as response:
+        for chunk in response.iter_bytes():
+            received += chunk
+    assert type(cut.value).__name__ == "RemoteProtocolError"
+    assert "incomplete chunked read" in str(cut.value)
+    assert len(received) == 3 * FRAME_BYTES
+    assert sum(r.stats()["streams_aborted"] for r in plane.replicas.values()) == 1

@@ -151,6 +151,9 @@ def test_stats_count_requests_by_request_id_header_or_user() -> None:
             "health_checks": 0,
             "streams_completed": 0,
             "streams_aborted": 0,
+            "realtime_sessions": 0,
+            "realtime_turns_completed": 0,
+            "realtime_turns_aborted": 0,
             "by_request_id": {"caller-9": 1, "turn-1": 2},
         }
         writer.close()
