@@ -112,6 +112,30 @@ def ebs_device(volume_id: str) -> str:
     return f"/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"
 
 
+def elastic_ip(
+    parent: pulumi.Resource,
+    name: str,
+    instance: aws.ec2.Instance,
+    region: str,
+    tags: Mapping[str, str],
+) -> pulumi.Output[str]:
+    """A public address that survives stop/start and exists in any subnet.
+
+    An instance's own public IP is empty in a subnet that does not assign one, and changes on a
+    stop/start under every /32 rule, server line and record made from it: an Elastic IP does
+    neither.
+    """
+    eip = aws.ec2.Eip(
+        child_name(name, "eip"),
+        domain="vpc",
+        instance=instance.id,
+        region=region,
+        tags=dict(tags),
+        opts=pulumi.ResourceOptions(parent=parent),
+    )
+    return eip.public_ip
+
+
 class AwsSiteArgs(TypedDict):
     stack: str
     site: SiteSpec
@@ -187,9 +211,17 @@ class AwsSite(pulumi.ComponentResource):
                 instance_id=instance.id,
                 volume_id=cache.id,
                 region=site.region,
-                opts=child,
+                # Detach only from a stopped instance: the OS has then unmounted the cache
+                # cleanly (AWS: a volume detached while mounted can stay "busy" indefinitely).
+                # A detach comes on destroy, scale-down or node replacement, when the instance
+                # goes anyway; stopping needs nothing from the node, where an unmount over SSH
+                # would fail on the very node that is unreachable or broken.
+                stop_instance_before_detaching=True,
+                # A volume attaches to one instance: its replacement cannot attach first
+                # (VolumeInUse, pulumi/pulumi-aws#2769), so the old attachment goes first.
+                opts=pulumi.ResourceOptions(parent=self, delete_before_replace=True),
             )
-            addresses[node.name] = instance.public_ip
+            addresses[node.name] = elastic_ip(self, node_name, instance, site.region, tags)
             devices[node.name] = cache.id.apply(ebs_device)
         self.node_addresses = resolved(addresses)
         self.cache_devices = resolved(devices)

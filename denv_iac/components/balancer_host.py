@@ -7,7 +7,13 @@ import pulumi_aws as aws
 import pulumi_hcloud as hcloud
 
 from denv_iac.catalog import load_catalog
-from denv_iac.components.aws import SecurityGroupWiring, pinned_ami, site_key_pair, vpc_of
+from denv_iac.components.aws import (
+    SecurityGroupWiring,
+    elastic_ip,
+    pinned_ami,
+    site_key_pair,
+    vpc_of,
+)
 from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
 from denv_iac.components.security import balancer_ingress_rules
@@ -81,7 +87,7 @@ class BalancerHost(pulumi.ComponentResource):
             tags=tags,
             opts=pulumi.ResourceOptions(parent=self, ignore_changes=["ami"]),
         )
-        return instance.public_ip
+        return elastic_ip(self, child_name(name, "vm"), instance, site.region, tags)
 
     def _hetzner(self, name: str, args: BalancerHostArgs) -> pulumi.Output[str]:
         site, stack = args["site"], args["stack"]

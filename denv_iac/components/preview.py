@@ -40,6 +40,7 @@ class Registration:
     inputs: dict[str, Any]  # as serialized for the engine: secrets still wrapped
     ignore_changes: tuple[str, ...]
     provider: str  # the provider reference, "" for the default provider
+    delete_before_replace: bool = False
 
 
 def _address(name: str) -> str:
@@ -65,6 +66,8 @@ class RecordingMocks(pulumi.runtime.Mocks):
             return str(int(hashlib.sha256(args.name.encode()).hexdigest()[:6], 16)), state
         if args.typ == "aws:ec2/instance:Instance":
             state |= {"publicIp": _address(args.name), "availabilityZone": "us-east-1a"}
+        if args.typ == "aws:ec2/eip:Eip":
+            state["publicIp"] = _address(args.name)
         if args.typ == "aws:ec2/keyPair:KeyPair":
             state["keyName"] = args.name
         if (
@@ -128,6 +131,7 @@ class RecordingMonitor(pulumi.runtime.mocks.MockMonitor):
                     json_format.MessageToDict(request.object),
                     tuple(request.ignoreChanges),
                     request.provider,
+                    bool(request.deleteBeforeReplace),
                 )
             )
         return super().RegisterResource(request)  # type: ignore[no-untyped-call]

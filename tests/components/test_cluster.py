@@ -25,6 +25,7 @@ NODE_CREATES = {
     INSTANCE,
     "aws:ebs/volume:Volume",
     "aws:ec2/volumeAttachment:VolumeAttachment",
+    "aws:ec2/eip:Eip",
     "denv:index:NodeSetup",
     "pulumi-python:dynamic/denv:NodeDeployment",
 }
@@ -148,6 +149,7 @@ def test_raising_min_warm_only_adds_the_new_node() -> None:
         "prod-aws-use1-node-3",
         "prod-aws-use1-node-3-cache",
         "prod-aws-use1-node-3-cache-attach",
+        "prod-aws-use1-node-3-eip",
         "prod-aws-use1-node-3-setup",
         "prod-aws-use1-node-3-setup-deploy",
     ]
@@ -313,7 +315,7 @@ def test_explicit_providers_reach_every_child() -> None:
     # Dynamic resources (NodeSetup's deploys) run in the program's own provider.
     own = ("pulumi:providers:", "pulumi-python:dynamic")
     children = [r for r in run.registrations if r.custom and not r.type.startswith(own)]
-    assert len(children) == 39
+    assert len(children) == 43  # with an Elastic IP per AWS node and balancer host
     for registration in children:
         package = registration.type.split(":")[0]
         assert f"::{package}-team::" in registration.provider, registration.name
