@@ -81,8 +81,15 @@ API_ROUTES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "/v1/audio/translations",
         ),
     ),
-    ("GET", ("/v1/realtime",)),
+    ("GET", (REALTIME_PATH := "/v1/realtime",)),
 )
+# A realtime session is a WebSocket tunnel that idles between a caller's turns. Its silence
+# limit, once upgraded: clients ping every 20-30 s (the websockets library, LiveKit, Pipecat),
+# so ten minutes without a byte is a dead peer, not a caller thinking.
+_REALTIME_TUNNEL_TIMEOUT = "10m"
+# How long an old worker keeps its sessions after a reload: a voice call of up to an hour
+# (OpenAI caps a realtime session at 60 min) finishes on the worker it started on.
+_HARD_STOP_AFTER = "1h"
 HEALTH_PATH = "/health"
 _HEALTH_OK = '{"status":"ok"}'
 _HEALTH_UNAVAILABLE = '{"status":"unavailable","message":"a pool has no healthy replica"}'
@@ -124,6 +131,7 @@ def render_haproxy_config(
         *([_prometheus_frontend(settings)] if settings.prometheus_port is not None else []),
         _endpoint_frontend(ordered, settings, maps),
         *(_tier_backend(pool, tier, settings) for pool in ordered for tier in pool.tiers),
+        *(_realtime_backend(pool, tier) for pool in ordered for tier in pool.tiers),
         _no_replica_backend(),
     ]
     files = {POOLS_MAP: _pools_map(ordered)}
@@ -168,6 +176,10 @@ def _global_section(settings: BalancerSettings) -> str:
     if settings.state_file is not None:
         lines.append(f"server-state-file {settings.state_file}")
     lines.append(f"tune.bufsize {_BUFSIZE}")
+    lines += [
+        "# After a reload the old worker serves its open sessions until they end, or this long.",
+        f"hard-stop-after {_HARD_STOP_AFTER}",
+    ]
     return _section("global", [], lines)
 
 
@@ -319,6 +331,8 @@ def _endpoint_frontend(
         "# connections, and in a stopping process nbsrv() is 0 for every backend: those go to",
         "# the first tier rather than to a 503.",
         "acl reloading stopping",
+        "# A realtime session goes to the realtime twin of the same tier (same replicas).",
+        f"acl realtime path {REALTIME_PATH}",
     ]
     for pool in pools:
         lines += ["", *_pool_routing(pool)]
@@ -374,7 +388,12 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
     backends = [tier_backend_name(pool, tier) for tier in pool.tiers]
     lines += [f"acl empty:{backend} nbsrv({backend}) eq 0" for backend in backends]
     first_staffed = next(tier_backend_name(pool, tier) for tier in pool.tiers if tier.servers)
+    lines.append(f"use_backend {first_staffed}.realtime if {pool_acl} realtime reloading")
     lines.append(f"use_backend {first_staffed} if {pool_acl} reloading")
+    for i, backend in enumerate(backends):
+        preferred_empty = [f"empty:{more}" for more in backends[:i]]
+        conditions = " ".join([pool_acl, "realtime", *preferred_empty, f"!empty:{backend}"])
+        lines.append(f"use_backend {backend}.realtime if {conditions}")
     for i, backend in enumerate(backends):
         # Each rule spells out that every more preferred tier is empty, so a tier is used only
         # then, whatever the rule order.
@@ -413,6 +432,42 @@ def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSett
     return _section(
         f"backend {tier_backend_name(pool, tier)}",
         [f"pool {pool.name}, tier {tier.priority}: sites {sites}"],
+        lines,
+    )
+
+
+def _realtime_backend(pool: BalancerPool, tier: BalancerTier) -> str:
+    """The tier's replicas for realtime sessions: their state tracks the tier backend's checks
+    and agent, but a session idles between turns, so it gets a tunnel timer instead of the
+    stream's silence budget, and it is closed when its replica goes down."""
+    tracked = tier_backend_name(pool, tier)
+    servers = sorted(tier.servers, key=lambda server: server.replica_id)
+    lines = (
+        ["balance hdr(X-Denv-Session)", "hash-type consistent"]
+        if pool.session_affinity
+        else ["balance leastconn"]
+    )
+    if tier.connect_timeout_ms is not None:
+        lines.append(f"timeout connect {tier.connect_timeout_ms}ms")
+    lines += [
+        "# The upgrade answer is the first byte: the first-token budget, then a retry.",
+        f"timeout server {pool.first_token_timeout_ms}ms",
+        "# Once upgraded the tunnel timer alone applies, on both sides.",
+        f"timeout tunnel {_REALTIME_TUNNEL_TIMEOUT}",
+        "http-response set-header X-Denv-Replica %s",
+        "# State follows the tier backend's checks and agent (no checks of its own). A replica",
+        "# marked down (dead, frozen, agent down) closes its sessions at once: a session is",
+        "# never moved, and its caller reconnects to a healthy replica. A drain keeps them.",
+        "default-server no-check no-agent-check on-marked-down shutdown-sessions",
+    ]
+    for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
+        lines.append(
+            f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
+            f" track {tracked}/{server.replica_id}"
+        )
+    return _section(
+        f"backend {tracked}.realtime",
+        [f"pool {pool.name}, tier {tier.priority}: realtime sessions"],
         lines,
     )
 

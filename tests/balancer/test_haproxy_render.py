@@ -57,8 +57,27 @@ def test_sections_come_in_a_stable_order() -> None:
         "backend llm-8b.tier1",
         "backend voice.tier1",
         "backend voice.tier2",
+        "backend llm-8b.tier1.realtime",
+        "backend voice.tier1.realtime",
+        "backend voice.tier2.realtime",
         "backend denv.no-healthy-replica",
     ]
+
+
+def test_realtime_sessions_get_tunnel_timers_and_close_with_their_replica() -> None:
+    cfg = render().haproxy_cfg
+    realtime = section(cfg, "backend voice.tier1.realtime")
+    assert "timeout tunnel 10m" in realtime
+    assert "default-server no-check no-agent-check on-marked-down shutdown-sessions" in realtime
+    servers = [line for line in realtime if line.startswith("server ")]
+    assert servers and all(" track voice.tier1/" in line for line in servers)
+    assert not any("set-timeout" in line for line in realtime)
+    assert "hard-stop-after 1h" in section(cfg, "global")
+    frontend = section(cfg, "frontend denv.endpoint")
+    realtime_rule = "use_backend voice.tier1.realtime if pool:voice realtime !empty:voice.tier1"
+    assert frontend.index(realtime_rule) < frontend.index(
+        "use_backend voice.tier1 if pool:voice !empty:voice.tier1"
+    )
 
 
 @pytest.mark.parametrize(
@@ -175,7 +194,11 @@ def test_tiers_chain_in_order_and_end_in_503() -> None:
         "acl pool:voice var(txn.pool) -m str voice",
         "acl empty:voice.tier1 nbsrv(voice.tier1) eq 0",
         "acl empty:voice.tier2 nbsrv(voice.tier2) eq 0",
+        "use_backend voice.tier1.realtime if pool:voice realtime reloading",
         "use_backend voice.tier1 if pool:voice reloading",
+        "use_backend voice.tier1.realtime if pool:voice realtime !empty:voice.tier1",
+        "use_backend voice.tier2.realtime if pool:voice realtime empty:voice.tier1"
+        " !empty:voice.tier2",
         "use_backend voice.tier1 if pool:voice !empty:voice.tier1",
         "use_backend voice.tier2 if pool:voice empty:voice.tier1 !empty:voice.tier2",
         "use_backend denv.no-healthy-replica if pool:voice",

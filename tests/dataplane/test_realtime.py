@@ -13,7 +13,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from denv_iac.local.voice_sim import FRAME_BYTES, audio_frame
 
-from .dataplane_harness import FAST_REPLICA, Dataplane
+from .dataplane_harness import FAST_REPLICA, Dataplane, Frozen
 
 
 def _open(plane: Dataplane, session: str | None = None) -> ClientConnection:
@@ -85,3 +85,87 @@ def test_a_session_idle_between_turns_stays_open(dataplane: Dataplane) -> None:
         assert _turn(ws)[-1]["type"] == "response.done"
         time.sleep(2.5)  # a caller thinking: longer than any pool's silence budget
         assert _turn(ws)[-1]["type"] == "response.done"
+
+
+def _closed_after(ws: ClientConnection, limit_s: float) -> tuple[float, ConnectionClosed]:
+    """Seconds until the socket closes, waiting up to `limit_s`."""
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < limit_s:
+            ws.recv(timeout=limit_s)
+    except ConnectionClosed as closed:
+        return time.monotonic() - start, closed
+    raise AssertionError(f"the session stayed open for {limit_s} s")
+
+
+@pytest.mark.parametrize("fault", ["freeze", "agent_down"])
+def test_a_session_whose_replica_freezes_or_is_marked_down_closes_and_reconnects_elsewhere(
+    dataplane: Dataplane, fault: str
+) -> None:
+    ws = _open(dataplane, f"call-{fault}")
+    assert ws.response is not None
+    replica_id = ws.response.headers["X-Denv-Replica"]
+    _event(ws)
+    _turn(ws)
+    replica = dataplane.replicas[replica_id]
+    frozen = Frozen(replica) if fault == "freeze" else None
+    if frozen is not None:
+        frozen.__enter__()
+    else:
+        dataplane.agent.set_reply(replica_id, "down #xid 79")
+    try:
+        close_s, closed = _closed_after(ws, 5.0)
+        assert closed.rcvd is None  # 1006: the balancer drops the connection
+        reconnect_start = time.monotonic()
+        with _open(dataplane, f"call-{fault}") as again:
+            assert again.response is not None
+            assert again.response.headers["X-Denv-Replica"] != replica_id
+            _event(again)
+            assert _turn(again)[-1]["response"]["status"] == "completed"
+        reconnect_ms = (time.monotonic() - reconnect_start) * 1000
+    finally:
+        if frozen is not None:
+            frozen.thaw()
+        dataplane.agent.set_reply(replica_id, "up ready 100%")
+    print(f"{fault}: closed after {close_s * 1000:.0f} ms; reconnect + turn {reconnect_ms:.0f} ms")
+    # Marked down by the agent within one agent-inter (200 ms); a freeze by the health checks:
+    # at most inter (1 s) to the next check, then two failed checks of timeout check (0.5 s)
+    # a fastinter (0.25 s) apart, 2.25 s.
+    assert close_s < (2.5 if fault == "freeze" else 1.0)
+    assert reconnect_ms < 1000
+
+
+def test_a_drain_keeps_open_sessions_and_sends_new_ones_elsewhere(dataplane: Dataplane) -> None:
+    with _open(dataplane, "call-drain") as ws:
+        assert ws.response is not None
+        replica_id = ws.response.headers["X-Denv-Replica"]
+        _event(ws)
+        dataplane.agent.set_reply(replica_id, "drain")
+        dataplane.wait_until(
+            lambda: dataplane.status()[replica_id].startswith("DRAIN"), 3, "drained"
+        )
+        with _open(dataplane, "call-drain") as other:
+            assert other.response is not None
+            assert other.response.headers["X-Denv-Replica"] != replica_id
+        assert _turn(ws)[-1]["response"]["replica"] == replica_id
+    dataplane.agent.set_reply(replica_id, "up ready 100%")
+
+
+def test_open_sessions_survive_a_balancer_reload(dataplane: Dataplane) -> None:
+    assert dataplane.haproxy is not None
+    sessions = [_open(dataplane, f"call-reload-{n}") for n in range(5)]
+    try:
+        for ws in sessions:
+            _event(ws)
+        dataplane.haproxy.reload()
+        time.sleep(0.5)  # the new worker takes the listeners; the old one keeps the sessions
+        for ws in sessions:
+            assert _turn(ws)[-1]["response"]["status"] == "completed"
+        with _open(dataplane, "call-after-reload") as fresh:
+            _event(fresh)
+            assert _turn(fresh)[-1]["response"]["status"] == "completed"
+    finally:
+        for ws in sessions:
+            ws.close()
+    turns = sum(r.stats()["realtime_turns_completed"] for r in dataplane.replicas.values())
+    assert turns == 6
