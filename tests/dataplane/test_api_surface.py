@@ -95,6 +95,6 @@ def test_realtime_sessions_are_routed_by_the_model_in_the_query(dataplane: Datap
     with dataplane.client() as client:
         response = client.get("/v1/realtime", params={"model": "voice"})
         unknown = client.get("/v1/realtime", params={"model": "nope"})
-    # Forwarded to a voice replica (the simulator itself speaks no realtime protocol yet).
+    # Forwarded to a voice replica (a plain GET is no WebSocket upgrade: the replica says so).
     assert response.headers["x-denv-replica"].startswith("voice.")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
