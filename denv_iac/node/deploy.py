@@ -229,6 +229,10 @@ def connect(target: Target) -> Iterator[NodeSession]:
     inventory = Inventory(([(name, data)], {}))  # type: ignore[no-untyped-call]
     state = State(inventory, Config(SUDO=target.sudo))  # type: ignore[no-untyped-call]
     host = inventory.get_host(name)
+    if target.is_ssh:
+        # pyinfra accepts a new machine's host key into ~/.ssh/known_hosts but cannot create
+        # the folder: on a runner whose user never ran ssh, every connection failed.
+        Path("~/.ssh").expanduser().mkdir(mode=0o700, exist_ok=True)
     try:
         host.connect(show_errors=False, raise_exceptions=True)
     except ConnectError as error:

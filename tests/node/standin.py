@@ -110,8 +110,13 @@ echo "stand-in nvidia-ctk: unsupported arguments: $*" >&2
 exit 2
 """
 
-_UNIT = "[Unit]\nDescription={name} (stand-in)\n[Service]\nExecStart=/bin/true\n"
+# A daemon stays up, as the real one does: on a booted machine an exited one would be started
+# again by every deploy.
+_UNIT = "[Unit]\nDescription={name} (stand-in)\n[Service]\nExecStart=/bin/sleep infinity\n"
 _UNIT += "[Install]\nWantedBy=multi-user.target\n"
+
+# `docker run` stays in the foreground like a container does; the rest only echo.
+_DOCKER = '#!/bin/sh\necho docker "$@"\nif [ "$1" = run ]; then exec sleep infinity; fi\n'
 
 _AGENT_CLI = '''"""Stand-in agent CLI: drain and undrain record what the balancer would be told."""
 import pathlib
@@ -219,7 +224,7 @@ def build_repo(out: Path) -> None:
         "docker.io",
         "26.1.5+dfsg1-1",
         {
-            "/usr/bin/docker": ('#!/bin/sh\necho docker "$@"\n', 0o755),
+            "/usr/bin/docker": (_DOCKER, 0o755),
             "/lib/systemd/system/docker.service": (_UNIT.format(name="docker"), 0o644),
         },
     )

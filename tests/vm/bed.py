@@ -180,6 +180,19 @@ class Bed:
             timeout=timeout,
         )
 
+    def netns_run_input(
+        self, command: list[str], stdin: str, cwd: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """A command run inside the namespace with `stdin` as its input."""
+        return subprocess.run(
+            ["ip", "netns", "exec", self.netns, *command],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            timeout=timeout,
+        )
+
     def start(self, name: str, memory_mb: int = 1024) -> Vm:
         """Boot a VM from a fresh copy of the image; call `wait_ssh` on it."""
         index = len(self.vms) + 11
