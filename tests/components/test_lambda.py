@@ -95,7 +95,9 @@ def test_the_balancer_routes_voice_to_the_lambda_instances_addresses() -> None:
     run = _run(preview=False)
     config = run.outputs["haproxy_config"]
     servers = [line.split()[1:3] for line in config.splitlines() if "server voice." in line]
-    assert [s[0] for s in servers] == [f"voice.lambda-use1.node-{i}.0" for i in range(3)]
+    # Each replica is one server of its tier and one of the tier's realtime twin.
+    names = [f"voice.lambda-use1.node-{i}.0" for i in range(3)]
+    assert [s[0] for s in servers] == names * 2
     assert all(
         address.startswith("198.18.") and address.endswith(":8000") for _, address in servers
     )
