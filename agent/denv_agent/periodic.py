@@ -11,18 +11,9 @@ log = logging.getLogger("denv_agent")
 
 
 def start_periodic(
-    name: str,
-    interval_s: float,
-    work: Callable[[], None],
-    stop: threading.Event,
-    *,
-    pause_after: bool = False,
+    name: str, interval_s: float, work: Callable[[], None], stop: threading.Event
 ) -> threading.Thread:
-    """Run `work` now and then every `interval_s` (start to start) until `stop` is set.
-
-    With `pause_after`, the wait is a whole interval after each round ends: for a round that
-    can take longer than the interval, whose finding must stand a while before the next.
-    """
+    """Run `work` now and then every `interval_s` (start to start) until `stop` is set."""
 
     def loop() -> None:
         last_error = ""
@@ -35,8 +26,7 @@ def start_periodic(
                 if str(e) != last_error:
                     log.exception("%s: round failed", name)
                     last_error = str(e)
-            elapsed = 0.0 if pause_after else time.monotonic() - started
-            stop.wait(max(0.0, interval_s - elapsed))
+            stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
 
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()

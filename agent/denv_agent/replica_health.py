@@ -246,9 +246,6 @@ class ReplicaMonitor:
                         r.probe.interval_s,
                         functools.partial(self._probe, r.id, r.probe),
                         self._stop,
-                        # A slow probe's verdict stands a whole interval, so that HAProxy's
-                        # agent checks see it before the next probe can overturn it.
-                        pause_after=True,
                     )
                 )
 
@@ -318,3 +315,8 @@ class ReplicaMonitor:
                 gap_ms=timing.max_gap_ms,
             ),
         )
+        stall = probe.stall_budget_ms
+        if stall is not None and timing.max_gap_ms is not None and timing.max_gap_ms >= stall:
+            # A stall drains the replica: the verdict stands a whole interval, so HAProxy's
+            # agent checks see it before the next probe could overturn it.
+            self._stop.wait(probe.interval_s)
