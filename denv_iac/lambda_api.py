@@ -446,18 +446,11 @@ class LambdaClient:
         An instance that was terminated a moment ago may still hold it: Lambda answers
         filesystem-in-use until the instance is gone, so that answer is waited out (bounded).
         """
-        operation = f"delete filesystem {file_system_id}"
-        deadline = self._clock() + self._retry.gone_wait_s
-        while True:
-            try:
-                self._call(operation, "DELETE", f"/filesystems/{file_system_id}")
-                return
-            except LambdaApiError as error:
-                if error.not_found:
-                    return
-                if error.code != FILESYSTEM_IN_USE_CODE or self._clock() >= deadline:
-                    raise
-            self._sleep(self._retry.poll_s)
+        self._delete_once_free(
+            f"delete filesystem {file_system_id}",
+            f"/filesystems/{file_system_id}",
+            FILESYSTEM_IN_USE_CODE,
+        )
 
     # Firewall rulesets (regional; attached to an instance at launch, their rules patched later)
 
@@ -481,15 +474,23 @@ class LambdaClient:
 
     def delete_firewall_ruleset(self, ruleset_id: str) -> None:
         """Delete a ruleset, once no terminating instance holds it; one already gone is deleted."""
-        operation = f"delete firewall ruleset {ruleset_id}"
+        self._delete_once_free(
+            f"delete firewall ruleset {ruleset_id}",
+            f"/firewall-rulesets/{ruleset_id}",
+            RULESET_IN_USE_CODE,
+        )
+
+    def _delete_once_free(self, operation: str, path: str, in_use_code: str) -> None:
+        """DELETE `path`, waiting out (bounded) the answer that a terminating instance still
+        holds it; one already gone counts as deleted."""
         deadline = self._clock() + self._retry.gone_wait_s
         while True:
             try:
-                self._call(operation, "DELETE", f"/firewall-rulesets/{ruleset_id}")
+                self._call(operation, "DELETE", path)
                 return
             except LambdaApiError as error:
                 if error.not_found:
                     return
-                if error.code != RULESET_IN_USE_CODE or self._clock() >= deadline:
+                if error.code != in_use_code or self._clock() >= deadline:
                     raise
             self._sleep(self._retry.poll_s)
