@@ -83,12 +83,14 @@ class Target:
 def check_target(target: Target) -> list[str]:
     """Problems with a target before connecting, one line each naming the option and fix."""
     problems = []
+    # A control character would break the one-line message: such a host is shown quoted.
+    host = target.host if target.host.isprintable() else repr(target.host)
     if target.host.startswith("@chroot/"):
         root = Path(target.host.removeprefix("@chroot"))
         if not (root / "bin/sh").exists():
-            problems.append(f"HOST {target.host}: {root} is not a root file system (no /bin/sh)")
+            problems.append(f"HOST {host}: {root} is not a root file system (no /bin/sh)")
     elif target.host.startswith("@") and target.host != "@local":
-        problems.append(f"HOST {target.host}: use @local, @chroot/<path> or [user@]host[:port]")
+        problems.append(f"HOST {host}: use @local, @chroot/<path> or [user@]host[:port]")
     elif target.is_ssh:
         problems += _ssh_target_problems(target)
     if target.key is not None:
@@ -98,7 +100,7 @@ def check_target(target: Target) -> list[str]:
         except OSError as error:
             problems.append(f"--key {target.key}: cannot read it ({error.strerror})")
     if not _port_ok(target.host):
-        problems.append(f"HOST {target.host}: the port after ':' must be a number")
+        problems.append(f"HOST {host}: the port after ':' must be a number")
     return problems
 
 

@@ -58,3 +58,11 @@ def test_bad_spec_input_exits_2(tmp_path: Path) -> None:
     )
     code, output = run("repair", "@local", "--level", "wipe")
     assert code == 2 and "'wipe' is not one of 'reset', 'reload', 'reinstall', 'reboot'" in output
+
+
+def test_a_host_with_a_control_character_is_refused_in_one_line_per_problem() -> None:
+    result = CliRunner().invoke(node, ["join", ":\r", "--site", "s", "--dry"])
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert all(line.startswith("error: ") for line in lines), lines
+    assert "error: HOST ':\\r': the port after ':' must be a number" in lines
