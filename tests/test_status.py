@@ -247,7 +247,11 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     assert AGENT_UNREACHABLE in replicas["voice.local.n1.0"]["reason"]
     # Failing open is never silent: the command fails, one line for the agent.
     assert result.exit_code == 1
-    (line,) = json.loads(result.output)["problems"]
+    problems = json.loads(result.output)["problems"]
+    # One line for the agent. Under a loaded machine a health check of the other replica can
+    # time out meanwhile, and the pool's own line then joins it (seen in a full-suite run).
+    (line,) = [p for p in problems if p.startswith("agent of")]
+    assert all(p.startswith("pool voice:") for p in problems if p != line), problems
     assert line.startswith("agent of local/n1 at http://127.0.0.1:")
     assert line.endswith(
         ": connection refused: its GPU faults go unseen, its replicas are routed on health"
