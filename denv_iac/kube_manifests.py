@@ -47,7 +47,10 @@ AGENT_RUN_DIR = "/run/denv"
 CACHE_VOLUME = "cache"
 STARTUP_PERIOD_S = 10
 # What GPU feature discovery labels nodes with (`nvidia.com/gpu.product`): the driver's product
-# name with spaces as dashes. One catalog model covers its SXM, PCIe and NVL cards.
+# name with spaces as dashes. Each catalog model lists exactly the cards with its memory and MIG
+# profiles, since replicas are placed and sliced by those: an H100 NVL (94 GB, 1g.12gb slices)
+# is not an H100 (80 GB, 1g.10gb), nor an H200 NVL an H200 SXM (the catalog's H200 offerings).
+# Every catalog model has its entry: a model without one would let pods land on any GPU.
 GPU_PRODUCTS = {
     "A10": ("NVIDIA-A10",),
     "A10G": ("NVIDIA-A10G",),
@@ -55,8 +58,8 @@ GPU_PRODUCTS = {
     "A100-40GB": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"),
     "A100-80GB": ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
     "B200": ("NVIDIA-B200",),
-    "H100": ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL"),
-    "H200": ("NVIDIA-H200", "NVIDIA-H200-NVL"),
+    "H100": ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"),
+    "H200": ("NVIDIA-H200",),
     "L4": ("NVIDIA-L4",),
     "L40S": ("NVIDIA-L40S",),
     "RTX-4000-SFF-ADA": ("NVIDIA-RTX-4000-SFF-Ada-Generation",),

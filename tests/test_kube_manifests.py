@@ -9,9 +9,11 @@ import pytest
 
 from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
+from denv_iac.catalog import load_catalog
 from denv_iac.components.security import AGENT_PORT
 from denv_iac.kube_manifests import (
     GATEWAY_PORT_BASE,
+    GPU_PRODUCTS,
     SiteManifests,
     gpu_resource,
     min_available,
@@ -249,3 +251,34 @@ def test_site_problems(site: dict[str, Any], recipes: list[Any], problem: str | 
         {"denv:sites": [site, EDGE], "denv:recipes": recipes, "denv:balancer": {"sites": ["edge"]}},
     )
     assert site_problems(stack.site("k8s"), stack.recipes) == ([problem] if problem else [])
+
+
+def test_every_catalog_gpu_has_its_own_product_labels() -> None:
+    assert sorted(GPU_PRODUCTS) == sorted(load_catalog().gpus)
+    labels = [label for products in GPU_PRODUCTS.values() for label in products]
+    assert len(labels) == len(set(labels)), "a product label claimed by two catalog models"
+
+
+@pytest.mark.parametrize(
+    "gpu, product, matched",
+    [
+        ("H100", "NVIDIA-H100-80GB-HBM3", True),
+        ("H100", "NVIDIA-H100-PCIe", True),
+        # 94 GB and 1g.12gb slices: a 1g.10gb replica or an 80 GB placement would be wrong there.
+        ("H100", "NVIDIA-H100-NVL", False),
+        ("H200", "NVIDIA-H200", True),
+        ("H200", "NVIDIA-H200-NVL", False),
+        ("A100-80GB", "NVIDIA-A100-SXM4-80GB", True),
+        ("A100-80GB", "NVIDIA-A100-SXM4-40GB", False),
+        ("L40S", "NVIDIA-L40", False),
+    ],
+)
+def test_replicas_land_only_on_their_catalog_models_cards(
+    gpu: str, product: str, matched: bool
+) -> None:
+    manifests = _manifests([_site(gpu=gpu, gpus_per_node=1)], [_recipe("v", spare=0)])
+    pod = _pool(manifests, "v").stateful_set["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (expression,) = terms["nodeSelectorTerms"][0]["matchExpressions"]
+    assert (expression["key"], expression["operator"]) == ("nvidia.com/gpu.product", "In")
+    assert (product in expression["values"]) is matched
