@@ -51,6 +51,8 @@ WORLD_OPEN: dict[str, Any] = {
     "denv:balancer": {"sites": ["office"]},
 }
 WARNINGS = [
+    "sites[0].admin_cidrs: none given, so the node firewall leaves SSH open to every address; "
+    "add the addresses you administer from, e.g. admin_cidrs: [198.51.100.7/32]",
     "sites[1].admin_cidrs: 0.0.0.0/0, ::/0 opens SSH (and the balancer's metrics) to the whole "
     "internet; list only the addresses you administer from",
     "sites[2].admin_cidrs: none given, so the firewall admits no SSH and the deploy cannot reach "
@@ -240,7 +242,7 @@ def test_a_digest_of_a_key_anyone_would_try_is_a_warning(tmp_path: Path) -> None
     }
     result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": config})))
     assert result.exit_code == 0, result.output
-    assert result.stderr.splitlines()[2:] == [
+    assert result.stderr.splitlines()[3:] == [
         'warning: balancer.api_key_digests: 9f86d081884c... is the SHA-256 of "test", a key anyone '
         "would try; make one with `openssl rand -hex 32` and list its digest"
     ]

@@ -143,6 +143,8 @@ def join(
             steps = prepare_node(target, spec, dry=dry, progress=_step_progress(bar))
     except (UnsupportedNode, MigLayoutError) as error:
         fail([f"{host}: {error}"])
+    except NodeSpecError as error:  # the spec would shut this deploy out (its admin_cidrs)
+        fail([f"{host}: {problem}" for problem in error.problems])
     except (NodeUnreachable, StepFailed) as error:
         fail([str(error)], code=1)
     if as_json:

@@ -101,6 +101,10 @@ class GlobalBalancer(pulumi.ComponentResource):
                     "ssh_user": access["ssh_user"],
                     "ssh_private_key": access["ssh_private_key"],
                     "balancer": files,
+                    "balancer_firewall": {
+                        "admin_cidrs": stack.site(site).admin_cidrs,
+                        "stats_port": stack.balancer.prometheus_port,
+                    },
                 },
                 pulumi.ResourceOptions(parent=self),
             )

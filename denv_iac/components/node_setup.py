@@ -38,6 +38,7 @@ from denv_iac.node import (
     spec_from_json,
 )
 from denv_iac.node.deploy import connect, quiet_progress
+from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query
 from denv_iac.node.replicas import stale_steps as stale_replica_steps
 from denv_iac.placement import Placement
@@ -60,6 +61,7 @@ UPDATE_ON = (
     "cache_device",
     "balancer",
     "secret_env",
+    "balancer_firewall",
 )
 REPLACE_ON = ("host",)
 
@@ -124,6 +126,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 mig=mig,
                 cache=CacheDirs() if root is None else CacheDirs.under(root),
                 replicas=replicas,
+                admin_cidrs=site.admin_cidrs,
             )
         except NodeSpecError as error:
             where = f"sites: {node.site}.{node.name}"
@@ -156,11 +159,13 @@ def balancer_ssh_user(site: SiteSpec) -> str:
 def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
     """The JSON form `spec_from_json` reads: what a NodeSetup keeps in its inputs."""
     data: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(spec)))
+    # Added after the first release: left out when unset, so the state of a stack that does
+    # not use them stays as it was and its next preview shows no change.
     for replica in data["replicas"]:
-        # Added after the first release: left out when unset, so the state of a stack that
-        # does not use it stays as it was and its next preview shows no change.
         if replica["probe"] is None:
             del replica["probe"]
+    if not data["admin_cidrs"]:
+        del data["admin_cidrs"]
     return data
 
 
@@ -178,7 +183,7 @@ class DeployRunner:
     """How the provider reaches machines: the real deploys, or a test's stand-ins."""
 
     node: Callable[[Target, NodeDeploySpec], list[Step]] = prepare_node
-    balancer: Callable[[Target, RenderedConfig], list[Step]] = prepare_balancer
+    balancer: Callable[[Target, RenderedConfig, BalancerAccess], list[Step]] = prepare_balancer
     stop: Callable[[Target, NodeDeploySpec], list[Step]] = stop_replicas
 
 
@@ -204,6 +209,11 @@ def _rendered(props: Mapping[str, Any]) -> RenderedConfig:
         {str(k): str(v) for k, v in balancer["map_files"].items()},
         str(balancer["map_dir"]),
     )
+
+
+def _balancer_access(props: Mapping[str, Any]) -> BalancerAccess:
+    given = _integers(props.get("balancer_firewall") or {})
+    return BalancerAccess(tuple(given.get("admin_cidrs", ())), given.get("stats_port", 0))
 
 
 def _integers(value: Any) -> Any:
@@ -243,7 +253,7 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
             if props.get("node") is not None:
                 steps = self.runner.node(target, _node_spec(props))
             else:
-                steps = self.runner.balancer(target, _rendered(props))
+                steps = self.runner.balancer(target, _rendered(props), _balancer_access(props))
         outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
         return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}
 
@@ -293,6 +303,11 @@ class BalancerFiles(TypedDict):
     map_dir: str  # where haproxy_config reads them
 
 
+class BalancerFirewall(TypedDict):
+    admin_cidrs: Sequence[str]  # who may reach SSH and the stats port; none: left as they are
+    stats_port: int  # HAProxy's stats and metrics port
+
+
 class NodeSetupArgs(TypedDict):
     host: pulumi.Input[str]  # the machine's SSH address
     ssh_user: str  # root, or a user that may sudo
@@ -303,6 +318,7 @@ class NodeSetupArgs(TypedDict):
     # spec's own `cache_volume`, if any).
     cache_device: NotRequired[pulumi.Input[str]]
     balancer: NotRequired[pulumi.Input[BalancerFiles]]  # a balancer host: what HAProxy serves
+    balancer_firewall: NotRequired[BalancerFirewall]  # a balancer host: who administers it
     # A recipe's `secure:` env values, by replica id then variable: kept secrets end to end.
     secret_env: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
 
@@ -337,6 +353,14 @@ class NodeSetup(pulumi.ComponentResource):
                 props["secret_env"] = pulumi.Output.secret(args["secret_env"])
         else:
             props["balancer"] = args["balancer"]
+            firewall = args.get("balancer_firewall")
+            # Added after the first release: left out without admin_cidrs, so the state of a
+            # stack without them stays as it was and its next preview shows no change.
+            if firewall is not None and firewall["admin_cidrs"]:
+                props["balancer_firewall"] = {
+                    "admin_cidrs": sorted(firewall["admin_cidrs"]),
+                    "stats_port": firewall["stats_port"],
+                }
         deployment = NodeDeployment(
             child_name(name, "deploy"),
             props,

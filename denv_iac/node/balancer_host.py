@@ -6,8 +6,10 @@ import posixpath
 
 from denv_iac.balancer.files import CONFIG_FILE_NAME, relocate_maps
 from denv_iac.balancer.model import RenderedConfig
+from denv_iac.node import firewall
 from denv_iac.node.deploy import Progress, Target, connect, quiet_progress
 from denv_iac.node.facts import FactQuery, NodeFacts
+from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.steps import APT_UPDATE, Step, apt_install, text_file
 
 CONFIG = "/etc/haproxy/haproxy.cfg"
@@ -74,11 +76,17 @@ def plan_balancer(facts: NodeFacts, rendered: RenderedConfig) -> list[Step]:
 
 
 def prepare_balancer(
-    target: Target, rendered: RenderedConfig, dry: bool = False, progress: Progress = quiet_progress
+    target: Target,
+    rendered: RenderedConfig,
+    access: BalancerAccess,
+    dry: bool = False,
+    progress: Progress = quiet_progress,
 ) -> list[Step]:
-    """Converge a balancer host to `rendered`; returns the steps planned (run unless `dry`)."""
+    """Converge a balancer host to `rendered` behind its firewall; returns the steps planned
+    (run unless `dry`). The firewall comes first: the stats port never listens unguarded."""
     with connect(target) as session:
-        steps = plan_balancer(session.facts(fact_query(rendered)), rendered)
+        facts = session.facts(fact_query(rendered) | firewall.balancer_fact_query())
+        steps = firewall.plan_balancer_host(facts, access) + plan_balancer(facts, rendered)
         if not dry:
             session.apply(steps, progress)
         return steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 from collections.abc import Iterable, Mapping
@@ -62,6 +63,9 @@ class NodeFacts:
     fstab_lines: frozenset[str] = frozenset()  # the asked-about lines /etc/fstab holds
     runtime_configured: bool = False  # the container engine knows the nvidia runtime
     agent_version: str | None = None
+    # The SSH connection the deploy came in on, as the node sees it: where from, to which port.
+    ssh_client: str = ""
+    ssh_port: int = 0
 
     @property
     def driver_branch(self) -> str:
@@ -82,6 +86,12 @@ class FactQuery:
     devices: tuple[str, ...] = ()
     mounts: tuple[str, ...] = ()
     fstab_lines: tuple[str, ...] = ()
+
+    def __or__(self, other: FactQuery) -> FactQuery:
+        """Both queries' paths and units, for plans of two areas read in one round trip."""
+        return FactQuery(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
 
 
 def probe_script(query: FactQuery) -> str:
@@ -139,6 +149,14 @@ if grep -qs '"nvidia"' {DOCKER_DAEMON_JSON}; then echo runtime; fi
 for m in {AGENT_VENV}/lib/python3*/site-packages/denv_agent-*.dist-info; do
   if [ -d "$m" ]; then printf 'agent\\t%s\\n' "$m"; fi
 done
+# The login this probe came through (sudo drops SSH_CONNECTION from the environment, so the
+# nearest process above that still has it says): the host firewall must not shut it out.
+p=$$
+while [ "${{p:-0}}" -gt 1 ]; do
+  c=$(tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null | sed -n 's/^SSH_CONNECTION=//p')
+  if [ -n "$c" ]; then printf 'ssh\\t%s\\n' "$c"; break; fi
+  p=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$p/status 2>/dev/null)
+done
 true
 """
 
@@ -166,7 +184,7 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
             flags.add(kind)
         elif kind == "os" and len(parts) == 2:
             values["os_id"], values["os_version"] = parts
-        elif kind in ("kernel", "arch", "smi_rc", "agent"):
+        elif kind in ("kernel", "arch", "smi_rc", "agent", "ssh"):
             values[kind] = rest
         elif kind == "pci" and len(parts) == 2:
             pci.append((parts[0], parts[1]))
@@ -196,6 +214,8 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
     smi_ok = values.get("smi_rc") == "0"
     gpus = _parse_gpus(smi_lines, smil_lines) if smi_ok else ()
     agent = _AGENT_DIST.search(values.get("agent", ""))
+    # SSH_CONNECTION: client address, client port, server address, server port.
+    ssh = values.get("ssh", "").split()
     return NodeFacts(
         os_id=values.get("os_id", ""),
         os_version=values.get("os_version", ""),
@@ -222,6 +242,8 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
         fstab_lines=frozenset(fstab_lines),
         runtime_configured="runtime" in flags,
         agent_version=agent.group(1) if agent else None,
+        ssh_client=ssh[0] if len(ssh) == 4 and ssh[3].isdigit() else "",
+        ssh_port=int(ssh[3]) if len(ssh) == 4 and ssh[3].isdigit() else 0,
     )
 
 

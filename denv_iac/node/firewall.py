@@ -1,73 +1,150 @@
-"""Host firewall (nftables): replica and agent ports admit the balancers' addresses only."""
+"""Host firewall (nftables): SSH from the admins only, replica and agent ports from the balancers.
+
+Each host gets tables of its own (`inet denv` on a GPU node, `inet denv-balancer` on a balancer
+host; a joined machine that is both has both), so the machine's other rules are left as they
+are. A table only drops what it guards: every other port is left to the machine's own rules,
+and on a balancer host that is the endpoint, open to everyone.
+"""
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from denv_iac.node.driver import service_steps
-from denv_iac.node.facts import NodeFacts
-from denv_iac.node.spec import NodeDeploySpec
-from denv_iac.node.steps import UNIT_DIR, FileContent, Step, text_file, unit_path
+from denv_iac.node.facts import FactQuery, NodeFacts
+from denv_iac.node.spec import NodeDeploySpec, NodeSpecError
+from denv_iac.node.steps import (
+    APT_UPDATE,
+    UNIT_DIR,
+    FileContent,
+    Step,
+    apt_install,
+    text_file,
+    unit_path,
+    wants_link,
+)
 
 RULES = "/etc/denv/firewall.nft"
 UNIT = "denv-firewall.service"
+BALANCER_RULES = "/etc/denv/balancer-firewall.nft"
+BALANCER_UNIT = "denv-balancer-firewall.service"
+# The port the deploy reaches every stack's machines on: a site's node address carries none.
+SSH_PORT = 22
 
 
-def rules(spec: NodeDeploySpec) -> FileContent:
-    """An nft script in its own table, so the node's other rules are left as they are.
+@dataclass(frozen=True)
+class Guard:
+    """`ports` admit connections from `sources` (addresses or CIDRs, from the field `key`) only."""
+
+    key: str
+    sources: tuple[str, ...]
+    ports: tuple[int, ...]
+
+    @property
+    def set_name(self) -> str:
+        return self.key.removesuffix("_addresses").removesuffix("_cidrs")
+
+    def admits(self, address: str) -> bool:
+        client = ipaddress.ip_address(address)
+        if isinstance(client, ipaddress.IPv6Address) and client.ipv4_mapped is not None:
+            client = client.ipv4_mapped
+        # Loopback is admitted before any guard (`iifname "lo" accept`).
+        return client.is_loopback or any(
+            client in ipaddress.ip_network(source, strict=False) for source in self.sources
+        )
+
+
+@dataclass(frozen=True)
+class BalancerAccess:
+    """Who administers a balancer host: SSH and HAProxy's stats port from `admin_cidrs` only."""
+
+    admin_cidrs: tuple[str, ...]
+    stats_port: int
+
+
+def node_guards(spec: NodeDeploySpec) -> list[Guard]:
+    """Replica and agent ports for the balancers (none listed: nobody); SSH for the admins,
+    when the stack lists any (none: SSH is left as the machine has it)."""
+    ports = tuple(sorted({spec.agent_port, *(r.port for r in spec.replicas)}))
+    guards = [Guard("balancer_addresses", spec.balancer_addresses, ports)]
+    if spec.admin_cidrs:
+        guards.append(Guard("admin_cidrs", spec.admin_cidrs, (SSH_PORT,)))
+    return guards
+
+
+def balancer_guards(access: BalancerAccess) -> list[Guard]:
+    if not access.admin_cidrs:
+        return []
+    ports = tuple(sorted({SSH_PORT, access.stats_port}))
+    return [Guard("admin_cidrs", access.admin_cidrs, ports)]
+
+
+def ruleset(table: str, title: str, guards: Sequence[Guard]) -> str:
+    """An nft script for one table: each guard's ports accept its sources and drop the rest.
 
     Declaring then deleting the table first makes `nft -f` replace it in one transaction, on
-    the first load and on every later one alike.
+    the first load and on every later one alike. Replies and connections already open pass
+    (`ct state established,related`): a guard changed under an open session does not cut it.
     """
-    networks = [ipaddress.ip_network(a, strict=False) for a in spec.balancer_addresses]
-    v4 = sorted(str(n) for n in networks if n.version == 4)
-    v6 = sorted(str(n) for n in networks if n.version == 6)
-    ports = ", ".join(str(p) for p in sorted({spec.agent_port, *(r.port for r in spec.replicas)}))
-    lines = [
-        "#!/usr/sbin/nft -f",
-        f"# denv node {spec.node_id}: replica and agent ports are for the balancers only.",
-        "table inet denv",
-        "delete table inet denv",
-        "table inet denv {",
-    ]
-    for name, kind, members in (
-        ("balancers_v4", "ipv4_addr", v4),
-        ("balancers_v6", "ipv6_addr", v6),
-    ):
-        if members:
-            lines += [
+    sets: list[str] = []
+    rules: list[str] = []
+    for guard in guards:
+        networks = [ipaddress.ip_network(a, strict=False) for a in guard.sources]
+        ports = ", ".join(str(p) for p in guard.ports)
+        for family, kind, match in ((4, "ipv4_addr", "ip"), (6, "ipv6_addr", "ip6")):
+            members = sorted(str(n) for n in networks if n.version == family)
+            if not members:
+                continue
+            name = f"{guard.set_name}_v{family}"
+            sets += [
                 f"\tset {name} {{",
                 f"\t\ttype {kind}; flags interval;",
                 f"\t\telements = {{ {', '.join(members)} }}",
                 "\t}",
             ]
-    lines += [
+            rules.append(f"\t\ttcp dport {{ {ports} }} {match} saddr @{name} accept")
+        rules.append(f"\t\ttcp dport {{ {ports} }} drop")
+    lines = [
+        "#!/usr/sbin/nft -f",
+        f"# {title}",
+        f"table inet {table}",
+        f"delete table inet {table}",
+        f"table inet {table} {{",
+        *sets,
         "\tchain input {",
         "\t\ttype filter hook input priority filter - 10; policy accept;",
         '\t\tiifname "lo" accept',
+        "\t\tct state established,related accept",
+        *rules,
+        "\t}",
+        "}",
     ]
-    if v4:
-        lines.append(f"\t\ttcp dport {{ {ports} }} ip saddr @balancers_v4 accept")
-    if v6:
-        lines.append(f"\t\ttcp dport {{ {ports} }} ip6 saddr @balancers_v6 accept")
-    lines += [f"\t\ttcp dport {{ {ports} }} drop", "\t}", "}"]
-    return text_file(RULES, "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
-def unit() -> FileContent:
+def rules(spec: NodeDeploySpec) -> FileContent:
+    title = f"denv node {spec.node_id}: replica and agent ports are for the balancers only" + (
+        ", SSH for the admins only." if spec.admin_cidrs else "."
+    )
+    return text_file(RULES, ruleset("denv", title, node_guards(spec)))
+
+
+def _unit(unit: str, rules_path: str, table: str, what: str) -> FileContent:
     return text_file(
-        unit_path(UNIT),
+        unit_path(unit),
         f"""[Unit]
-Description=denv host firewall (replica and agent ports)
+Description=denv host firewall ({what})
 Wants=network-pre.target
 Before=network-pre.target
 
 [Service]
 Type=oneshot
 RemainAfterExit=yes
-ExecStart=/usr/sbin/nft -f {RULES}
-ExecReload=/usr/sbin/nft -f {RULES}
-ExecStop=/usr/sbin/nft delete table inet denv
+ExecStart=/usr/sbin/nft -f {rules_path}
+ExecReload=/usr/sbin/nft -f {rules_path}
+ExecStop=/usr/sbin/nft delete table inet {table}
 
 [Install]
 WantedBy=multi-user.target
@@ -75,29 +152,101 @@ WantedBy=multi-user.target
     )
 
 
+def unit() -> FileContent:
+    return _unit(UNIT, RULES, "denv", "replica and agent ports, SSH")
+
+
 def files(spec: NodeDeploySpec) -> list[FileContent]:
     return [rules(spec), unit()]
 
 
-def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+def lockout_problems(facts: NodeFacts, guards: Sequence[Guard]) -> list[str]:
+    """The deploy's own SSH login, were the guards loaded: one line if they would shut it out.
+
+    Refused rather than worked around (say by also admitting the deploy's address): rules that
+    followed whoever deployed last would change with the machine the deploy ran from, and would
+    open SSH to a CI runner's shared address. Only a live machine loads rules (`systemd`).
+    """
+    if not facts.systemd or not facts.ssh_client:
+        return []
+    for guard in guards:
+        if facts.ssh_port in guard.ports and not guard.admits(facts.ssh_client):
+            return [
+                f"{guard.key}: this deploy reaches the machine from {facts.ssh_client}, which "
+                f"{guard.key} does not hold, so the firewall would shut it out; add "
+                f"{facts.ssh_client} (or a block holding it) to {guard.key}"
+            ]
+    return []
+
+
+def _refuse_lockout(facts: NodeFacts, guards: Sequence[Guard]) -> None:
+    problems = lockout_problems(facts, guards)
+    if problems:
+        raise NodeSpecError(problems)
+
+
+def _converge(facts: NodeFacts, rules_file: FileContent, unit_file: FileContent) -> list[Step]:
     steps: list[Step] = []
-    rules_file, unit_file = files(spec)
+    unit_name = unit_file.path.rsplit("/", 1)[-1]
     rules_changed = facts.files.get(rules_file.path) != rules_file.sha256
     unit_changed = facts.files.get(unit_file.path) != unit_file.sha256
     if rules_changed:
-        check = (f"nft -c -f {RULES}",) if facts.systemd else ()
-        steps.append(Step("firewall", f"write {RULES}", check, file=rules_file))
+        check = (f"nft -c -f {rules_file.path}",) if facts.systemd else ()
+        steps.append(Step("firewall", f"write {rules_file.path}", check, file=rules_file))
     if unit_changed:
         reload = ("systemctl daemon-reload",) if facts.systemd else ()
         steps.append(Step("firewall", f"write {unit_file.path}", reload, file=unit_file))
-    if facts.systemd and UNIT in facts.active_units and rules_changed and not unit_changed:
+    if facts.systemd and unit_name in facts.active_units and rules_changed and not unit_changed:
         # Reload swaps the table in one transaction: no moment with the ports open.
-        return [*steps, Step("firewall", "load the new rules", (f"systemctl reload {UNIT}",))]
+        return [*steps, Step("firewall", "load the new rules", (f"systemctl reload {unit_name}",))]
     return steps + service_steps(
         facts,
         "firewall",
-        UNIT,
+        unit_name,
         "firewall",
         changed=rules_changed or unit_changed,
         unit_dir=UNIT_DIR,
     )
+
+
+def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    """The node's table; NodeSpecError if it would shut this deploy's own SSH login out."""
+    _refuse_lockout(facts, node_guards(spec))
+    rules_file, unit_file = files(spec)
+    return _converge(facts, rules_file, unit_file)
+
+
+def balancer_files(access: BalancerAccess) -> list[FileContent]:
+    title = "denv balancer host: SSH and HAProxy's stats port for the admins only."
+    table = ruleset("denv-balancer", title, balancer_guards(access))
+    unit_file = _unit(BALANCER_UNIT, BALANCER_RULES, "denv-balancer", "SSH, HAProxy stats")
+    return [text_file(BALANCER_RULES, table), unit_file]
+
+
+def balancer_fact_query() -> FactQuery:
+    return FactQuery(
+        files=(BALANCER_RULES, unit_path(BALANCER_UNIT)),
+        links=(wants_link(BALANCER_UNIT),),
+        units=(BALANCER_UNIT,),
+    )
+
+
+def plan_balancer_host(facts: NodeFacts, access: BalancerAccess) -> list[Step]:
+    """A balancer host's table; none when the site lists no admin_cidrs (one left from an
+    earlier deploy is removed, so SSH and stats are as the machine has them again).
+
+    NodeSpecError if the table would shut this deploy's own SSH login out.
+    """
+    guards = balancer_guards(access)
+    if not guards:
+        if BALANCER_RULES not in facts.files and unit_path(BALANCER_UNIT) not in facts.files:
+            return []
+        stop = (f"systemctl disable --now {BALANCER_UNIT}",) if facts.systemd else ()
+        remove = f"rm -f {BALANCER_RULES} {unit_path(BALANCER_UNIT)} {wants_link(BALANCER_UNIT)}"
+        return [Step("firewall", "remove the balancer host's firewall", (*stop, remove))]
+    _refuse_lockout(facts, guards)
+    steps = []
+    if "nftables" not in facts.packages:
+        steps.append(Step("firewall", "install nftables", (APT_UPDATE, apt_install("nftables"))))
+    rules_file, unit_file = balancer_files(access)
+    return steps + _converge(facts, rules_file, unit_file)

@@ -137,6 +137,8 @@ class NodeDeploySpec:
     agent: AgentSettings = field(default_factory=AgentSettings)
     replicas: tuple[ReplicaSpec, ...] = ()
     balancer_addresses: tuple[str, ...] = ()
+    # Who may reach the node's SSH port; none given: the firewall leaves SSH as it finds it.
+    admin_cidrs: tuple[str, ...] = ()
     agent_port: int = 9100
     # Base URL of NVIDIA's CUDA repository (holding cuda-keyring_1.1-1_all.deb); {distro} and
     # {arch} are filled in from the node. A mirror for nodes without access to NVIDIA's CDN.
@@ -197,11 +199,12 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
     if spec.agent.wheel is not None and not Path(spec.agent.wheel).is_file():
         problems.append(f"agent wheel {spec.agent.wheel!r}: no such file; build it or drop wheel")
     problems += _replica_problems(spec)
-    for address in spec.balancer_addresses:
-        try:
-            ipaddress.ip_network(address, strict=False)
-        except ValueError:
-            problems.append(f"balancer_addresses {address!r}: give an IP address or CIDR")
+    for key in ("balancer_addresses", "admin_cidrs"):
+        for address in getattr(spec, key):
+            try:
+                ipaddress.ip_network(address, strict=False)
+            except ValueError:
+                problems.append(f"{key} {address!r}: give an IP address or CIDR")
     if not 1 <= spec.agent_port <= 65535:
         problems.append(f"agent_port {spec.agent_port}: give a TCP port, 1-65535")
     if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1:
@@ -322,6 +325,7 @@ def spec_from_json(data: Mapping[str, Any]) -> NodeDeploySpec:
             "agent": agent,
             "replicas": replicas,
             "balancer_addresses": tuple(data.get("balancer_addresses", ())),
+            "admin_cidrs": tuple(data.get("admin_cidrs", ())),
         }
         return NodeDeploySpec(**fields)
     except TypeError as error:

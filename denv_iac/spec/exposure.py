@@ -12,6 +12,9 @@ from denv_iac.spec.model import StackSpec
 # Kinds whose machines get a cloud firewall from the stack: without admin_cidrs it has no SSH
 # rule, so the deploy cannot reach the machines it just created.
 FIREWALLED_KINDS = ("aws", "lambda", "nebius", "hetzner")
+# Kinds whose machines exist already: only their host firewall (the node deploy's nftables)
+# guards SSH, and without admin_cidrs it leaves SSH as it found it.
+HOST_FIREWALLED_KINDS = ("joined",)
 # Keys anyone would try first: an endpoint that accepts one is open to everyone.
 GUESSABLE_KEYS = ("test", "secret", "password", "changeme", "admin", "key", "demo", "1234")
 _GUESSABLE = {hashlib.sha256(key.encode()).hexdigest(): key for key in GUESSABLE_KEYS}
@@ -22,8 +25,8 @@ REMOTE_KINDS = ("aws", "hetzner", "joined")
 def stack_warnings(stack: StackSpec) -> list[str]:
     warnings = []
     for index, site in enumerate(stack.sites):
-        if site.kind not in FIREWALLED_KINDS:
-            continue  # joined machines keep their own SSH rules; local and k8s have none
+        if site.kind not in (*FIREWALLED_KINDS, *HOST_FIREWALLED_KINDS):
+            continue  # local and Kubernetes sites have no SSH
         path = f"sites[{index}].admin_cidrs"
         world = [
             c for c in site.admin_cidrs if ipaddress.ip_network(c, strict=False).prefixlen == 0
@@ -33,7 +36,12 @@ def stack_warnings(stack: StackSpec) -> list[str]:
                 f"{path}: {', '.join(world)} opens SSH (and the balancer's metrics) to the whole "
                 "internet; list only the addresses you administer from"
             )
-        if not site.admin_cidrs:
+        if not site.admin_cidrs and site.kind in HOST_FIREWALLED_KINDS:
+            warnings.append(
+                f"{path}: none given, so the node firewall leaves SSH open to every address; "
+                "add the addresses you administer from, e.g. admin_cidrs: [198.51.100.7/32]"
+            )
+        elif not site.admin_cidrs:
             warnings.append(
                 f"{path}: none given, so the firewall admits no SSH and the deploy cannot reach "
                 "the machines; add your address, e.g. admin_cidrs: [198.51.100.7/32]"

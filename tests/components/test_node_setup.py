@@ -21,6 +21,7 @@ from denv_iac.components.node_setup import (
     spec_to_json,
 )
 from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
+from denv_iac.node.firewall import BalancerAccess
 from denv_iac.placement import place_replicas
 from denv_iac.spec.reader import StackError, read_stack
 from tests.components import stacks
@@ -71,12 +72,14 @@ class Recorder:
 
     def __init__(self, steps: int = 2, fail: bool = False) -> None:
         self.calls: list[tuple[str, Target, Any]] = []
+        self.extras: list[tuple[Any, ...]] = []  # what a call got after `what`
         self.keys: list[KeyFile] = []
         self.steps, self.fail = steps, fail
 
-    def _record(self, kind: str) -> Callable[[Target, Any], list[Step]]:
-        def run(target: Target, what: Any) -> list[Step]:
+    def _record(self, kind: str) -> Callable[..., list[Step]]:
+        def run(target: Target, what: Any, *extra: Any) -> list[Step]:
             self.calls.append((kind, target, what))
+            self.extras.append(extra)
             if target.key is not None:
                 mode = stat.S_IMODE(target.key.stat().st_mode)
                 self.keys.append(KeyFile(target.key, mode, target.key.read_text()))
@@ -162,6 +165,22 @@ def test_a_balancer_host_gets_its_rendered_config_through_sudo() -> None:
     )
     assert result.id == "balancer.203.0.113.9"
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
+    # A stack from before the balancer host's firewall: no admins, so nothing is guarded.
+    assert recorder.extras == [(BalancerAccess((), 0),)]
+
+
+def test_a_balancer_host_gets_its_sites_admin_cidrs_and_stats_port_for_its_firewall() -> None:
+    recorder = Recorder(steps=1)
+    given = {"admin_cidrs": ["198.51.100.0/24"], "stats_port": 8405.0}  # as the engine hands it
+    NodeSetupProvider(recorder.runner()).create({**BALANCER, "balancer_firewall": given})
+    assert recorder.extras == [(BalancerAccess(("198.51.100.0/24",), 8405),)]
+
+
+def test_node_admin_cidrs_reach_the_deploy_and_are_left_out_of_the_state_when_unset() -> None:
+    assert "admin_cidrs" not in spec_to_json(SPEC)  # a stack without them: no new input, no diff
+    recorder = Recorder()
+    NodeSetupProvider(recorder.runner()).create(_changed_node(admin_cidrs=("198.51.100.0/24",)))
+    assert recorder.calls[0][2].admin_cidrs == ("198.51.100.0/24",)
 
 
 def _changed_node(**fields: Any) -> dict[str, Any]:
@@ -190,6 +209,14 @@ def _changed_node(**fields: Any) -> dict[str, Any]:
             {**BALANCER, "balancer": {**BALANCER["balancer"], "haproxy_config": "global\n#2\n"}},
             [],
         ),
+        (_changed_node(admin_cidrs=("198.51.100.0/24",)), []),
+        (
+            {
+                **BALANCER,
+                "balancer_firewall": {"admin_cidrs": ["198.51.100.0/24"], "stats_port": 1},
+            },
+            [],
+        ),
     ],
     ids=[
         "host",
@@ -203,6 +230,8 @@ def _changed_node(**fields: Any) -> dict[str, Any]:
         "cache-device",
         "ssh-key",
         "haproxy-config",
+        "node-admin-cidrs",
+        "balancer-admin-cidrs",
     ],
 )
 def test_diff_replaces_on_another_host_and_updates_in_place_otherwise(
@@ -290,6 +319,10 @@ def test_node_specs_place_replicas_on_their_gpu_or_mig_instance_with_recipe_port
         ("side.office.rack-1.0.0", 8000, "1g.10gb", 0)
     ]
     assert specs["office.rack-2"].balancer_addresses == ()  # added once the hosts exist
+    # Each node's SSH is guarded by its site's admin_cidrs: joined and Hetzner as the others.
+    assert {name: s.admin_cidrs for name, s in specs.items()} == dict.fromkeys(
+        specs, (stacks.ADMIN,)
+    )
 
 
 def test_a_recipe_without_an_image_on_an_ssh_site_is_one_line_naming_the_field() -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from denv_iac.cli.node import node
+from denv_iac.node import NodeDeploySpec, firewall
+from denv_iac.node.facts import NodeFacts
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -66,3 +69,21 @@ def test_a_host_with_a_control_character_is_refused_in_one_line_per_problem() ->
     lines = result.output.splitlines()
     assert all(line.startswith("error: ") for line in lines), lines
     assert "error: HOST ':\\r': the port after ':' must be a number" in lines
+
+
+def test_a_join_the_firewall_would_shut_out_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    facts = NodeFacts(systemd=True, ssh_client="192.0.2.50", ssh_port=22)
+    spec = NodeDeploySpec("joined.box", admin_cidrs=("198.51.100.0/24",))
+
+    def refuse(*_: object, **__: object) -> list[object]:
+        return firewall.plan(facts, spec)  # raises before anything is planned, let alone run
+
+    monkeypatch.setattr("denv_iac.cli.node.prepare_node", refuse)
+    assert run("join", "@local", "--site", "s1") == (
+        2,
+        "error: @local: admin_cidrs: this deploy reaches the machine from 192.0.2.50, which "
+        "admin_cidrs does not hold, so the firewall would shut it out; add 192.0.2.50 (or a "
+        "block holding it) to admin_cidrs\n",
+    )
