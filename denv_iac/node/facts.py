@@ -62,6 +62,10 @@ class NodeFacts:
     mounted: frozenset[str] = frozenset()  # the asked-about paths that are mount points
     fstab_lines: frozenset[str] = frozenset()  # the asked-about lines /etc/fstab holds
     runtime_configured: bool = False  # the container engine knows the nvidia runtime
+    docker_cli: bool = False  # a docker command on PATH, whichever package (if any) brought it
+    # The loaded kernel module's version (/sys/module/nvidia/version): the running driver,
+    # also where no package says (a driver from NVIDIA's .run installer) or NVML fails.
+    module_version: str = ""
     agent_version: str | None = None
     # The SSH connection the deploy came in on, as the node sees it: where from, to which port.
     ssh_client: str = ""
@@ -146,6 +150,10 @@ if [ -d /run/systemd/system ]; then
   done
 fi
 if grep -qs '"nvidia"' {DOCKER_DAEMON_JSON}; then echo runtime; fi
+if command -v docker >/dev/null 2>&1; then echo docker_cli; fi
+if [ -r /sys/module/nvidia/version ]; then
+  printf 'module\\t%s\\n' "$(cat /sys/module/nvidia/version)"
+fi
 for m in {AGENT_VENV}/lib/python3*/site-packages/denv_agent-*.dist-info; do
   if [ -d "$m" ]; then printf 'agent\\t%s\\n' "$m"; fi
 done
@@ -180,11 +188,11 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
     for line in lines:
         kind, _, rest = line.rstrip("\n").partition("\t")
         parts = rest.split("\t")
-        if kind in ("systemd", "runtime"):
+        if kind in ("systemd", "runtime", "docker_cli"):
             flags.add(kind)
         elif kind == "os" and len(parts) == 2:
             values["os_id"], values["os_version"] = parts
-        elif kind in ("kernel", "arch", "smi_rc", "agent", "ssh"):
+        elif kind in ("kernel", "arch", "smi_rc", "agent", "ssh", "module"):
             values[kind] = rest
         elif kind == "pci" and len(parts) == 2:
             pci.append((parts[0], parts[1]))
@@ -241,6 +249,8 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
         mounted=frozenset(mounted),
         fstab_lines=frozenset(fstab_lines),
         runtime_configured="runtime" in flags,
+        docker_cli="docker_cli" in flags,
+        module_version=values.get("module", "").strip(),
         agent_version=agent.group(1) if agent else None,
         ssh_client=ssh[0] if len(ssh) == 4 and ssh[3].isdigit() else "",
         ssh_port=int(ssh[3]) if len(ssh) == 4 and ssh[3].isdigit() else 0,

@@ -77,3 +77,10 @@ def test_probe_runs_under_sh_and_parses_on_this_machine(tmp_path: object) -> Non
     assert set(facts.files) == {"/etc/os-release"} and len(facts.files["/etc/os-release"]) == 64
     assert facts.dirs == {"/etc"} and facts.links == {}
     assert "dpkg" in facts.packages
+
+
+def test_parse_the_docker_command_and_the_loaded_modules_version() -> None:
+    facts = parse_facts(["docker_cli", "module\t550.127.05"])
+    assert facts.docker_cli and facts.module_version == "550.127.05"
+    bare = parse_facts(["os\tdebian\t12"])
+    assert not bare.docker_cli and bare.module_version == ""
