@@ -2,7 +2,7 @@
 
 Replicas are pods: one StatefulSet per pool, pod `<pool>-<ordinal>` serving the pool's
 `ordinal`-th replica placed on the site, on one `nvidia.com/gpu` or one MIG device
-(`nvidia.com/mig-<profile>`, the GPU operator's mixed strategy), its agent a sidecar.
+(`nvidia.com/mig-<profile>`, the GPU operator's mixed strategy).
 
 The global balancer reaches every replica at its node's address and `replica_port`, and asks
 every node's agent on AGENT_PORT, sending the replica id (`agent-send`). On this site the
@@ -14,10 +14,19 @@ LoadBalancer Service per planning node, whose address is that node's address. A 
 each replica port of its node onto a gateway listener of its own (GATEWAY_PORT_BASE plus the
 node's ordinal and the replica's GPU and slice, so a listener never moves when replicas are
 added), which forwards to the pod's stable name `<pool>-<i>.<pool>.<ns>.svc.cluster.local`.
-Agent checks all arrive on AGENT_PORT; the gateway routes each by the replica id it carries to
-that pod's sidecar. The global balancer keeps its per-replica health checks, agent verdicts and
-session affinity exactly as on machines; the gateway is only a relay. The price is one cloud
-load balancer per planning node.
+
+The agent runs as NVIDIA's own exporters do (dcgm-exporter): one pod per GPU node, a
+DaemonSet, in the `nvidia` runtime class with every GPU of the node visible, reading from the
+kubelet's pod-resources API which GPU or MIG device each replica pod was given. A container
+that asks for no GPU sees none: since GPU Operator 25.10, CDI is on and `nvidia` is no longer
+the default runtime, so without the runtime class NVML fails. Every agent of the site has the
+same config, naming all the site's replicas by pod; it answers for the replicas whose pods run
+on its node and says AGENT_UNKNOWN for the others. Agent checks all arrive at the gateway on
+AGENT_PORT; it routes each by the replica id it carries to a backend holding every node's
+agent, where a check sending that id marks down each agent that does not know the replica, so
+the balancer's check is relayed to the agent of the replica's node. The global balancer keeps
+its per-replica health checks, agent verdicts and session affinity exactly as on machines; the
+gateway is only a relay. The price is one cloud load balancer per planning node.
 """
 
 import hashlib
@@ -42,8 +51,19 @@ GATEWAY_HEALTH_PORT = 8404
 GATEWAY_PORT_BASE = 10000
 MAX_PORT = 65535
 AGENT_IMAGE = "denv/denv-agent:0.1.0"  # built from agent/; the version the node deploy installs
+AGENT_NAME = "denv-agent"
 AGENT_CONFIG_DIR = "/etc/denv/agent"
 AGENT_RUN_DIR = "/run/denv"
+# What an agent answers for a replica whose pod is not on its node (denv_agent.agentcheck).
+AGENT_UNKNOWN = "down #unknown replica"
+# The GPU operator's runtime class: the one that gives a container the GPUs it names in
+# NVIDIA_VISIBLE_DEVICES without asking for them as a resource.
+NVIDIA_RUNTIME_CLASS = "nvidia"
+# The kubelet's pod-resources API socket lives here (the v1 PodResourcesLister).
+POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
+SERVER_CONTAINER = "server"
+# How often the gateway asks every agent which of them knows a replica.
+AGENT_FIND_INTERVAL_S = 2
 CACHE_VOLUME = "cache"
 STARTUP_PERIOD_S = 10
 # What GPU feature discovery labels nodes with (`nvidia.com/gpu.product`): the driver's product
@@ -85,7 +105,6 @@ class PoolManifests:
     stateful_set: Manifest
     service: Manifest  # headless: gives each pod its stable DNS name
     disruption_budget: Manifest
-    agent_config: Manifest
     # The recipe's `secure:` env values, without them: the component fills `stringData` with
     # the secrets themselves, so no manifest or preview of the StatefulSet ever holds one.
     env_secret: Manifest | None
@@ -96,6 +115,10 @@ class SiteManifests:
     namespace: Manifest
     pools: tuple[PoolManifests, ...]
     network_policy: Manifest
+    agent_config: Manifest
+    agent: Manifest  # the DaemonSet
+    agent_service: Manifest  # headless: every node's agent, by one DNS name
+    agent_network_policy: Manifest
     gateway_config: Manifest
     gateway: Manifest
     gateway_budget: Manifest
@@ -107,12 +130,13 @@ class SiteManifests:
         pools = [
             m
             for p in self.pools
-            for m in (p.env_secret, p.agent_config, p.service, p.stateful_set, p.disruption_budget)
+            for m in (p.env_secret, p.service, p.stateful_set, p.disruption_budget)
             if m is not None
         ]
+        agent = [self.agent_config, self.agent_service, self.agent, self.agent_network_policy]
         gateway = [self.gateway_config, self.gateway, self.gateway_budget]
         services = [self.node_services[node] for node in sorted(self.node_services)]
-        return [self.namespace, *pools, self.network_policy, *gateway, *services]
+        return [self.namespace, *pools, self.network_policy, *agent, *gateway, *services]
 
 
 def site_problems(site: SiteSpec, recipes: Sequence[RecipeSpec]) -> list[str]:
@@ -141,28 +165,35 @@ def site_manifests(
     ns = site.namespace
     pools = []
     routes: list[GatewayRoute] = []
+    agent_replicas: list[str] = []
     for recipe in stack.recipes:
         placed = [r for r in replicas if r.pool == recipe.name and r.site == site.name]
         if not placed:
             continue
         pools.append(_pool_manifests(stack.name, site, recipe, placed))
-        routes += [
-            GatewayRoute(
+        for ordinal, replica in enumerate(placed):
+            pod = f"{recipe.name}-{ordinal}"
+            route = GatewayRoute(
                 replica.id,
                 replica.node,
                 replica_port(recipe, replica),
                 _listen_port(site, replica),
-                f"{recipe.name}-{ordinal}.{recipe.name}.{ns}.svc.cluster.local",
+                f"{pod}.{recipe.name}.{ns}.svc.cluster.local",
                 recipe.port,
             )
-            for ordinal, replica in enumerate(placed)
-        ]
+            routes.append(route)
+            agent_replicas.append(_agent_replica_toml(route, pod, recipe))
     haproxy_cfg = gateway_haproxy_config(site, routes)
+    agent_toml = _agent_toml(site, agent_replicas)
     nodes = sorted({route.node for route in routes})
     return SiteManifests(
         namespace=_object("v1", "Namespace", {"name": ns, "labels": _labels(stack.name, site)}),
         pools=tuple(pools),
         network_policy=_network_policy(stack.name, site, [p.pool for p in pools], stack),
+        agent_config=_config_map(stack.name, site, AGENT_NAME, "agent", {"agent.toml": agent_toml}),
+        agent=_agent_daemon_set(stack.name, site, agent_toml),
+        agent_service=_agent_service(stack.name, site),
+        agent_network_policy=_agent_network_policy(stack.name, site),
         gateway_config=_config_map(
             stack.name, site, GATEWAY_NAME, "gateway", {"haproxy.cfg": haproxy_cfg}
         ),
@@ -244,11 +275,18 @@ def gateway_haproxy_config(site: SiteSpec, routes: Sequence[GatewayRoute]) -> st
         f'"{r.replica_id}" }}'
         for r in ordered
     ]
+    agents = f"{agent_host(site)}:{AGENT_PORT}"
     for route in ordered:
         lines += [
             "",
             f"backend agent.{route.replica_id}",
-            f"    server agent {route.pod_host}:{AGENT_PORT}",
+            "    # Every node's agent; only the one on the replica's node knows it and passes.",
+            "    option tcp-check",
+            f'    tcp-check send "{route.replica_id}\\n"',
+            f'    tcp-check expect ! string "{AGENT_UNKNOWN}"',
+            # The resolver fills the slots with the agents' addresses at run time.
+            f"    server-template agent 1-{max_agents(site)} {agents} init-addr none check "
+            f"inter {AGENT_FIND_INTERVAL_S}s rise 1 fall 1",
             "",
             f"# replica {route.replica_id}: node {route.node} port {route.service_port}",
             f"listen replica.{route.replica_id}",
@@ -266,6 +304,17 @@ def _listen_port(site: SiteSpec, replica: PlacedReplica) -> int:
     ordinal = int(replica.node.removeprefix("node-"))
     offset = replica.gpu * PORTS_PER_GPU + (replica.slice or 0)
     return GATEWAY_PORT_BASE + ordinal * _node_stride(site) + offset
+
+
+def agent_host(site: SiteSpec) -> str:
+    """The headless Service's name: it resolves to every agent pod of the site."""
+    return f"{AGENT_NAME}.{site.namespace}.svc.cluster.local"
+
+
+def max_agents(site: SiteSpec) -> int:
+    """How many agents the gateway may find: the most GPU nodes the site can span, if every
+    Kubernetes node held a single GPU."""
+    return site.max_nodes * site.gpus_per_node
 
 
 def _object(api_version: str, kind: str, metadata: Manifest, **body: Any) -> Manifest:
@@ -289,6 +338,10 @@ def _replica_labels(stack: str, site: SiteSpec, pool: str) -> dict[str, str]:
 
 def _gateway_labels(stack: str, site: SiteSpec) -> dict[str, str]:
     return _labels(stack, site, role="gateway")
+
+
+def _agent_labels(stack: str, site: SiteSpec) -> dict[str, str]:
+    return _labels(stack, site, role="agent")
 
 
 def _selector(labels: dict[str, str]) -> dict[str, str]:
@@ -324,11 +377,10 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
     }
 
 
-def _agent_toml(replica: PlacedReplica, recipe: RecipeSpec) -> str:
-    # JSON strings are valid TOML strings. The sidecar sees the node's GPUs, not only the
-    # replica's (see _agent_container): GPU 0 is right on one-GPU nodes only.
+def _agent_toml(site: SiteSpec, replicas: Sequence[str]) -> str:
+    # JSON strings are valid TOML strings. Every node's agent reads this same file.
     lines = [
-        f"node = {json.dumps(replica.node)}",
+        f"node = {json.dumps(site.name)}",
         f'state_file = "{AGENT_RUN_DIR}/state.json"',
         f'control_token_file = "{AGENT_RUN_DIR}/agent.token"',
         "",
@@ -336,10 +388,21 @@ def _agent_toml(replica: PlacedReplica, recipe: RecipeSpec) -> str:
         f'agent_check = "0.0.0.0:{AGENT_PORT}"',
         f'http = "127.0.0.1:{AGENT_PORT + 1}"',
         "",
+        "[kubernetes]",
+        f"namespace = {json.dumps(site.namespace)}",
+        f'container = "{SERVER_CONTAINER}"',
+        f'pod_resources_socket = "{POD_RESOURCES_DIR}/kubelet.sock"',
+    ]
+    return "\n".join([*lines, *replicas]) + "\n"
+
+
+def _agent_replica_toml(route: GatewayRoute, pod: str, recipe: RecipeSpec) -> str:
+    lines = [
+        "",
         "[[replicas]]",
-        f"id = {json.dumps(replica.id)}",
-        f"health_url = {json.dumps(f'http://127.0.0.1:{recipe.port}{recipe.health_path}')}",
-        "gpu = 0",
+        f"id = {json.dumps(route.replica_id)}",
+        f"pod = {json.dumps(pod)}",
+        f"health_url = {json.dumps(f'http://{route.pod_host}:{route.pod_port}{recipe.health_path}')}",
     ]
     if recipe.ttft_budget_ms is not None:
         lines += [
@@ -347,7 +410,7 @@ def _agent_toml(replica: PlacedReplica, recipe: RecipeSpec) -> str:
             f"stall_budget_ms = {recipe.stall_timeout_ms}",
             f"probe_model = {json.dumps(recipe.model_names[0])}",
         ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def env_secret_name(recipe: RecipeSpec) -> str:
@@ -365,7 +428,7 @@ def _server_container(recipe: RecipeSpec) -> Manifest:
     ]
     env += [{"name": k, "value": v} for k, v in cache_env.items()]
     container: Manifest = {
-        "name": "server",
+        "name": SERVER_CONTAINER,
         "image": recipe.image,
         "ports": [{"name": "http", "containerPort": recipe.port, "protocol": "TCP"}],
         "env": env,
@@ -385,22 +448,21 @@ def _server_container(recipe: RecipeSpec) -> Manifest:
     return container
 
 
-def _agent_container() -> Manifest:
+def _agent_daemon_set(stack: str, site: SiteSpec, agent_toml: str) -> Manifest:
+    labels = _agent_labels(stack, site)
+    digest = hashlib.sha256(agent_toml.encode()).hexdigest()
     # The control token is random per pod and never leaves it, as on machines.
     start = (
         f"umask 077 && od -An -N24 -tx1 /dev/urandom | tr -d ' \\n' > {AGENT_RUN_DIR}/agent.token"
-        f" && exec denv-agent --config {AGENT_CONFIG_DIR}/$(POD_NAME).toml"
+        f" && exec denv-agent --config {AGENT_CONFIG_DIR}/agent.toml"
     )
-    return {
+    container: Manifest = {
         "name": "agent",
         "image": AGENT_IMAGE,
         "command": ["sh", "-c", start],
         "env": [
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            # Kubernetes gives the replica's device only to the container that asks for it;
-            # without a device NVML fails and the agent reports every replica down. Until the
-            # agent can follow the replica's device, it watches the node's GPUs, read-only
-            # (NVML without compute): exact on one-GPU nodes.
+            # Every GPU of the node, read-only (NVML without compute), given by the nvidia
+            # runtime class: the agent asks for no GPU, so the device plugin gives it none.
             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
             {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
         ],
@@ -409,15 +471,89 @@ def _agent_container() -> Manifest:
             "requests": {"cpu": "50m", "memory": "64Mi"},
             "limits": {"memory": "128Mi"},
         },
+        # The kubelet's socket is root's: the agent connects as root, with no capability.
+        "securityContext": {
+            "runAsUser": 0,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
         "volumeMounts": [
-            {"name": "agent-config", "mountPath": AGENT_CONFIG_DIR, "readOnly": True},
-            {"name": "agent-run", "mountPath": AGENT_RUN_DIR},
+            {"name": "config", "mountPath": AGENT_CONFIG_DIR, "readOnly": True},
+            {"name": "run", "mountPath": AGENT_RUN_DIR},
+            {"name": "pod-resources", "mountPath": POD_RESOURCES_DIR, "readOnly": True},
         ],
     }
+    pod_spec: Manifest = {
+        "runtimeClassName": NVIDIA_RUNTIME_CLASS,
+        "containers": [container],
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": _pod_affinity(site),
+        "volumes": [
+            {"name": "config", "configMap": {"name": AGENT_NAME}},
+            {"name": "run", "emptyDir": {}},
+            {
+                "name": "pod-resources",
+                "hostPath": {"path": POD_RESOURCES_DIR, "type": "Directory"},
+            },
+        ],
+    }
+    return _object(
+        "apps/v1",
+        "DaemonSet",
+        _meta(site, AGENT_NAME, labels),
+        spec={
+            "selector": {"matchLabels": _selector(labels)},
+            # One node's agent at a time: its replicas are unknown to the balancer meanwhile.
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {"denv/config-sha256": digest}},
+                "spec": pod_spec,
+            },
+        },
+    )
+
+
+def _agent_service(stack: str, site: SiteSpec) -> Manifest:
+    labels = _agent_labels(stack, site)
+    return _object(
+        "v1",
+        "Service",
+        _meta(site, AGENT_NAME, labels),
+        spec={
+            "clusterIP": "None",
+            "selector": _selector(labels),
+            # A starting agent answers `starting`-like verdicts too: let the gateway find it.
+            "publishNotReadyAddresses": True,
+            "ports": [
+                {"name": "agent", "port": AGENT_PORT, "targetPort": "agent", "protocol": "TCP"}
+            ],
+        },
+    )
+
+
+def _agent_network_policy(stack: str, site: SiteSpec) -> Manifest:
+    return _object(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        _meta(site, "denv-agents-from-gateway", _agent_labels(stack, site)),
+        spec={
+            "podSelector": {"matchLabels": _selector(_agent_labels(stack, site))},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": _selector(_gateway_labels(stack, site))}}
+                    ],
+                    "ports": [{"protocol": "TCP", "port": AGENT_PORT}],
+                }
+            ],
+        },
+    )
 
 
 def _pod_affinity(site: SiteSpec) -> Manifest:
-    products = list(GPU_PRODUCTS.get(site.gpu, ()))
+    products = list(GPU_PRODUCTS[site.gpu])
     term = {"key": "nvidia.com/gpu.product", "operator": "In", "values": products}
     return {
         "nodeAffinity": {
@@ -434,7 +570,7 @@ def _pool_manifests(
     labels = _replica_labels(stack, site, recipe.name)
     selector = _selector(labels)
     pod_spec: Manifest = {
-        "containers": [_server_container(recipe), _agent_container()],
+        "containers": [_server_container(recipe)],
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         # The placement spreads replicas over nodes so that one lost node costs at most
         # `spare`; the scheduler is asked for the same.
@@ -446,13 +582,8 @@ def _pool_manifests(
                 "labelSelector": {"matchLabels": selector},
             }
         ],
-        "volumes": [
-            {"name": "agent-config", "configMap": {"name": f"{recipe.name}-agent"}},
-            {"name": "agent-run", "emptyDir": {}},
-        ],
+        "affinity": _pod_affinity(site),
     }
-    if site.gpu in GPU_PRODUCTS:
-        pod_spec["affinity"] = _pod_affinity(site)
     stateful_set = _object(
         "apps/v1",
         "StatefulSet",
@@ -487,20 +618,12 @@ def _pool_manifests(
         spec={
             "clusterIP": "None",
             "selector": selector,
-            # Starting pods get their DNS name too, so their agents can answer `starting`.
+            # Starting pods get their DNS name too, so their agent can answer `starting`.
             "publishNotReadyAddresses": True,
             "ports": [
                 {"name": "http", "port": recipe.port, "targetPort": "http", "protocol": "TCP"},
-                {"name": "agent", "port": AGENT_PORT, "targetPort": "agent", "protocol": "TCP"},
             ],
         },
-    )
-    agent_config = _config_map(
-        stack,
-        site,
-        f"{recipe.name}-agent",
-        "agent",
-        {f"{recipe.name}-{i}.toml": _agent_toml(r, recipe) for i, r in enumerate(placed)},
     )
     budget = _disruption_budget(
         stack, site, recipe.name, labels, min_available(recipe, len(placed))
@@ -510,11 +633,13 @@ def _pool_manifests(
         if recipe.secret_env
         else None
     )
-    return PoolManifests(recipe.name, stateful_set, service, budget, agent_config, env_secret)
+    return PoolManifests(recipe.name, stateful_set, service, budget, env_secret)
 
 
 def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpec) -> Manifest:
-    ports = sorted({r.port for r in spec.recipes if r.name in pools} | {AGENT_PORT})
+    """Replica ports: the gateway relays requests there, the agents check health there."""
+    ports = sorted({r.port for r in spec.recipes if r.name in pools})
+    sources = [_gateway_labels(stack, site), _agent_labels(stack, site)]
     return _object(
         "networking.k8s.io/v1",
         "NetworkPolicy",
@@ -524,9 +649,7 @@ def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpe
             "policyTypes": ["Ingress"],
             "ingress": [
                 {
-                    "from": [
-                        {"podSelector": {"matchLabels": _selector(_gateway_labels(stack, site))}}
-                    ],
+                    "from": [{"podSelector": {"matchLabels": _selector(s)}} for s in sources],
                     "ports": [{"protocol": "TCP", "port": port} for port in ports],
                 }
             ],

@@ -6,12 +6,17 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from denv_agent import agentcheck
+from denv_agent.config import Kubernetes
+from denv_agent.config import parse as parse_agent_config
 
 from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.catalog import load_catalog
 from denv_iac.components.security import AGENT_PORT
 from denv_iac.kube_manifests import (
+    AGENT_RUN_DIR,
+    AGENT_UNKNOWN,
     GATEWAY_PORT_BASE,
     GPU_PRODUCTS,
     SiteManifests,
@@ -174,31 +179,93 @@ def test_stateful_set_per_pool(
     (expression,) = terms["nodeSelectorTerms"][0]["matchExpressions"]
     assert expression["key"] == "nvidia.com/gpu.product"
     assert "NVIDIA-H100-80GB-HBM3" in expression["values"]
-    agent = next(c for c in pod["containers"] if c["name"] == "agent")
-    assert agent["ports"] == [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}]
+    # The replica pod is the model server alone: its agent is the node's (the DaemonSet).
+    assert [c["name"] for c in pod["containers"]] == ["server"]
     assert pool.service["spec"]["clusterIP"] == "None"
 
 
-def test_each_pod_has_its_replicas_agent_config() -> None:
-    manifests = _manifests([_site()], [VOICE])
-    data = _pool(manifests, "voice").agent_config["data"]
-    assert sorted(data) == ["voice-0.toml", "voice-1.toml", "voice-2.toml"]
-    assert 'id = "voice.k8s.node-1.0"' in data["voice-1.toml"]
-    assert 'health_url = "http://127.0.0.1:8000/health"' in data["voice-1.toml"]
-    assert "ttft_budget_ms = 300" in data["voice-1.toml"]
+@pytest.mark.parametrize("gpu", ["H100", "L40S"])
+def test_one_agent_per_gpu_node_sees_every_gpu_through_the_nvidia_runtime_class(gpu: str) -> None:
+    manifests = _manifests([_site(gpu=gpu)], [_recipe("v")])
+    daemon = manifests.agent
+    assert daemon["kind"] == "DaemonSet"
+    pod = daemon["spec"]["template"]["spec"]
+    # Since GPU Operator 25.10 (CDI on) `nvidia` is no longer the default runtime: without the
+    # class, NVIDIA_VISIBLE_DEVICES=all gives the container no GPU and NVML fails.
+    assert pod["runtimeClassName"] == "nvidia"
+    (agent,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    # It asks for no GPU: the device plugin would give it one of the replicas' GPUs only.
+    assert not any(key.startswith("nvidia.com/") for key in agent["resources"]["limits"])
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    socket_dir = mounts["/var/lib/kubelet/pod-resources"]
+    assert socket_dir["readOnly"] is True
+    assert volumes[socket_dir["name"]]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    assert agent["ports"] == [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}]
+    # On the nodes the replicas may land on, and only there.
+    replica_pod = _pool(manifests, "v").stateful_set["spec"]["template"]["spec"]
+    assert pod["affinity"] == replica_pod["affinity"]
+    assert pod["tolerations"] == replica_pod["tolerations"]
+    config = volumes["config"]["configMap"]["name"]
+    assert config == manifests.agent_config["metadata"]["name"]
+    selector = daemon["spec"]["selector"]["matchLabels"]
+    assert manifests.agent_service["spec"]["selector"] == selector
+    assert manifests.agent_service["spec"]["clusterIP"] == "None"
 
 
-def test_replica_and_agent_ports_take_traffic_only_from_gateway_pods() -> None:
+def test_every_agent_reads_one_config_naming_the_sites_replicas_by_pod() -> None:
+    manifests = _manifests([_site()], [VOICE, SIDE])
+    text = manifests.agent_config["data"]["agent.toml"]
+    token_file = f'control_token_file = "{AGENT_RUN_DIR}/agent.token"'
+    assert token_file in text
+    config = parse_agent_config(text.replace(token_file, f'control_token = "{"t" * 32}"'))
+    assert config.kubernetes == Kubernetes(
+        "denv", "server", Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    )
+    replicas = {r.id: r for r in config.replicas}
+    assert sorted(replicas) == sorted(route.replica_id for route in manifests.routes)
+    voice = replicas["voice.k8s.node-1.0"]
+    assert (voice.pod, voice.gpu, voice.mig_uuid) == ("voice-1", None, None)
+    assert voice.health_url == "http://voice-1.voice.denv.svc.cluster.local:8000/health"
+    assert voice.probe is not None and voice.probe.ttft_budget_ms == 300
+    side = replicas["side.k8s.node-2.1.0"]
+    assert (side.pod, side.probe) == ("side-2", None)
+    assert side.health_url == "http://side-2.side.denv.svc.cluster.local:8100/health"
+
+
+def test_the_gateway_relays_each_agent_check_to_the_agent_that_knows_the_replica() -> None:
+    manifests = _manifests([_site(max_nodes=3)], [VOICE, SIDE])
+    config = manifests.gateway_config["data"]["haproxy.cfg"]
+    # The agents' own answer for a replica of another node: the one the check filters out.
+    assert AGENT_UNKNOWN.encode() + b"\n" == agentcheck.UNKNOWN
+    for route in manifests.routes:
+        backend = config.split(f"backend agent.{route.replica_id}\n")[1].split("\n\n")[0]
+        assert f'tcp-check send "{route.replica_id}\\n"' in backend
+        assert f'tcp-check expect ! string "{AGENT_UNKNOWN}"' in backend
+        # Every node's agent may hold it: 3 planning nodes of 8 GPUs, one GPU a node at most.
+        assert "server-template agent 1-24 denv-agent.denv.svc.cluster.local:" in backend
+        assert route.pod_host not in backend
+
+
+def test_replica_ports_take_traffic_only_from_gateway_and_agent_pods_agents_from_gateway() -> None:
     manifests = _manifests([_site()], [VOICE, SIDE])
     spec = manifests.network_policy["spec"]
     assert spec["podSelector"]["matchLabels"] == {"denv/role": "replica", "denv/site": "k8s"}
     assert spec["policyTypes"] == ["Ingress"]
     (rule,) = spec["ingress"]
-    (source,) = rule["from"]
     gateway_pods = manifests.gateway["spec"]["template"]["metadata"]["labels"]
-    assert source["podSelector"]["matchLabels"].items() <= gateway_pods.items()
-    assert source["podSelector"]["matchLabels"]["denv/role"] == "gateway"
-    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100, AGENT_PORT]
+    agent_pods = manifests.agent["spec"]["template"]["metadata"]["labels"]
+    gateway, agents = (source["podSelector"]["matchLabels"] for source in rule["from"])
+    assert gateway.items() <= gateway_pods.items() and gateway["denv/role"] == "gateway"
+    assert agents.items() <= agent_pods.items() and agents["denv/role"] == "agent"
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100]
+    spec = manifests.agent_network_policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= agent_pods.items()
+    ((source,),) = [rule["from"] for rule in spec["ingress"]]
+    assert source["podSelector"]["matchLabels"] == gateway
+    assert [p["port"] for rule in spec["ingress"] for p in rule["ports"]] == [AGENT_PORT]
 
 
 def test_each_node_service_relays_its_replicas_ports_to_their_own_listeners() -> None:

@@ -82,8 +82,11 @@ class Agent:
             new = compose(self.config, self.gpus.view(), self.replicas.view(), self.drains)
             self.snapshot = new
         for rid, verdict in new.verdicts.items():
-            before = old.verdicts[rid]
-            if (before.state, before.weight_pct) != (verdict.state, verdict.weight_pct):
+            before = old.verdicts.get(rid)
+            if before is None or (before.state, before.weight_pct) != (
+                verdict.state,
+                verdict.weight_pct,
+            ):
                 log.info("%s: %s", rid, verdict.reply)
 
     def healthz(self) -> dict[str, Any]:

@@ -74,6 +74,17 @@ class Replica:
     gpu: int | None
     mig_uuid: str | None
     probe: Probe | None
+    # On Kubernetes: the replica's pod; the kubelet says which GPU or MIG device it was given.
+    pod: str | None = None
+
+
+@dataclass(frozen=True)
+class Kubernetes:
+    """One agent per node reads the kubelet's pod-resources API for its replicas' devices."""
+
+    namespace: str
+    container: str  # the replica pod's container that holds the GPU
+    pod_resources_socket: Path
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,7 @@ class AgentConfig:
     thresholds: Thresholds = Thresholds()
     xids: XidTable = field(default_factory=XidTable.default)
     simulate: Simulate = Simulate()
+    kubernetes: Kubernetes | None = None
 
 
 class _Table:
@@ -197,6 +209,7 @@ def parse(text: str, base: Path = Path(), source: str = "config") -> AgentConfig
     state_file = top.string("state_file", '"/var/lib/denv-agent/state.json"')
     token = _control_token(top, base)
     intervals = _intervals(top.table("intervals"))
+    kubernetes = _kubernetes(top, base)
     config = AgentConfig(
         node=node,
         state_file=base / state_file,
@@ -206,7 +219,8 @@ def parse(text: str, base: Path = Path(), source: str = "config") -> AgentConfig
         thresholds=_thresholds(top.table("thresholds")),
         xids=_xids(top.table("xid")),
         simulate=_simulate(top.table("simulate")),
-        replicas=_replicas(top, intervals),
+        kubernetes=kubernetes,
+        replicas=_replicas(top, intervals, kubernetes),
     )
     top.done()
     return config
@@ -341,6 +355,20 @@ def _simulate(table: _Table) -> Simulate:
     return simulate
 
 
+def _kubernetes(top: _Table, base: Path) -> Kubernetes | None:
+    if top.get("kubernetes") is None:
+        return None
+    table = top.table("kubernetes")
+    kubernetes = Kubernetes(
+        namespace=table.string("namespace", '"denv"'),
+        container=table.string("container", '"server"'),
+        pod_resources_socket=base
+        / table.string("pod_resources_socket", '"/var/lib/kubelet/pod-resources/kubelet.sock"'),
+    )
+    table.done()
+    return kubernetes
+
+
 def _is_http_url(url: str) -> bool:
     parts = urlsplit(url)
     try:
@@ -359,7 +387,9 @@ def _http_url(table: _Table, key: str, example: str) -> str | None:
     return url
 
 
-def _replicas(top: _Table, intervals: Intervals) -> tuple[Replica, ...]:
+def _replicas(
+    top: _Table, intervals: Intervals, kubernetes: Kubernetes | None
+) -> tuple[Replica, ...]:
     example = '[[replicas]] with id = "voice.local.node-a.0"'
     items = top.get("replicas")
     if items is None:
@@ -368,7 +398,7 @@ def _replicas(top: _Table, intervals: Intervals) -> tuple[Replica, ...]:
         raise ConfigError("replicas", "must be a non-empty array of tables", f"write {example}")
     replicas: list[Replica] = []
     for n, item in enumerate(items):
-        replica = _replica(_Table(item, f"replicas[{n}]"), intervals)
+        replica = _replica(_Table(item, f"replicas[{n}]"), intervals, kubernetes)
         if any(r.id == replica.id for r in replicas):
             raise ConfigError(
                 f"replicas[{n}].id", f"{replica.id!r} is used twice", "give each an id"
@@ -377,7 +407,7 @@ def _replicas(top: _Table, intervals: Intervals) -> tuple[Replica, ...]:
     return tuple(replicas)
 
 
-def _replica(table: _Table, intervals: Intervals) -> Replica:
+def _replica(table: _Table, intervals: Intervals, kubernetes: Kubernetes | None) -> Replica:
     rid = table.string("id", '"voice.local.node-a.0"')
     if not _REPLICA_ID.fullmatch(rid):
         raise ConfigError(
@@ -393,7 +423,16 @@ def _replica(table: _Table, intervals: Intervals) -> Replica:
         )
     gpu = table.optional_integer("gpu", 0, 255)
     mig_uuid = table.optional_string("mig_uuid", '"MIG-..."')
-    if gpu is None and mig_uuid is None:
+    pod = table.optional_string("pod", '"voice-0"')
+    if pod is not None and kubernetes is None:
+        raise ConfigError(table.name("pod"), "set without [kubernetes]", "add [kubernetes]")
+    if pod is not None and (gpu is not None or mig_uuid is not None):
+        raise ConfigError(
+            table.name("pod"),
+            "set with gpu or mig_uuid",
+            "keep pod only: the kubelet says which device the pod has",
+        )
+    if gpu is None and mig_uuid is None and pod is None:
         raise ConfigError(table.name("gpu"), "missing", 'add gpu = 0 (or mig_uuid = "MIG-...")')
     replica = Replica(
         id=rid,
@@ -401,6 +440,7 @@ def _replica(table: _Table, intervals: Intervals) -> Replica:
         gpu=gpu,
         mig_uuid=mig_uuid,
         probe=_probe(table, health_url, intervals),
+        pod=pod,
     )
     table.done()
     return replica

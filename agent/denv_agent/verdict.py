@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from denv_agent import conditions
 from denv_agent.conditions import Condition, Effect
 from denv_agent.config import AgentConfig, Replica
 from denv_agent.gpu_health import gpu_conditions
 from denv_agent.gpu_monitor import GpuView
+from denv_agent.pod_resources import Assigned
 from denv_agent.replica_health import ReplicaReading, replica_conditions
 from denv_agent.state import Drains
 
@@ -71,7 +72,11 @@ def compose(
     gpus: GpuView,
     replicas: Mapping[str, ReplicaReading],
     drains: Drains,
+    pods: Mapping[str, Assigned] | None = None,
 ) -> Snapshot:
+    """`pods`: on Kubernetes, the devices of the replicas whose pods run on this node (see
+    pod_resources.replica_devices). A replica given by pod but not there has no verdict here:
+    the agent-check answers it as unknown, so the gateway asks another node's agent."""
     thresholds = config.thresholds
     node = _node_conditions(gpus, drains)
     per_gpu: dict[int, list[Condition]] = {}
@@ -83,8 +88,15 @@ def compose(
             found.append(conditions.note(f"nvml poll stalled {gpus.stalled_s[index]:.0f}s"))
         per_gpu[index] = found
     verdicts: dict[str, Verdict] = {}
-    for replica in config.replicas:
-        gpu, found = _placement(replica, gpus)
+    for configured in config.replicas:
+        replica, found = configured, []
+        if configured.pod is not None:
+            assigned = (pods or {}).get(configured.id)
+            if assigned is None:
+                continue
+            replica, found = _pod_device(configured, assigned, gpus)
+        gpu, placed = _placement(replica, gpus)
+        found += placed
         found = node + found + per_gpu.get(gpu, []) if gpu is not None else node + found
         found += replica_conditions(replicas.get(replica.id, ReplicaReading()), replica, thresholds)
         if replica.id in drains.replicas:
@@ -111,6 +123,24 @@ def _node_conditions(gpus: GpuView, drains: Drains) -> list[Condition]:
     elif drains.node:
         found.append(conditions.drain("operator"))
     return found
+
+
+def _pod_device(
+    replica: Replica, assigned: Assigned, gpus: GpuView
+) -> tuple[Replica, list[Condition]]:
+    """The replica placed where the kubelet put its pod: its GPU's index, or its MIG device."""
+    held = len(assigned.gpus) + len(assigned.mig_devices)
+    if held != 1:
+        return replica, [conditions.down(f"pod {replica.pod} holds {held} gpu devices, not 1")]
+    if assigned.mig_devices:
+        (mig,) = assigned.mig_devices
+        return replace(replica, mig_uuid=mig), []
+    (uuid,) = assigned.gpus
+    index = next((i for i, r in gpus.readings.items() if r.uuid == uuid), None)
+    if index is not None:
+        return replace(replica, gpu=index), []
+    all_polled = gpus.nvml.state == "ok" and len(gpus.readings) >= gpus.nvml.gpu_count
+    return replica, [conditions.down(f"gpu {uuid} not found")] if all_polled else []
 
 
 def _placement(replica: Replica, gpus: GpuView) -> tuple[int | None, list[Condition]]:

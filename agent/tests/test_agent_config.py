@@ -147,6 +147,34 @@ def test_bad_replicas_name_the_replica_field(
         parse(to_toml(config_data(tmp_path, [replica])))
 
 
+KUBE = {"namespace": "denv", "container": "server", "pod_resources_socket": "/k/kubelet.sock"}
+POD = {"id": "a", "health_url": "http://x/h", "pod": "voice-0"}
+
+
+@pytest.mark.parametrize(
+    ("replica", "tables", "message"),
+    [
+        (POD, {}, "replicas[0].pod: set without [kubernetes]; add [kubernetes]"),
+        ({**POD, "gpu": 0}, {"kubernetes": KUBE}, "replicas[0].pod: set with gpu or mig_uuid"),
+        ({**POD, "mig_uuid": "MIG-1"}, {"kubernetes": KUBE}, "replicas[0].pod: set with gpu"),
+        (POD, {"kubernetes": {**KUBE, "namespace": ""}}, "kubernetes.namespace: must be a"),
+        (POD, {"kubernetes": {**KUBE, "node": "n"}}, "kubernetes.node: unknown field"),
+    ],
+)
+def test_replicas_by_pod_need_the_kubernetes_table_and_nothing_else(
+    tmp_path: Path, replica: dict[str, object], tables: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(to_toml(config_data(tmp_path, [replica], **tables)))
+
+
+def test_a_replica_by_pod_names_no_gpu(tmp_path: Path) -> None:
+    config = parse(to_toml(config_data(tmp_path, [POD], kubernetes=KUBE)))
+    ((replica,), kubernetes) = config.replicas, config.kubernetes
+    assert (replica.pod, replica.gpu, replica.mig_uuid) == ("voice-0", None, None)
+    assert kubernetes is not None and kubernetes.pod_resources_socket == Path("/k/kubelet.sock")
+
+
 def test_duplicate_replica_ids_are_refused(tmp_path: Path) -> None:
     same = {"id": "a", "health_url": "http://x/h", "gpu": 0}
     with pytest.raises(ConfigError, match=r"replicas\[1\].id: 'a' is used twice"):

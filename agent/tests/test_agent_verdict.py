@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from denv_agent.conditions import Condition
 from denv_agent.config import AgentConfig
 from denv_agent.gpu_health import Faults, GpuReading
 from denv_agent.gpu_monitor import GpuView, NvmlStatus
+from denv_agent.pod_resources import Assigned
 from denv_agent.replica_health import ReplicaReading
 from denv_agent.state import Drains
 from denv_agent.verdict import clean_reason, compose, decide
@@ -178,3 +180,102 @@ def test_drains_node_replica_and_unreadable_state(tmp_path: Path) -> None:
     assert set(_replies(config, view, Drains(node=True)).values()) == {"drain #operator"}
     unreadable = Drains(unreadable="state file unreadable")
     assert set(_replies(config, view, unreadable).values()) == {"drain #state file unreadable"}
+
+
+KUBE = {"namespace": "denv", "container": "server", "pod_resources_socket": "/k/kubelet.sock"}
+UUIDS = [f"GPU-{i}" for i in range(8)]
+EIGHT = tuple(GpuReading(i, uuid=UUIDS[i], polled_at=1.0) for i in range(8))
+PODS = [
+    {"id": f"voice.k8s.node-{i}.0", "health_url": "http://x/h", "pod": f"voice-{i}"}
+    for i in range(10)
+]
+
+
+def _pod_replies(
+    replicas: list[dict[str, object]], view: GpuView, pods: dict[str, Assigned], tmp_path: Path
+) -> dict[str, str]:
+    config = make_config(tmp_path, replicas, kubernetes=KUBE)
+    snap = compose(config, view, {r.id: OK for r in config.replicas}, NO_DRAINS, pods)
+    return {rid: v.reply for rid, v in snap.verdicts.items()}
+
+
+def test_on_an_8_gpu_node_each_pods_verdict_follows_the_gpu_the_kubelet_gave_it(
+    tmp_path: Path,
+) -> None:
+    # Pods 0-7 on this node, GPU i to pod 7 - i; pods 8 and 9 run elsewhere.
+    pods = {f"voice.k8s.node-{i}.0": Assigned(gpus=frozenset({UUIDS[7 - i]})) for i in range(8)}
+    fault = Faults(gpus={6: (conditions.down("xid 48 double-bit ecc error"),)})
+    hot = replace(EIGHT[2], temperature_c=90)
+    view = _view(*EIGHT[:2], hot, *EIGHT[3:], faults=fault)
+    assert _pod_replies(PODS, view, pods, tmp_path) == {
+        "voice.k8s.node-0.0": "up ready 100%",
+        "voice.k8s.node-1.0": "down #xid 48 double-bit ecc error",  # GPU 6
+        "voice.k8s.node-2.0": "up ready 100%",
+        "voice.k8s.node-3.0": "up ready 100%",
+        "voice.k8s.node-4.0": "up ready 100%",
+        "voice.k8s.node-5.0": "up ready 50%",  # GPU 2, hot
+        "voice.k8s.node-6.0": "up ready 100%",
+        "voice.k8s.node-7.0": "up ready 100%",
+    }
+
+
+SLICES = [
+    {"id": "side.0", "health_url": "http://x/h", "pod": "side-0"},
+    {"id": "side.1", "health_url": "http://x/h", "pod": "side-1"},
+    {"id": "voice.0", "health_url": "http://x/h", "pod": "voice-0"},
+]
+
+
+@pytest.mark.parametrize(
+    ("pods", "readings", "replies"),
+    [
+        (  # two slices of GPU 0; a whole GPU 1
+            {
+                "side.0": Assigned(mig_devices=frozenset({"MIG-a"})),
+                "side.1": Assigned(mig_devices=frozenset({"MIG-b"})),
+                "voice.0": Assigned(gpus=frozenset({"GPU-1"})),
+            },
+            (
+                GpuReading(
+                    0, uuid="GPU-0", polled_at=1.0, mig_current=True, mig_devices=("MIG-a", "MIG-b")
+                ),
+                GpuReading(1, uuid="GPU-1", polled_at=1.0, mig_current=False, temperature_c=90),
+            ),
+            {"side.0": "up ready 100%", "side.1": "up ready 100%", "voice.0": "up ready 50%"},
+        ),
+        (  # slice b is gone from GPU 0; voice's GPU is not on this node's list
+            {
+                "side.0": Assigned(mig_devices=frozenset({"MIG-a"})),
+                "side.1": Assigned(mig_devices=frozenset({"MIG-b"})),
+                "voice.0": Assigned(gpus=frozenset({"GPU-9"})),
+            },
+            (
+                GpuReading(
+                    0, uuid="GPU-0", polled_at=1.0, mig_current=True, mig_devices=("MIG-a",)
+                ),
+                GpuReading(1, uuid="GPU-1", polled_at=1.0, mig_current=False),
+            ),
+            {
+                "side.0": "up ready 100%",
+                "side.1": "down #mig instance missing",
+                "voice.0": "down #gpu gpu-9 not found",
+            },
+        ),
+        (  # a pod holding no GPU device, and one that is not on this node
+            {"side.0": Assigned(), "voice.0": Assigned(gpus=frozenset({"GPU-0"}))},
+            (GpuReading(0, uuid="GPU-0", polled_at=1.0, mig_current=True, mig_devices=("MIG-a",)),),
+            {
+                "side.0": "down #pod side-0 holds 0 gpu devices, not 1",
+                "voice.0": "down #mig enabled on gpu 0, not as configured",
+            },
+        ),
+    ],
+    ids=["slices and a whole GPU", "slice gone, unknown GPU", "no device, MIG mismatch"],
+)
+def test_on_a_mig_node_each_pods_verdict_follows_its_slice(
+    pods: dict[str, Assigned],
+    readings: tuple[GpuReading, ...],
+    replies: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    assert _pod_replies(SLICES, _view(*readings), pods, tmp_path) == replies

@@ -22,6 +22,7 @@ from denv_iac.spec.reader import StackError
 
 _KINDS: dict[str, Callable[..., pulumi.CustomResource]] = {
     "ConfigMap": k8s.core.v1.ConfigMap,
+    "DaemonSet": k8s.apps.v1.DaemonSet,
     "Deployment": k8s.apps.v1.Deployment,
     "NetworkPolicy": k8s.networking.v1.NetworkPolicy,
     "PodDisruptionBudget": k8s.policy.v1.PodDisruptionBudget,

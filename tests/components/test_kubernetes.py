@@ -118,15 +118,17 @@ def test_site_registers_its_objects_through_the_kubeconfig_provider(preview: boo
     assert provider.parent == site.urn
     kinds = sorted((r.type.split(":")[-1], r.inputs["metadata"]["name"]) for r in _kube(run))
     assert kinds == [
+        ("ConfigMap", "denv-agent"),
         ("ConfigMap", "denv-gateway"),
-        ("ConfigMap", "side-agent"),
-        ("ConfigMap", "voice-agent"),
+        ("DaemonSet", "denv-agent"),
         ("Deployment", "denv-gateway"),
         ("Namespace", "denv"),
+        ("NetworkPolicy", "denv-agents-from-gateway"),
         ("NetworkPolicy", "denv-replicas-from-gateway"),
         ("PodDisruptionBudget", "denv-gateway"),
         ("PodDisruptionBudget", "side"),
         ("PodDisruptionBudget", "voice"),
+        ("Service", "denv-agent"),
         ("Service", "denv-gateway-node-0"),
         ("Service", "denv-gateway-node-1"),
         ("Service", "denv-gateway-node-2"),
@@ -198,7 +200,9 @@ def test_raising_min_warm_changes_only_the_pool_and_the_gateway() -> None:
     )
     added = sorted(urn.rsplit("::", 1)[-1] for urn in set(after) - set(before))
     gateway = [f"{SITE}-configmap-denv-gateway", f"{SITE}-deployment-denv-gateway"]
-    pool = [f"{SITE}-configmap-voice-agent", f"{SITE}-poddisruptionbudget-voice"]
+    # every node's agent reads the site's replica list: their config, and so their pods, change
+    agents = [f"{SITE}-configmap-denv-agent", f"{SITE}-daemonset-denv-agent"]
+    pool = [*agents, f"{SITE}-poddisruptionbudget-voice"]
     site_changes = [name for name in changed if name.startswith(SITE)]
     assert site_changes == sorted([*gateway, *pool, f"{SITE}-statefulset-voice"])
     # elsewhere, only the global balancer may change (its config lists the new replica)
@@ -230,6 +234,7 @@ def test_replica_and_agent_ports_open_only_to_gateway_pods_and_the_gateway_to_ba
     run = _run(preview=False)
     policy = _manifest(run.named(f"{SITE}-networkpolicy-denv-replicas-from-gateway").inputs)
     gateway = _manifest(run.named(f"{SITE}-deployment-denv-gateway").inputs)
+    agent = _manifest(run.named(f"{SITE}-daemonset-denv-agent").inputs)
     replica_pods = [
         _manifest(run.named(f"{SITE}-statefulset-{p}").inputs)["spec"]["template"]["metadata"]
         for p in ("voice", "side")
@@ -238,14 +243,20 @@ def test_replica_and_agent_ports_open_only_to_gateway_pods_and_the_gateway_to_ba
     assert all(selector.items() <= pod["labels"].items() for pod in replica_pods)
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (rule,) = policy["spec"]["ingress"]
-    (source,) = rule["from"]
-    assert set(source) == {"podSelector"}
     gateway_pods = gateway["spec"]["template"]["metadata"]["labels"]
-    assert source["podSelector"]["matchLabels"].items() <= gateway_pods.items()
-    assert not any(
-        source["podSelector"]["matchLabels"].items() <= p["labels"].items() for p in replica_pods
-    )
-    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100, AGENT_PORT]
+    agent_pods = agent["spec"]["template"]["metadata"]["labels"]
+    sources = [source["podSelector"]["matchLabels"] for source in rule["from"]]
+    assert all(set(source) == {"podSelector"} for source in rule["from"])
+    assert [s.items() <= gateway_pods.items() for s in sources] == [True, False]
+    assert [s.items() <= agent_pods.items() for s in sources] == [False, True]
+    assert not any(s.items() <= p["labels"].items() for s in sources for p in replica_pods)
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100]
+    agents = _manifest(run.named(f"{SITE}-networkpolicy-denv-agents-from-gateway").inputs)
+    assert agents["spec"]["podSelector"]["matchLabels"].items() <= agent_pods.items()
+    (rule,) = agents["spec"]["ingress"]
+    (source,) = rule["from"]
+    assert source["podSelector"]["matchLabels"] == sources[0]
+    assert [p["port"] for p in rule["ports"]] == [AGENT_PORT]
     # SSH does not exist here: no object opens or forwards port 22
     assert 22 not in {port for r in _kube(run) for port in _ports(_manifest(r.inputs))}
     hosts = [f"{address}/32" for address in run.outputs["balancer_addresses"]]
