@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 
+# HAProxy's runtime API on a balancer host. Its folder is made by the haproxy unit at each
+# start (the balancer host deploy's RuntimeDirectory), so it is the one place that names it.
+STATS_SOCKET = "/run/denv/haproxy.sock"
+
 
 @dataclass(frozen=True)
 class BalancerServer:
@@ -56,7 +60,7 @@ class BalancerSettings:
     port: int = 8080
     tls_cert_path: str | None = None
     api_key_digests: tuple[str, ...] = ()  # SHA-256 hex digests of API keys; empty = no auth
-    stats_socket: str = "/run/denv/haproxy.sock"
+    stats_socket: str = STATS_SOCKET
     prometheus_port: int | None = 8405
     agent_inter_ms: int = 200
     check_inter_ms: int = 1000

@@ -8,14 +8,13 @@ import pulumi_aws as aws
 
 from denv_iac.balancer import BalancerSettings, RenderedConfig, render_haproxy_config
 from denv_iac.components.naming import child_name
-from denv_iac.components.node_setup import BalancerFiles, NodeSetup
+from denv_iac.components.node_setup import BalancerFiles, NodeSetup, NodeSetupArgs
 from denv_iac.components.pool import ReplicaEndpoint
 from denv_iac.dataplane import balancer_pools
+from denv_iac.node.balancer_host import CONFIG_DIR, TLS_CERT_PATH
 from denv_iac.placement import PlacedReplica, Placement
 from denv_iac.spec.model import DnsSpec, StackSpec
 
-CONFIG_DIR = "/etc/haproxy/denv"
-TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"
 _DEFAULT_PORT = {"http": 80, "https": 443}
 # Every balancer host serves the same config, so each takes an equal share of clients.
 DNS_WEIGHT = 100
@@ -51,6 +50,9 @@ class GlobalBalancerArgs(TypedDict):
     hosts: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
     # Balancer site -> how to log in to its host, for the hosts the config is installed on.
     access: NotRequired[Mapping[str, HostAccess]]
+    # The endpoint's certificate and key (a secret PEM), installed where the config reads it;
+    # given when the balancer has a tls_certificate.
+    tls_certificate: NotRequired[pulumi.Input[str]]
 
 
 class GlobalBalancer(pulumi.ComponentResource):
@@ -94,20 +96,19 @@ class GlobalBalancer(pulumi.ComponentResource):
         if stack.balancer.dns is not None:
             self._dns(name, stack.balancer.dns, stack, args["hosts"])
         for site, access in sorted(args.get("access", {}).items()):
-            NodeSetup(
-                child_name(name, site, "setup"),
-                {
-                    "host": args["hosts"][site],
-                    "ssh_user": access["ssh_user"],
-                    "ssh_private_key": access["ssh_private_key"],
-                    "balancer": files,
-                    "balancer_firewall": {
-                        "admin_cidrs": stack.site(site).admin_cidrs,
-                        "stats_port": stack.balancer.prometheus_port,
-                    },
+            setup: NodeSetupArgs = {
+                "host": args["hosts"][site],
+                "ssh_user": access["ssh_user"],
+                "ssh_private_key": access["ssh_private_key"],
+                "balancer": files,
+                "balancer_firewall": {
+                    "admin_cidrs": stack.site(site).admin_cidrs,
+                    "stats_port": stack.balancer.prometheus_port,
                 },
-                pulumi.ResourceOptions(parent=self),
-            )
+            }
+            if "tls_certificate" in args:
+                setup["tls_certificate"] = args["tls_certificate"]
+            NodeSetup(child_name(name, site, "setup"), setup, pulumi.ResourceOptions(parent=self))
         self.register_outputs(
             {
                 "haproxy_config": self.haproxy_config,

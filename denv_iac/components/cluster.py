@@ -6,7 +6,7 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
-from denv_iac.components.balancer import GlobalBalancer
+from denv_iac.components.balancer import GlobalBalancer, GlobalBalancerArgs
 from denv_iac.components.balancer_host import (
     MACHINE_HOST_KINDS,
     BalancerHost,
@@ -153,23 +153,24 @@ class Cluster(pulumi.ComponentResource):
         hosts = self._balancer_hosts()
         addresses = self._sites(placement, hosts, node_specs)
         pools = [self._pool(recipe, placement, addresses).replicas for recipe in stack.recipes]
-        balancer = GlobalBalancer(
-            child_name(name, "balancer"),
-            {
-                "stack": stack,
-                "placement": placement,
-                "pools": pools,
-                "hosts": hosts,
-                "access": {
-                    site: {
-                        "ssh_user": balancer_ssh_user(stack.site(site)),
-                        "ssh_private_key": secrets[(site, "ssh_private_key")],
-                    }
-                    for site in stack.balancer.sites
-                    if stack.site(site).kind in SSH_SITE_KINDS
-                },
+        balancer_args: GlobalBalancerArgs = {
+            "stack": stack,
+            "placement": placement,
+            "pools": pools,
+            "hosts": hosts,
+            "access": {
+                site: {
+                    "ssh_user": balancer_ssh_user(stack.site(site)),
+                    "ssh_private_key": secrets[(site, "ssh_private_key")],
+                }
+                for site in stack.balancer.sites
+                if stack.site(site).kind in SSH_SITE_KINDS
             },
-            pulumi.ResourceOptions(parent=self),
+        }
+        if ("balancer", "tls_certificate") in secrets:
+            balancer_args["tls_certificate"] = secrets[("balancer", "tls_certificate")]
+        balancer = GlobalBalancer(
+            child_name(name, "balancer"), balancer_args, pulumi.ResourceOptions(parent=self)
         )
         self.endpoint = balancer.endpoint
         self.haproxy_config = balancer.haproxy_config

@@ -62,6 +62,7 @@ UPDATE_ON = (
     "balancer",
     "secret_env",
     "balancer_firewall",
+    "tls_certificate",
 )
 REPLACE_ON = ("host",)
 
@@ -183,7 +184,9 @@ class DeployRunner:
     """How the provider reaches machines: the real deploys, or a test's stand-ins."""
 
     node: Callable[[Target, NodeDeploySpec], list[Step]] = prepare_node
-    balancer: Callable[[Target, RenderedConfig, BalancerAccess], list[Step]] = prepare_balancer
+    balancer: Callable[[Target, RenderedConfig, BalancerAccess, str | None], list[Step]] = (
+        prepare_balancer
+    )
     stop: Callable[[Target, NodeDeploySpec], list[Step]] = stop_replicas
 
 
@@ -253,7 +256,10 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
             if props.get("node") is not None:
                 steps = self.runner.node(target, _node_spec(props))
             else:
-                steps = self.runner.balancer(target, _rendered(props), _balancer_access(props))
+                certificate = props.get("tls_certificate") or None
+                steps = self.runner.balancer(
+                    target, _rendered(props), _balancer_access(props), certificate
+                )
         outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
         return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}
 
@@ -319,6 +325,8 @@ class NodeSetupArgs(TypedDict):
     cache_device: NotRequired[pulumi.Input[str]]
     balancer: NotRequired[pulumi.Input[BalancerFiles]]  # a balancer host: what HAProxy serves
     balancer_firewall: NotRequired[BalancerFirewall]  # a balancer host: who administers it
+    # A balancer host: the endpoint's certificate and key as one PEM, kept a secret end to end.
+    tls_certificate: NotRequired[pulumi.Input[str]]
     # A recipe's `secure:` env values, by replica id then variable: kept secrets end to end.
     secret_env: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
 
@@ -361,12 +369,16 @@ class NodeSetup(pulumi.ComponentResource):
                     "admin_cidrs": sorted(firewall["admin_cidrs"]),
                     "stats_port": firewall["stats_port"],
                 }
+            if "tls_certificate" in args:
+                props["tls_certificate"] = pulumi.Output.secret(args["tls_certificate"])
         deployment = NodeDeployment(
             child_name(name, "deploy"),
             props,
-            # Delete gets only the state, so the key stays there, as a secret (the env too).
+            # Delete gets only the state, so the key stays there, as a secret (the env and the
+            # certificate too).
             pulumi.ResourceOptions(
-                parent=self, additional_secret_outputs=["ssh_private_key", "secret_env"]
+                parent=self,
+                additional_secret_outputs=["ssh_private_key", "secret_env", "tls_certificate"],
             ),
         )
         self.applied = deployment.applied

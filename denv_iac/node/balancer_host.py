@@ -1,20 +1,30 @@
-"""The balancer host: HAProxy installed, config and maps put, checked, reloaded hitlessly."""
+"""The balancer host: HAProxy installed, config, maps and certificate put, checked, made live."""
 
 from __future__ import annotations
 
 import posixpath
 
 from denv_iac.balancer.files import CONFIG_FILE_NAME, relocate_maps
-from denv_iac.balancer.model import RenderedConfig
+from denv_iac.balancer.model import STATS_SOCKET, RenderedConfig
 from denv_iac.node import firewall
 from denv_iac.node.deploy import Progress, Target, connect, quiet_progress
 from denv_iac.node.facts import FactQuery, NodeFacts
 from denv_iac.node.firewall import BalancerAccess
-from denv_iac.node.steps import APT_UPDATE, Step, apt_install, text_file
+from denv_iac.node.steps import APT_UPDATE, UNIT_DIR, FileContent, Step, apt_install, text_file
 
 CONFIG = "/etc/haproxy/haproxy.cfg"
+CONFIG_DIR = "/etc/haproxy/denv"  # the map files and the certificate the config reads
+TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"  # certificate and key in one PEM, as `ssl crt` reads it
 STAGING = "/etc/haproxy/denv-staged"
 UNIT = "haproxy.service"
+RUN_DIR = posixpath.dirname(STATS_SOCKET)
+# systemd makes the stats socket's folder at each start (and removes it at stop): /run is a
+# tmpfs, so a folder made once by the deploy would be gone after a reboot.
+DROP_IN = text_file(
+    f"{UNIT_DIR}/{UNIT}.d/denv.conf",
+    "# Written by denv-iac: the folder of HAProxy's stats socket.\n"
+    f"[Service]\nRuntimeDirectory={posixpath.relpath(RUN_DIR, '/run')}\n",
+)
 
 
 def _live_files(rendered: RenderedConfig) -> dict[str, str]:
@@ -23,55 +33,109 @@ def _live_files(rendered: RenderedConfig) -> dict[str, str]:
     return files
 
 
+def _certificate_file(path: str, pem: str) -> FileContent:
+    # Root's only: the private key is in it. HAProxy reads it as root, before dropping privileges.
+    return text_file(path, pem if pem.endswith("\n") else pem + "\n", "0600")
+
+
 def fact_query(rendered: RenderedConfig) -> FactQuery:
-    return FactQuery(files=tuple(sorted(_live_files(rendered))), units=(UNIT,))
+    paths = [*_live_files(rendered), TLS_CERT_PATH, DROP_IN.path]
+    return FactQuery(files=tuple(sorted(paths)), units=(UNIT,))
 
 
-def plan_balancer(facts: NodeFacts, rendered: RenderedConfig) -> list[Step]:
+def plan_balancer(
+    facts: NodeFacts, rendered: RenderedConfig, certificate: str | None = None
+) -> list[Step]:
     """Steps that put `rendered` live; [] when the node serves exactly it already.
 
+    `certificate` is the endpoint's PEM (certificate and key), a secret: it lands 0600 at
+    TLS_CERT_PATH, where the config's `ssl crt` reads it, and is never shown in a step.
     The new files are staged and checked with `haproxy -c` first: a config HAProxy rejects
-    never replaces the live one, and the running HAProxy keeps serving the old one.
+    never replaces the live one, and the running HAProxy keeps serving the old one. HAProxy
+    is restarted when its unit changed or it may serve another config (the package's own, just
+    installed, starts at once), else reloaded without dropping a stream.
     """
     steps: list[Step] = []
     if "haproxy" not in facts.packages:
         commands = (APT_UPDATE, apt_install("haproxy"))
         steps.append(Step("balancer", "install haproxy", commands))
-    live = _live_files(rendered)
-    if all(facts.files.get(path) == text_file(path, text).sha256 for path, text in live.items()):
+    live = {path: text_file(path, text) for path, text in _live_files(rendered).items()}
+    if certificate is not None:
+        live[TLS_CERT_PATH] = _certificate_file(TLS_CERT_PATH, certificate)
+    files_live = all(facts.files.get(path) == file.sha256 for path, file in live.items())
+    unit_ready = facts.files.get(DROP_IN.path) == DROP_IN.sha256
+    # Ours is what serves only if the unit runs and was restarted with our drop-in: the drop-in
+    # is written by the step that restarts it, after our config is in place.
+    ours_serving = facts.systemd and UNIT in facts.active_units and unit_ready
+    if files_live and unit_ready and (ours_serving or not facts.systemd):
         return steps
-    staged = relocate_maps(rendered, STAGING)
-    staged_config = posixpath.join(STAGING, CONFIG_FILE_NAME)
-    for name, text in sorted(staged.files.items()):
+    if not files_live:
+        steps += _put_live(rendered, certificate)
+    if not facts.systemd:
+        if not unit_ready:  # no service manager to tell: the unit reads it when systemd starts
+            steps.append(Step("balancer", "HAProxy's runtime directory", file=DROP_IN))
+    elif ours_serving:
+        # Master-worker reload: new workers take new connections, old ones finish their streams.
+        steps.append(Step("balancer", "reload HAProxy (hitless)", (f"systemctl reload {UNIT}",)))
+    else:
         steps.append(
-            Step("balancer", f"stage map {name}", file=text_file(f"{STAGING}/{name}", text))
+            Step(
+                "balancer",
+                "restart HAProxy with its runtime directory and the config put live",
+                (
+                    "systemctl daemon-reload",
+                    f"systemctl enable {UNIT}",
+                    f"systemctl restart {UNIT}",
+                ),
+                file=DROP_IN,
+            )
         )
-    steps.append(
-        Step("balancer", "stage haproxy.cfg", file=text_file(staged_config, staged.haproxy_cfg))
-    )
+    return steps
+
+
+def _put_live(rendered: RenderedConfig, certificate: str | None) -> list[Step]:
+    """Stage the files, check the staged config, then install each at its live path."""
+    staged = relocate_maps(rendered, STAGING)
+    staged_config = staged.haproxy_cfg
+    steps = [
+        Step("balancer", f"stage map {name}", file=text_file(f"{STAGING}/{name}", text))
+        for name, text in sorted(staged.files.items())
+    ]
     install = [
         f"install -D -m 0644 {STAGING}/{name} {posixpath.join(rendered.map_dir, name)}"
         for name in sorted(rendered.files)
     ]
-    # The live config refers to the live map paths; only its staged twin was checked.
+    if certificate is not None:
+        # `haproxy -c` loads the certificate too: the staged config reads the staged one.
+        staged_cert = f"{STAGING}/{posixpath.basename(TLS_CERT_PATH)}"
+        staged_config = staged_config.replace(f" crt {TLS_CERT_PATH}", f" crt {staged_cert}")
+        steps.append(
+            Step(
+                "balancer",
+                "stage the TLS certificate",
+                file=_certificate_file(staged_cert, certificate),
+            )
+        )
+        install += [
+            f"install -D -m 0600 -o root -g root {staged_cert} {TLS_CERT_PATH}",
+            f"rm -f {staged_cert}",  # one copy of the key on the host
+        ]
+    config_path = posixpath.join(STAGING, CONFIG_FILE_NAME)
+    steps.append(Step("balancer", "stage haproxy.cfg", file=text_file(config_path, staged_config)))
+    # The live config refers to the live paths; only its staged twin was checked.
     config_file = text_file(f"{STAGING}/live.cfg", rendered.haproxy_cfg)
     steps.append(
         Step(
             "balancer",
             "check the staged config (haproxy -c), then put it live",
             (
-                f"haproxy -c -q -f {staged_config}",
+                f"haproxy -c -q -f {config_path}",
                 *install,
                 f"install -m 0644 {config_file.path} {CONFIG}",
             ),
             file=config_file,
         )
     )
-    if facts.systemd and UNIT in facts.active_units:
-        # Master-worker reload: new workers take new connections, old ones finish their streams.
-        steps.append(Step("balancer", "reload HAProxy (hitless)", (f"systemctl reload {UNIT}",)))
-    elif facts.systemd:
-        steps.append(Step("balancer", "start HAProxy", (f"systemctl enable --now {UNIT}",)))
     return steps
 
 
@@ -79,14 +143,18 @@ def prepare_balancer(
     target: Target,
     rendered: RenderedConfig,
     access: BalancerAccess,
+    certificate: str | None = None,
     dry: bool = False,
     progress: Progress = quiet_progress,
 ) -> list[Step]:
-    """Converge a balancer host to `rendered` behind its firewall; returns the steps planned
-    (run unless `dry`). The firewall comes first: the stats port never listens unguarded."""
+    """Converge a balancer host to `rendered` (and its TLS `certificate`, a secret PEM) behind
+    its firewall; returns the steps planned (run unless `dry`). The firewall comes first: the
+    stats port never listens unguarded."""
     with connect(target) as session:
         facts = session.facts(fact_query(rendered) | firewall.balancer_fact_query())
-        steps = firewall.plan_balancer_host(facts, access) + plan_balancer(facts, rendered)
+        steps = firewall.plan_balancer_host(facts, access) + plan_balancer(
+            facts, rendered, certificate
+        )
         if not dry:
             session.apply(steps, progress)
         return steps

@@ -152,6 +152,10 @@ def apply_step(step: Step) -> Generator[Any, Any, None]:
     if step.file is not None:
         path = shlex.quote(step.file.path)
         yield f"mkdir -p {shlex.quote(posixpath.dirname(step.file.path))}"
+        if step.file.private:
+            # An upload keeps the mode of the file it overwrites but creates a new one
+            # world-readable: an empty private file first, so the content never is.
+            yield f"install -m {step.file.mode} /dev/null {path}"
         yield FileUploadCommand(BytesIO(step.file.content), step.file.path)
         yield f"chmod {step.file.mode} {path}"
     yield from step.commands

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from denv_iac.spec.values import control_character
 
@@ -25,8 +25,13 @@ class FileContent:
     """A file to put on the node; compared with the node's copy by SHA-256."""
 
     path: str
-    content: bytes
+    content: bytes = field(repr=False)  # may be a secret (a key, a token): never shown
     mode: str = "0644"
+
+    @property
+    def private(self) -> bool:
+        """Readable by its owner only: the content must never be readable by others."""
+        return int(self.mode, 8) & 0o077 == 0
 
     @property
     def sha256(self) -> str:

@@ -20,7 +20,9 @@ from denv_iac.components.node_setup import (
     node_deploy_specs,
     spec_to_json,
 )
+from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
+from denv_iac.node.balancer_host import TLS_CERT_PATH
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.placement import place_replicas
 from denv_iac.spec.reader import StackError, read_stack
@@ -166,14 +168,49 @@ def test_a_balancer_host_gets_its_rendered_config_through_sudo() -> None:
     assert result.id == "balancer.203.0.113.9"
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     # A stack from before the balancer host's firewall: no admins, so nothing is guarded.
-    assert recorder.extras == [(BalancerAccess((), 0),)]
+    assert recorder.extras == [(BalancerAccess((), 0), None)]
 
 
 def test_a_balancer_host_gets_its_sites_admin_cidrs_and_stats_port_for_its_firewall() -> None:
     recorder = Recorder(steps=1)
     given = {"admin_cidrs": ["198.51.100.0/24"], "stats_port": 8405.0}  # as the engine hands it
     NodeSetupProvider(recorder.runner()).create({**BALANCER, "balancer_firewall": given})
-    assert recorder.extras == [(BalancerAccess(("198.51.100.0/24",), 8405),)]
+    assert recorder.extras == [(BalancerAccess(("198.51.100.0/24",), 8405), None)]
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_each_balancer_host_gets_the_tls_certificate_as_a_secret_input_of_its_deploy(
+    preview: bool,
+) -> None:
+    run = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=preview)
+    balancers = {
+        r.name: r.inputs for r in run.of_type(DEPLOYMENT) if r.name.startswith("prod-balancer-")
+    }
+    assert sorted(balancers) == [
+        "prod-balancer-aws-use1-setup-deploy",
+        "prod-balancer-hetzner-fsn-setup-deploy",
+    ]
+    for inputs in balancers.values():
+        assert shown(inputs)["tls_certificate"] == "[secret]"
+        material = stacks.TLS_CERTIFICATE.splitlines()[1]
+        assert not any(material in s for s in plain_strings(inputs))
+        if not preview:
+            assert inputs["tls_certificate"][SECRET_SIG] == SECRET_MARK
+            assert inputs["tls_certificate"]["value"] == stacks.TLS_CERTIFICATE
+    # The config reads it where the deploy installs it.
+    assert f"ssl crt {TLS_CERT_PATH}" in run.outputs["haproxy_config"]
+
+
+def test_the_provider_hands_the_certificate_to_the_deploy_and_a_new_one_reruns_it() -> None:
+    recorder = Recorder(steps=1)
+    provider = NodeSetupProvider(recorder.runner())
+    with_tls = {**BALANCER, "tls_certificate": stacks.TLS_CERTIFICATE}
+    result = provider.create(dict(with_tls))
+    assert recorder.extras == [(BalancerAccess((), 0), stacks.TLS_CERTIFICATE)]
+    assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
+    renewed = {**with_tls, "tls_certificate": stacks.TLS_CERTIFICATE + "\nrenewed"}
+    assert provider.diff("balancer.203.0.113.9", with_tls, renewed).changes
+    assert not provider.diff("balancer.203.0.113.9", with_tls, dict(with_tls)).changes
 
 
 def test_node_admin_cidrs_reach_the_deploy_and_are_left_out_of_the_state_when_unset() -> None:

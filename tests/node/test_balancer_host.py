@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import posixpath
+import re
+
+import pytest
+from pyinfra.api.command import FileUploadCommand
 
 from denv_iac.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
     BalancerTier,
+    RenderedConfig,
     render_haproxy_config,
 )
 from denv_iac.node import plan_balancer
-from denv_iac.node.balancer_host import CONFIG, STAGING, fact_query
+from denv_iac.node.balancer_host import CONFIG, DROP_IN, STAGING, TLS_CERT_PATH, fact_query
+from denv_iac.node.deploy import apply_step
 from denv_iac.node.facts import NodeFacts
+from denv_iac.node.steps import Step, text_file
 
 POOL = BalancerPool(
     "voice",
@@ -28,7 +36,7 @@ SETTINGS = BalancerSettings(api_key_digests=(hashlib.sha256(b"k").hexdigest(),))
 RENDERED = render_haproxy_config([POOL], SETTINGS, "/etc/haproxy/maps")
 
 
-def test_fresh_host_installs_stages_checks_then_starts() -> None:
+def test_fresh_host_installs_stages_checks_then_restarts_with_its_runtime_directory() -> None:
     steps = plan_balancer(NodeFacts(systemd=True), RENDERED)
     assert steps[0].title == "install haproxy"
     staged = [s.file.path for s in steps if s.file is not None and s.title.startswith("stage")]
@@ -40,24 +48,153 @@ def test_fresh_host_installs_stages_checks_then_starts() -> None:
     assert check.file is not None and check.file.content == RENDERED.haproxy_cfg.encode()
     staged_cfg = next(s for s in steps if s.title == "stage haproxy.cfg").file
     assert staged_cfg is not None and b"/etc/haproxy/maps/" not in staged_cfg.content
-    assert steps[-1].commands == ("systemctl enable --now haproxy.service",)
+    # The package starts HAProxy with its own config as it installs: `enable --now` left that
+    # one serving. A restart puts ours live, with the stats socket's folder made by systemd.
+    last = steps[-1]
+    assert last.commands[-1] == "systemctl restart haproxy.service"
+    assert last.file == DROP_IN and last.commands[0] == "systemctl daemon-reload"
 
 
-def test_running_host_with_a_changed_config_is_reloaded_and_an_unchanged_one_left_alone() -> None:
-    live = {path: "0" * 64 for path in fact_query(RENDERED).files}
-    running = NodeFacts(
-        systemd=True,
-        packages={"haproxy": "2.6.12-1+deb12u1"},
-        files=live,
-        active_units=frozenset({"haproxy.service"}),
+def test_the_units_runtime_directory_is_the_stats_sockets_folder() -> None:
+    (socket,) = re.findall(r"stats socket (\S+)", RENDERED.haproxy_cfg)
+    runtime = re.findall(r"^RuntimeDirectory=(\S+)$", DROP_IN.content.decode(), re.M)
+    assert runtime == [posixpath.relpath(posixpath.dirname(socket), "/run")] == ["denv"]
+
+
+PEM = "-----BEGIN CERTIFICATE-----\nMIIBcert\n-----END CERTIFICATE-----\n"
+PEM += "-----BEGIN PRIVATE KEY-----\nMIIEsecretkeymaterial\n-----END PRIVATE KEY-----\n"
+TLS = render_haproxy_config(
+    [POOL], dataclasses.replace(SETTINGS, tls_cert_path=TLS_CERT_PATH), "/etc/haproxy/denv"
+)
+
+
+def test_the_certificate_lands_0600_where_the_config_reads_it_before_the_check() -> None:
+    steps = plan_balancer(NodeFacts(systemd=True), TLS, PEM)
+    assert f"ssl crt {TLS_CERT_PATH}" in TLS.haproxy_cfg
+    staged = next(s for s in steps if s.title == "stage the TLS certificate")
+    assert staged.file is not None and staged.file.mode == "0600"
+    assert staged.file.content == PEM.encode()
+    check = next(s for s in steps if "haproxy -c" in s.title)
+    assert steps.index(staged) < steps.index(check)
+    # The staged config is checked with the staged certificate: `haproxy -c` loads it.
+    config = next(s.file for s in steps if s.title == "stage haproxy.cfg")
+    assert config is not None
+    assert f"ssl crt {staged.file.path}".encode() in config.content
+    assert TLS_CERT_PATH.encode() not in config.content
+    installed = [c for c in check.commands if c.endswith(f" {TLS_CERT_PATH}")]
+    assert installed == [f"install -D -m 0600 -o root -g root {staged.file.path} {TLS_CERT_PATH}"]
+    assert check.commands.index(installed[0]) < check.commands.index(check.commands[-1])
+    assert check.commands[0].startswith("haproxy -c")
+
+
+def test_the_certificate_never_shows_in_a_title_a_description_or_a_repr() -> None:
+    steps = plan_balancer(NodeFacts(systemd=True), TLS, PEM)
+    shown = "\n".join(
+        [repr(steps), *(line for s in steps for line in s.describe()), *(s.title for s in steps)]
     )
-    steps = plan_balancer(running, RENDERED)
-    assert steps[-1].commands == ("systemctl reload haproxy.service",)
-    in_sync = {
-        path: hashlib.sha256(text.encode()).hexdigest()
-        for path, text in [
-            *((f"{RENDERED.map_dir}/{n}", t) for n, t in RENDERED.files.items()),
-            (CONFIG, RENDERED.haproxy_cfg),
-        ]
-    }
-    assert plan_balancer(dataclasses.replace(running, files=in_sync), RENDERED) == []
+    assert "secretkeymaterial" not in shown and "MIIBcert" not in shown
+    assert f"write {STAGING}/tls.pem (mode 0600)" in shown
+
+
+def _hashes(
+    rendered: RenderedConfig, pem: str | None = None, drop_in: bool = True
+) -> dict[str, str]:
+    files = {f"{rendered.map_dir}/{n}": t for n, t in rendered.files.items()}
+    files[CONFIG] = rendered.haproxy_cfg
+    if pem is not None:
+        files[TLS_CERT_PATH] = pem
+    if drop_in:
+        files[DROP_IN.path] = DROP_IN.content.decode()
+    return {path: hashlib.sha256(text.encode()).hexdigest() for path, text in files.items()}
+
+
+INSTALLED = {"haproxy": "2.6.12-1+deb12u1"}
+ACTIVE = frozenset({"haproxy.service"})
+
+
+@pytest.mark.parametrize(
+    ("facts", "pem", "staged", "last"),
+    [
+        # The package's own config live (a deploy before the drop-in, or HAProxy installed by
+        # hand): restart, so ours serves and systemd makes the socket's folder.
+        (NodeFacts(systemd=True, packages=INSTALLED, active_units=ACTIVE), None, True, "restart"),
+        (
+            NodeFacts(
+                systemd=True,
+                packages=INSTALLED,
+                files=_hashes(TLS, drop_in=False),
+                active_units=ACTIVE,
+            ),
+            None,
+            False,
+            "restart",
+        ),
+        # Ours serving, the config changed: a hitless reload.
+        (
+            NodeFacts(
+                systemd=True, packages=INSTALLED, files=_hashes(RENDERED), active_units=ACTIVE
+            ),
+            None,
+            True,
+            "reload",
+        ),
+        # Only the certificate changed: staged, checked and reloaded (HAProxy reads it at load).
+        (
+            NodeFacts(
+                systemd=True, packages=INSTALLED, files=_hashes(TLS, "old"), active_units=ACTIVE
+            ),
+            PEM,
+            True,
+            "reload",
+        ),
+        # Ours in place but HAProxy stopped (it failed, or someone stopped it): started again.
+        (
+            NodeFacts(systemd=True, packages=INSTALLED, files=_hashes(TLS, PEM)),
+            PEM,
+            False,
+            "restart",
+        ),
+        (
+            NodeFacts(
+                systemd=True, packages=INSTALLED, files=_hashes(TLS, PEM), active_units=ACTIVE
+            ),
+            PEM,
+            False,
+            None,
+        ),
+    ],
+    ids=[
+        "stock-config",
+        "no-drop-in",
+        "config-changed",
+        "certificate-changed",
+        "stopped",
+        "in-sync",
+    ],
+)
+def test_haproxy_is_restarted_or_reloaded_as_the_facts_say(
+    facts: NodeFacts, pem: str | None, staged: bool, last: str | None
+) -> None:
+    steps = plan_balancer(facts, TLS, pem)
+    assert any(s.title.startswith("stage") for s in steps) == staged
+    if last is None:
+        assert steps == []
+    else:
+        assert steps[-1].commands[-1] == f"systemctl {last} haproxy.service"
+        assert (steps[-1].file == DROP_IN) == (last == "restart")
+
+
+def test_the_facts_read_every_file_the_plan_compares() -> None:
+    # A path left out would read as missing: the plan would restage and restart every run.
+    assert set(_hashes(TLS, PEM)) <= set(fact_query(TLS).files)
+
+
+def test_a_private_file_is_made_empty_and_0600_before_its_content_is_uploaded() -> None:
+    # An upload creates a new file world-readable (the login's umask) until the chmod after it.
+    (staged,) = [s for s in plan_balancer(NodeFacts(), TLS, PEM) if s.title.endswith("certificate")]
+    assert staged.file is not None
+    commands = list(apply_step._inner(staged))
+    upload = next(i for i, c in enumerate(commands) if isinstance(c, FileUploadCommand))
+    assert commands[upload - 1] == f"install -m 0600 /dev/null {staged.file.path}"
+    plain = Step("balancer", "stage haproxy.cfg", file=text_file(CONFIG, "global\n"))
+    assert not any("/dev/null" in str(c) for c in apply_step._inner(plain))
