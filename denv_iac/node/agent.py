@@ -9,10 +9,11 @@ import shlex
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps
 from denv_iac.node.facts import AGENT_VENV, NodeFacts
+from denv_iac.node.holders import AGENT
 from denv_iac.node.spec import NodeDeploySpec, NodeSpecError
 from denv_iac.node.steps import UNIT_DIR, FileContent, Step, text_file, unit_path
 
-UNIT = "denv-agent.service"
+UNIT = AGENT  # its name is set with the other NVML holders
 CONFIG = "/etc/denv/agent.toml"  # the agent's default, so `denv-agent drain` needs no flag
 TOKEN = "/etc/denv/agent.token"
 STATE_FILE = "/var/lib/denv-agent/state.json"  # operator drains survive restarts here

@@ -7,6 +7,7 @@ import re
 import shlex
 
 from denv_iac.node.facts import NodeFacts
+from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import (
     APT_UPDATE,
@@ -40,8 +41,6 @@ _MAIN_PATTERNS = (
 )
 MODULES = ("nvidia_uvm", "nvidia_drm", "nvidia_modeset", "nvidia")
 MISMATCH = "version mismatch"
-PERSISTENCED = "nvidia-persistenced.service"
-FABRICMANAGER = "nvidia-fabricmanager.service"
 
 
 class UnsupportedNode(RuntimeError):
@@ -118,7 +117,7 @@ def reload_modules_command() -> str:
     )
 
 
-def _driver_package(spec: NodeDeploySpec) -> str:
+def driver_package(spec: NodeDeploySpec) -> str:
     return "nvidia-open" if spec.open_modules else "cuda-drivers"
 
 
@@ -144,7 +143,7 @@ def install_steps(spec: NodeDeploySpec, purge: list[str]) -> list[Step]:
             Step("driver", f"purge {len(purge)} other driver packages", (apt_purge(*purge),))
         )
     pinning = f"nvidia-driver-pinning-{spec.driver_branch}"
-    package = _driver_package(spec)
+    package = driver_package(spec)
     steps.append(
         Step(
             "driver",
@@ -182,7 +181,6 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
                 (verify_command(spec),),
             )
         )
-    steps += _fabric_manager(facts, spec)
     steps += service_steps(facts, "driver", PERSISTENCED, "persistence daemon")
     return steps
 
@@ -192,36 +190,6 @@ def _load_step(facts: NodeFacts, title: str, command: str) -> Step:
         return Step("driver", title, (command,))
     # A chroot or container shares the host's kernel: its modules are not ours to load.
     return Step("driver", f"{title}: skipped, no booted kernel of its own")
-
-
-def _fabric_manager(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
-    if not facts.nvswitches:
-        return []
-    branch = spec.driver_branch
-    names = (f"nvidia-fabricmanager-{branch}", f"libnvidia-nscq-{branch}")
-    main = main_package(facts)
-    ok = main is not None and package_branch(main[1]) == branch and facts.smi_ok
-    if ok and main is not None:
-        version = main[1]
-        if all(facts.packages.get(name) == version for name in names):
-            return service_steps(facts, "driver", FABRICMANAGER, "fabric manager")
-        install = apt_install(*(f"{name}={version}" for name in names))
-        title = f"install fabric manager and NSCQ {version} (NVSwitch board)"
-    else:
-        install = fabric_manager_command(spec)
-        title = "install fabric manager and NSCQ at the driver's version (NVSwitch board)"
-    return [
-        Step("driver", title, (install,), uses_apt=True),
-        *service_steps(facts, "driver", FABRICMANAGER, "fabric manager", changed=True),
-    ]
-
-
-def fabric_manager_command(spec: NodeDeploySpec) -> str:
-    """Install fabric manager and NSCQ at exactly the installed driver package's version."""
-    names = (f"nvidia-fabricmanager-{spec.driver_branch}", f"libnvidia-nscq-{spec.driver_branch}")
-    pinned = " ".join(f'{name}="$v"' for name in names)
-    query = f"dpkg-query -W -f='${{Version}}' {_driver_package(spec)}"
-    return f"v=$({query}) && {apt_install()}{pinned}"
 
 
 def service_steps(

@@ -46,6 +46,7 @@ class NodeFacts:
     arch: str = ""
     systemd: bool = False  # PID 1 is systemd: services can be started (not so in a chroot)
     pci_gpus: tuple[str, ...] = ()
+    pci_gpu_ids: frozenset[str] = frozenset()  # the GPUs' PCI device IDs (0x2901: B200)
     nvswitches: int = 0
     packages: Mapping[str, str] = field(default_factory=dict)  # installed name -> version
     smi_present: bool = False
@@ -113,7 +114,8 @@ printf 'arch\\t%s\\n' "$(dpkg --print-architecture 2>/dev/null)"
 if [ -d /run/systemd/system ]; then echo systemd; fi
 for d in /sys/bus/pci/devices/*; do
   if [ "$(cat "$d/vendor" 2>/dev/null)" = 0x10de ]; then
-    printf 'pci\\t%s\\t%s\\n' "${{d##*/}}" "$(cat "$d/class")"
+    printf 'pci\\t%s\\t%s\\t%s\\n' "${{d##*/}}" "$(cat "$d/class")" \\
+      "$(cat "$d/device" 2>/dev/null)"
   fi
 done
 dpkg-query -W -f='pkg\\t${{db:Status-Abbrev}}\\t${{Package}}\\t${{Version}}\\n' 2>/dev/null
@@ -173,7 +175,7 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
     """NodeFacts from the probe's output lines."""
     values: dict[str, str] = {}
     flags: set[str] = set()
-    pci: list[tuple[str, str]] = []
+    pci: list[tuple[str, str, str]] = []
     packages: dict[str, str] = {}
     smi_lines: list[str] = []
     smil_lines: list[str] = []
@@ -194,8 +196,8 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
             values["os_id"], values["os_version"] = parts
         elif kind in ("kernel", "arch", "smi_rc", "agent", "ssh", "module"):
             values[kind] = rest
-        elif kind == "pci" and len(parts) == 2:
-            pci.append((parts[0], parts[1]))
+        elif kind == "pci" and len(parts) in (2, 3):
+            pci.append((parts[0], parts[1], parts[2] if len(parts) == 3 else ""))
         elif kind == "pkg" and len(parts) == 3 and parts[0].startswith("ii"):
             packages[parts[1]] = parts[2]
         elif kind == "smi":
@@ -230,8 +232,9 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
         kernel=values.get("kernel", ""),
         arch=values.get("arch", ""),
         systemd="systemd" in flags,
-        pci_gpus=tuple(addr for addr, cls in pci if cls[:6] in _GPU_CLASSES),
-        nvswitches=sum(1 for _, cls in pci if cls[:6] == _NVSWITCH_CLASS),
+        pci_gpus=tuple(addr for addr, cls, _ in pci if cls[:6] in _GPU_CLASSES),
+        pci_gpu_ids=frozenset(dev for _, cls, dev in pci if cls[:6] in _GPU_CLASSES and dev),
+        nvswitches=sum(1 for _, cls, _ in pci if cls[:6] == _NVSWITCH_CLASS),
         packages=packages,
         smi_present="smi_rc" in values,
         smi_ok=smi_ok,

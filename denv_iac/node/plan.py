@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from denv_iac.node import agent, cache, driver, firewall, mig, replicas, runtime
-from denv_iac.node.driver import FABRICMANAGER, PERSISTENCED, UnsupportedNode, check_supported
+from denv_iac.node import agent, cache, driver, fabric, firewall, mig, replicas, runtime
+from denv_iac.node.driver import UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
+from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import APT_UPDATE, Step, apt_install, wants_link
 
@@ -53,6 +54,7 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     spec = driver.branch_for(facts, spec)
     steps += driver.keyring_steps(facts, spec)
     steps += driver.plan(facts, spec)
+    steps += fabric.plan(facts, spec)
     steps += mig.plan(facts, spec)
     steps += cache.plan(facts, spec)  # before the replicas make their cache dirs on it
     steps += runtime.plan(facts, spec)

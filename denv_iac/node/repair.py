@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from denv_iac.node import driver, mig
+from denv_iac.node import driver, fabric, mig
 from denv_iac.node.deploy import NodeSession, Target, connect
 from denv_iac.node.facts import NodeFacts
+from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED
 from denv_iac.node.plan import fact_query
 from denv_iac.node.spec import NodeDeploySpec
 
@@ -118,7 +119,7 @@ class _Repair:
         units = self._units(facts)
         if not facts.systemd or not units:
             raise _Skip("no systemd running" if units else "no replicas on this node")
-        services = f"{driver.FABRICMANAGER} {driver.PERSISTENCED}"
+        services = f"{FABRICMANAGER} {PERSISTENCED}"
         return self._run(session, f"systemctl stop {' '.join(units)} {services}")
 
     def fix(self, session: NodeSession, facts: NodeFacts) -> str:
@@ -133,8 +134,9 @@ class _Repair:
             purge = driver.installed_driver_packages(facts)
             for step in driver.install_steps(self.spec, purge):
                 output += [self._run(session, command) for command in step.commands]
-            if facts.nvswitches:
-                output.append(self._run(session, driver.fabric_manager_command(self.spec)))
+            board = fabric.board(facts)
+            if board is not fabric.Board.PLAIN:
+                output.append(self._run(session, fabric.install_command(self.spec, board)))
         if not facts.systemd:
             output.append("modules not reloaded: no booted kernel of its own (chroot)")
         else:
@@ -164,7 +166,8 @@ class _Repair:
     def start_services(self, session: NodeSession, facts: NodeFacts) -> str:
         if not facts.systemd:
             raise _Skip("no systemd running")
-        units = [driver.PERSISTENCED] + ([driver.FABRICMANAGER] if facts.nvswitches else [])
+        board = fabric.board(facts) is not fabric.Board.PLAIN
+        units = [PERSISTENCED] + ([FABRICMANAGER] if board else [])
         return self._run(session, f"systemctl start {' '.join(units)}")
 
     def start_replicas(self, session: NodeSession, facts: NodeFacts) -> str:

@@ -79,8 +79,9 @@ def test_probe_runs_under_sh_and_parses_on_this_machine(tmp_path: object) -> Non
     assert "dpkg" in facts.packages
 
 
-def test_parse_the_docker_command_and_the_loaded_modules_version() -> None:
-    facts = parse_facts(["docker_cli", "module\t550.127.05"])
+def test_parse_the_docker_command_the_loaded_modules_version_and_gpu_pci_ids() -> None:
+    facts = parse_facts(["docker_cli", "module\t550.127.05", "pci\t0000:18:00.0\t0x030200\t0x2901"])
     assert facts.docker_cli and facts.module_version == "550.127.05"
+    assert facts.pci_gpus == ("0000:18:00.0",) and facts.pci_gpu_ids == {"0x2901"}
     bare = parse_facts(["os\tdebian\t12"])
     assert not bare.docker_cli and bare.module_version == ""

@@ -20,7 +20,6 @@ from denv_iac.node.steps import wants_link
 
 from .fixtures import DEBIAN_12, UBUNTU_2204, UBUNTU_2404, converged, node_facts
 
-FM = {"nvidia-fabricmanager-580": "580.95.05-1", "libnvidia-nscq-580": "580.95.05-1"}
 RUNTIME = {"docker.io": "26.1.5", "nvidia-container-toolkit": "1.17.8-1", "cuda-keyring": "1.1-1"}
 FRESH = {"nvidia-open": "580.95.05-1", "nvidia-driver-pinning-580": "580.95.05-1", **RUNTIME}
 
@@ -137,45 +136,6 @@ def test_image_driver_that_stopped_answering_is_repaired_within_its_branch() -> 
 def test_image_without_a_driver_gets_the_pinned_branch() -> None:
     steps = plan_node(node_facts(), spec(image_driver=True))
     assert "driver: pin branch 580 and install nvidia-open" in titles(steps)
-
-
-def test_image_driver_on_an_nvswitch_board_gets_fabric_manager_of_its_own_version() -> None:
-    facts = node_facts(gpus=8, nvswitches=4, driver="570.172.08", packages=LAMBDA_STACK_570)
-    fm = [s for s in plan_node(facts, spec(image_driver=True)) if "NSCQ" in s.title]
-    assert (
-        fm[0]
-        .commands[0]
-        .endswith(
-            "nvidia-fabricmanager-570=570.172.08-0ubuntu1 libnvidia-nscq-570=570.172.08-0ubuntu1"
-        )
-    )
-
-
-def test_nvswitch_board_gets_fabric_manager_at_the_drivers_exact_version() -> None:
-    installed = {"nvidia-open": "580.95.05-1", "cuda-keyring": "1.1-1"}
-    facts = node_facts(os=UBUNTU_2404, gpus=8, nvswitches=4, driver="580.95.05", packages=installed)
-    steps = plan_node(facts, spec())
-    fm = [s for s in steps if "fabric manager and NSCQ" in s.title]
-    assert len(fm) == 1
-    assert (
-        fm[0]
-        .commands[0]
-        .endswith("nvidia-fabricmanager-580=580.95.05-1 libnvidia-nscq-580=580.95.05-1")
-    )
-    assert "systemctl restart nvidia-fabricmanager.service" in joined(steps)
-    after = converged(facts, spec(), {**installed, **FM, **RUNTIME})
-    assert plan_node(after, spec()) == []
-
-
-def test_nvswitch_board_with_a_fresh_driver_matches_whatever_version_was_installed() -> None:
-    steps = plan_node(node_facts(gpus=8, nvswitches=4), spec())
-    text = joined(steps)
-    assert "v=$(dpkg-query -W -f='${Version}' nvidia-open)" in text
-    assert 'nvidia-fabricmanager-580="$v" libnvidia-nscq-580="$v"' in text
-    order = titles(steps)
-    assert order.index("driver: pin branch 580 and install nvidia-open") < next(
-        i for i, t in enumerate(order) if "fabric manager and NSCQ" in t
-    )
 
 
 def test_wrong_branch_is_purged_and_replaced_then_rebooted_into() -> None:

@@ -1,0 +1,102 @@
+"""NVSwitch boards: fabric manager at exactly the running driver's version, and on NVLink 5
+boards (HGX B200) the NVLink subnet manager beside it."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from denv_iac.node.driver import driver_package, package_branch, service_steps
+from denv_iac.node.facts import NodeFacts
+from denv_iac.node.holders import FABRICMANAGER
+from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.steps import Step, apt_install
+
+# From this branch on, NVIDIA's repository names the packages without the branch suffix
+# (nvidia-fabricmanager, libnvidia-nscq): the pinning package keeps the branch instead.
+UNSUFFIXED_FROM = 590
+# NVLink 5 boards: their switches are managed through ConnectX bridge functions (vendor
+# 0x15b3), so no NVIDIA bridge (class 0x0680) shows on the PCI bus; the GPUs name the board.
+NVLINK5_NAMES = frozenset({"NVIDIA B200", "NVIDIA B100"})
+NVLINK5_PCI_IDS = frozenset({"0x2901", "0x29bc"})  # GB100 [B200], GB102 [B100]
+NVLSM = "nvlsm"  # NVIDIA's NVLink subnet manager; fabric manager starts it on NVLink 5 boards
+
+
+class Board(StrEnum):
+    PLAIN = "plain"  # PCIe cards, NVLink bridges: no fabric to bring up
+    NVSWITCH = "nvswitch"  # HGX A100 / H100 / H200: fabric manager and NSCQ
+    NVLINK5 = "nvlink5"  # HGX B200: fabric manager, NSCQ and the NVLink subnet manager
+
+
+def board(facts: NodeFacts) -> Board:
+    names = {gpu.name for gpu in facts.gpus}
+    if names & NVLINK5_NAMES or facts.pci_gpu_ids & NVLINK5_PCI_IDS:
+        return Board.NVLINK5
+    return Board.NVSWITCH if facts.nvswitches else Board.PLAIN
+
+
+def packages(driver_version: str, branch: str, kind: Board) -> tuple[str, ...]:
+    """What `apt-get install` takes for the board: `name=version` arguments.
+
+    The fabric manager packages carry their own Debian revision (the driver 550.127.05-0ubuntu1,
+    fabric manager 550.127.05-1), so the pin is the driver's upstream version with any revision.
+    `driver_version` may be a shell expansion (`$v`) read on the node when the command runs.
+    """
+    if kind is Board.PLAIN:
+        return ()
+    suffix = "" if int(branch) >= UNSUFFIXED_FROM else f"-{branch}"
+    pinned = tuple(
+        f"{name}{suffix}={driver_version}-*" for name in ("nvidia-fabricmanager", "libnvidia-nscq")
+    )
+    # The subnet manager is versioned on its own, not with the driver.
+    return (*pinned, NVLSM) if kind is Board.NVLINK5 else pinned
+
+
+def running_version(facts: NodeFacts) -> str:
+    """The running driver's version: the loaded module's, else what NVML reports; '' if none."""
+    return facts.module_version or (facts.driver_version if facts.smi_ok else "")
+
+
+def _upstream(version: str) -> str:
+    """A Debian version without epoch and revision: 550.127.05-0ubuntu1 -> 550.127.05."""
+    return version.split(":", 1)[-1].rsplit("-", 1)[0]
+
+
+def installed(facts: NodeFacts, wanted: tuple[str, ...]) -> bool:
+    for argument in wanted:
+        name, _, pin = argument.partition("=")
+        have = facts.packages.get(name)
+        if have is None or (pin and _upstream(have) != pin.removesuffix("-*")):
+            return False
+    return True
+
+
+def install_command(spec: NodeDeploySpec, kind: Board) -> str:
+    """Install at the version of the driver on the node when the command runs: the loaded
+    module's, else the installed driver package's (a chroot loads no module of its own)."""
+    query = f"dpkg-query -W -f='${{Version}}' {driver_package(spec)}"
+    strip = "sed -e 's/^[0-9]*://' -e 's/-[^-]*$//'"
+    version = f"v=$(cat /sys/module/nvidia/version 2>/dev/null || {query} | {strip})"
+    # Double quotes: $v expands, the version's `*` reaches apt unglobbed.
+    arguments = " ".join(f'"{argument}"' for argument in packages("$v", spec.driver_branch, kind))
+    return f'{version} && [ -n "$v" ] && {apt_install()}{arguments}'
+
+
+def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    kind = board(facts)
+    if kind is Board.PLAIN:
+        return []
+    running = running_version(facts)
+    if running and package_branch(running) == spec.driver_branch:
+        wanted = packages(running, spec.driver_branch, kind)
+        if installed(facts, wanted):
+            return service_steps(facts, "driver", FABRICMANAGER, "fabric manager")
+        install = apt_install(*wanted)
+        title = f"install fabric manager {running} ({kind.value} board)"
+    else:
+        # The driver is installed or replaced in this same run: its version is read then.
+        install = install_command(spec, kind)
+        title = f"install fabric manager at the driver's version ({kind.value} board)"
+    return [
+        Step("driver", title, (install,), uses_apt=True),
+        *service_steps(facts, "driver", FABRICMANAGER, "fabric manager", changed=True),
+    ]
