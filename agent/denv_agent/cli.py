@@ -14,7 +14,7 @@ from denv_agent.agent import Agent
 from denv_agent.config import AgentConfig, ConfigError, load
 from denv_agent.nvml_api import real_nvml
 from denv_agent.nvml_double import for_config
-from denv_agent.process import READY
+from denv_agent.process import announce_ready
 
 DEFAULT_CONFIG = "/etc/denv/agent.toml"
 log = logging.getLogger("denv_agent")
@@ -95,9 +95,8 @@ def _run(config: AgentConfig, *, simulate: bool, log_level: str) -> int:
         print(f"denv-agent: cannot listen: {e}; check listen.* in the config", file=sys.stderr)
         return 1
     assert agent.agent_check is not None and agent.http is not None
-    ready = READY.format(node=config.node, check=agent.agent_check.address, http=agent.http.address)
-    # Printed whatever the log level: tools that start the agent wait for this line.
-    print(f"denv-agent {ready}", file=sys.stderr, flush=True)
+    # Written whatever the log level: tools that start the agent wait for this line.
+    announce_ready(sys.stderr, config.node, agent.agent_check.address, agent.http.address)
     if simulator is not None:
         log.info("simulating %d gpu(s); faults: POST /control/simulate", len(simulator.gpus))
     stop.wait()

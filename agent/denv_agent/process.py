@@ -10,10 +10,22 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 # Logged once both ports are bound; with port 0 in the config it is how a parent learns them.
 READY = "ready: node {node}, agent-check {check[0]}:{check[1]}, http {http[0]}:{http[1]}"
 _READY_RE = re.compile(r"ready: node (\S+), agent-check (\S+):(\d+), http (\S+):(\d+)")
+
+
+def announce_ready(
+    stream: TextIO, node: str, check: tuple[str, int], http: tuple[str, int]
+) -> None:
+    """Write the ready line in one piece. `print` writes the text and its newline separately, so
+    a log line from another thread (the NVML thread's first reading) could land between them and
+    run the HTTP port into its date: `http 127.0.0.1:35921` + `2026-...` parsed as port 359212026.
+    """
+    stream.write(f"denv-agent {READY.format(node=node, check=check, http=http)}\n")
+    stream.flush()
 
 
 def parse_ready(line: str) -> tuple[tuple[str, int], tuple[str, int]] | None:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import os
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from denv_agent import cli, control, smoke
+from denv_agent.agent import Agent
 from denv_agent.config import to_toml
 from denv_agent.nvml_double import FakeNvml
 from denv_agent.process import AgentProcess, parse_ready
@@ -139,6 +144,53 @@ def test_config_error_from_the_console_script(tmp_path: Path) -> None:
     assert result.stderr == (
         'agent config: replicas[0].health_url: missing; add health_url = "http://127.0.0.1:8001/health"\n'
     )
+
+
+class _LogLineBetweenWrites(io.StringIO):
+    """stderr as another thread can make it: a log line lands after any write that does not end
+    its line (the NVML thread logs its first reading as the agent announces it is ready)."""
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if "ready:" in text and not text.endswith("\n"):
+            super().write("2026-01-01 00:00:00 denv-agent INFO nvml: driver 580.95.05, 2 gpu(s)\n")
+        return written
+
+
+def test_the_ready_line_keeps_its_ports_when_another_thread_logs_as_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[Agent] = []
+
+    class Recorded(Agent):
+        def start(self) -> None:
+            super().start()
+            started.append(self)
+
+    handlers: dict[int, Callable[..., object]] = {}
+
+    def stop_once_ready() -> None:
+        # SIGTERM as the agent's handler gets it, once the agent has announced itself.
+        while "ready:" not in stream.getvalue():
+            time.sleep(0.01)
+        handlers[signal.SIGTERM](signal.SIGTERM, None)
+
+    stream = _LogLineBetweenWrites()
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(cli, "Agent", Recorded)
+    monkeypatch.setattr(cli.signal, "signal", handlers.__setitem__)
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **_: None)
+    config = make_config(tmp_path, [replica(0, "http://127.0.0.1:9/health")])
+    stopper = threading.Thread(target=stop_once_ready, daemon=True)
+    stopper.start()
+    assert cli._run(config, simulate=True, log_level="info") == 0
+    stopper.join(5)
+    [agent] = started
+    assert agent.agent_check is not None and agent.http is not None
+    lines = [line for line in stream.getvalue().splitlines() if "ready:" in line]
+    assert [parse_ready(line) for line in lines] == [
+        (agent.agent_check.address, agent.http.address)
+    ]
 
 
 def test_ready_line_parses() -> None:
