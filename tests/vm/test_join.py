@@ -1,5 +1,9 @@
 """NodeSetup's dynamic provider on a booted VM over SSH: create joins the node, a second run
-changes nothing, delete leaves no replica unit behind. Called as the engine calls it."""
+changes nothing, delete leaves no replica unit behind. Called as the engine calls it.
+
+The joined node is also its site's balancer host, as on a joined site: its firewall is proven
+from both sides of the bridge, the test's own address (admin and balancer) and the outside one.
+"""
 
 from __future__ import annotations
 
@@ -14,27 +18,46 @@ import pytest
 from denv_iac.components.node_setup import spec_to_json
 from denv_iac.node import NodeDeploySpec, ReplicaSpec
 from tests.node import standin
-from tests.vm.bed import HOST, Bed, Vm
+from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
 from tests.vm.standin_vm import make_gpu_machine
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def provider(bed: Bed, method: str, *args: Any) -> Any:
-    """One provider call in a process of its own inside the bed's namespace."""
+STATS_PORT = 8405  # the balancer's prometheus_port
+ENDPOINT_PORT = 8080  # the balancer's port: open to everyone
+REACH_TIMEOUT_S = 4.0
+
+
+def in_netns(bed: Bed, module: str, call: Any, timeout: float = 900) -> tuple[int, str, str]:
+    """`python -m module` in a process of its own inside the bed's namespace, `call` as JSON."""
     # A home of its own, as on a fresh runner: no ~/.ssh, and no host key of an earlier run.
     home = bed.workdir / "home"
     home.mkdir(exist_ok=True)
     done = bed.netns_run_input(
-        ["env", f"HOME={home}", sys.executable, "-m", "tests.vm.provider_call"],
-        json.dumps({"method": method, "args": list(args)}),
+        ["env", f"HOME={home}", sys.executable, "-m", module],
+        json.dumps(call),
         cwd=ROOT,
-        timeout=900,
+        timeout=timeout,
     )
-    if done.returncode != 0:
-        raise AssertionError(f"provider {method} failed: {done.stderr[-3000:]}")
-    return json.loads(done.stdout)
+    return done.returncode, done.stdout, done.stderr
+
+
+def provider(bed: Bed, method: str, *args: Any) -> Any:
+    """One provider call, as the engine's provider host makes it."""
+    code, out, err = in_netns(bed, "tests.vm.provider_call", {"method": method, "args": args})
+    if code != 0:
+        raise AssertionError(f"provider {method} failed: {err[-3000:]}")
+    return json.loads(out)
+
+
+def reach(bed: Bed, node: Vm, tries: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    """Each (source address, port): open, refused (reachable, nothing listens) or timeout."""
+    call = {"host": node.address, "timeout_s": REACH_TIMEOUT_S, "tries": tries}
+    code, out, err = in_netns(bed, "tests.vm.reach", call, timeout=60)
+    assert code == 0, err[-3000:]
+    return dict(zip(tries, json.loads(out), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +68,7 @@ def node(bed: Bed) -> Vm:
     return vm
 
 
-def props(bed: Bed, node: Vm) -> dict[str, Any]:
+def props(bed: Bed, node: Vm, admin_cidrs: tuple[str, ...] = (f"{HOST}/32",)) -> dict[str, Any]:
     """What NodeSetup registers for a joined node: the spec's JSON, the key, the balancers."""
     spec = NodeDeploySpec(
         node_id="joined.node1",
@@ -54,6 +77,7 @@ def props(bed: Bed, node: Vm) -> dict[str, Any]:
             ReplicaSpec("voice.joined.node1.1", "ghcr.io/acme/voice:1.4", 8001, 1),
         ),
         nvidia_repo=f"file://{standin.REPO_IN_ROOT}",
+        admin_cidrs=admin_cidrs,
     )
     data = spec_to_json(spec)
     return {
@@ -75,6 +99,15 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     bed: Bed, node: Vm
 ) -> None:
     inputs = props(bed, node)
+    # admin_cidrs without the deploy's own address: refused in one line before any change.
+    locked_out = props(bed, node, admin_cidrs=(f"{OUTSIDE}/32",))
+    code, _, err = in_netns(
+        bed, "tests.vm.provider_call", {"method": "create", "args": [locked_out]}
+    )
+    assert code != 0
+    assert f"admin_cidrs: this deploy reaches the machine from {HOST}, which admin_cidrs" in err
+    assert units(node) == [], "a refused deploy changes nothing"
+
     start = time.monotonic()
     created = provider(bed, "create", inputs)
     TIMINGS["join (provider create)"] = time.monotonic() - start
@@ -85,6 +118,10 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     assert len(replicas) == 2, units(node)
     assert node.ssh("systemctl is-active denv-agent.service", check=False).strip() == "active"
     assert node.ssh("nvidia-smi --query-gpu=index --format=csv,noheader").split() == ["0", "1"]
+
+    start = time.monotonic()
+    check_firewalls(bed, node)
+    TIMINGS["firewalls (node, balancer host)"] = time.monotonic() - start
 
     olds = created["outs"]
     assert provider(bed, "diff", created["id"], olds, inputs) == {"changes": False, "replaces": []}
@@ -100,3 +137,30 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     assert [u for u in units(node) if u.startswith("denv-replica-")] == []
     left = node.ssh("systemctl list-units --all --plain --no-legend 'denv-replica-*' || true")
     assert left.strip() == ""
+
+
+def check_firewalls(bed: Bed, node: Vm) -> None:
+    """SSH, replica and agent ports answer the admin and balancer (HOST) only; then the same
+    machine as its site's balancer host: its stats port likewise, its endpoint open to all."""
+    guarded = [22, 8000, 8001, 9100]
+    seen = reach(bed, node, [(source, port) for source in (OUTSIDE, HOST) for port in guarded])
+    assert {port: seen[OUTSIDE, port] for port in guarded} == dict.fromkeys(guarded, "timeout")
+    assert seen[HOST, 22] == "open" and seen[HOST, 9100] == "open", seen  # sshd, the agent
+    assert "timeout" not in (seen[HOST, 8000], seen[HOST, 8001]), seen
+
+    balancer = {"host": node.address, "key": str(bed.key), "stats_port": STATS_PORT}
+    balancer["admin_cidrs"] = [f"{HOST}/32"]
+    code, out, err = in_netns(bed, "tests.vm.balancer_firewall_call", balancer)
+    assert code == 0, err[-3000:]
+    assert "firewall: restart the firewall" in json.loads(out)
+    tries = [(OUTSIDE, STATS_PORT), (OUTSIDE, ENDPOINT_PORT), (OUTSIDE, 22), (HOST, STATS_PORT)]
+    seen = reach(bed, node, tries)
+    assert seen == {
+        (OUTSIDE, STATS_PORT): "timeout",
+        (OUTSIDE, ENDPOINT_PORT): "refused",  # reachable: nothing listens in this VM
+        (OUTSIDE, 22): "timeout",
+        (HOST, STATS_PORT): "refused",
+    }
+    code, out, err = in_netns(bed, "tests.vm.balancer_firewall_call", balancer)
+    assert code == 0, err[-3000:]
+    assert json.loads(out) == [], "a second run changes nothing"
