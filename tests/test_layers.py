@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.schema_docs",
         ),
     ),
-    ("machines", ("denv_iac.node", "denv_iac.local", "denv_iac.lambda_api")),
+    ("machines", ("denv_iac.node", "denv_iac.local", "denv_iac.lambda_api", "denv_iac.robot_api")),
     ("wiring", ("denv_iac.components",)),
     ("ops", ("denv_iac.ops",)),
     ("cli", ("denv_iac.cli", "denv_iac.__main__")),

@@ -1,0 +1,185 @@
+"""The Robot firewall of Hetzner GEX boxes, as a dynamic resource over Robot's webservice.
+
+The firewall filters each box's switch port, statelessly: it sees packets, not connections.
+So besides the site's ingress rows (`denv_iac.components.security.site_ingress_rules`: SSH from
+the admin CIDRs, replica and agent ports from the balancer hosts) it must accept the replies to
+the node's own traffic (package mirrors, model downloads, DNS, NTP): TCP segments with ACK set
+and UDP datagrams to the ephemeral ports, and ICMP (path MTU discovery). Robot keeps at most 10
+input rules, so each source's ports are merged into as few ranges as cover exactly them.
+IPv4 only (`filter_ipv6` off): IPv6 and an IPv6 admin CIDR are left to the node's nftables,
+which narrow everything again on the node.
+
+The webservice user and password are secret inputs, kept in the resource's state as secrets:
+the engine hands `delete` and `read` only the state, and they must reach Robot too.
+"""
+
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+import pulumi
+import pulumi.dynamic as dynamic
+
+from denv_iac.components.dynamic_resource import DynamicResource
+from denv_iac.components.security import IngressRule
+from denv_iac.robot_api import MAX_INPUT_RULES, RobotApiError, RobotClient
+
+USER, PASSWORD = "robot_user", "robot_password"
+INPUTS = ("address", "rules")
+EPHEMERAL_PORTS = "32768-65535"
+# Replies to what the node itself opened, and ICMP (unreachable, fragmentation needed).
+REPLY_RULES: tuple[dict[str, str], ...] = (
+    {"name": "icmp", "ip_version": "ipv4", "protocol": "icmp", "action": "accept"},
+    {
+        "name": "tcp replies",
+        "ip_version": "ipv4",
+        "protocol": "tcp",
+        "dst_port": EPHEMERAL_PORTS,
+        "tcp_flags": "ack",
+        "action": "accept",
+    },
+    {
+        "name": "udp replies",
+        "ip_version": "ipv4",
+        "protocol": "udp",
+        "dst_port": EPHEMERAL_PORTS,
+        "action": "accept",
+    },
+)
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9 -]+")
+
+
+def robot_rules(
+    rules: Sequence[IngressRule], balancer_addresses: Mapping[str, str]
+) -> list[dict[str, str]]:
+    """The firewall's input rules: per source, its ports merged into ranges; then the replies."""
+    ports: dict[str, list[tuple[int, int]]] = {}
+    names: dict[str, str] = {}
+    for rule in rules:
+        source = balancer_addresses[rule.source] if rule.from_balancer else rule.source
+        if not source or ":" in source:
+            continue
+        cidr = source if "/" in source else f"{source}/32"
+        ports.setdefault(cidr, []).append((rule.from_port, rule.to_port))
+        who = f"balancer {rule.source}" if rule.from_balancer else "admin"
+        names.setdefault(cidr, _NAME_UNSAFE.sub(" ", who)[:40].strip())
+    out = []
+    for cidr, ranges in ports.items():
+        for low, high in _merged(ranges):
+            out.append(
+                {
+                    "name": names[cidr],
+                    "ip_version": "ipv4",
+                    "protocol": "tcp",
+                    "src_ip": cidr,
+                    "dst_port": str(low) if low == high else f"{low}-{high}",
+                    "action": "accept",
+                }
+            )
+    return [*out, *REPLY_RULES]
+
+
+def robot_problems(site_name: str, rules: Sequence[Mapping[str, str]]) -> list[str]:
+    if len(rules) <= MAX_INPUT_RULES:
+        return []
+    return [
+        f"sites: {site_name}: the Robot firewall takes at most {MAX_INPUT_RULES} input rules and "
+        f"this site needs {len(rules)} ({len(REPLY_RULES)} for replies, the rest one per admin "
+        "CIDR and per balancer host and port range); list fewer admin_cidrs or balancer sites"
+    ]
+
+
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for low, high in sorted(ranges):
+        if out and low <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
+
+
+def _state(props: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: props[key] for key in (USER, PASSWORD, *INPUTS) if key in props}
+
+
+class RobotFirewallProvider(dynamic.ResourceProvider):
+    """The whole firewall of one box, found by its address; deleting it disables it."""
+
+    def __init__(
+        self,
+        transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        super().__init__()
+        self._transport, self._sleep = transport, sleep
+
+    def _client(self, props: Mapping[str, Any]) -> RobotClient:
+        return RobotClient(
+            str(props[USER]), str(props[PASSWORD]), transport=self._transport, sleep=self._sleep
+        )
+
+    def _set(self, props: Mapping[str, Any], number: int, active: bool) -> None:
+        with self._client(props) as robot:
+            robot.set_firewall(
+                number,
+                status="active" if active else "disabled",
+                whitelist_hos=True,  # Hetzner's own services (rescue system, monitoring)
+                filter_ipv6=False,
+                rules=list(props["rules"]) if active else [],
+            )
+
+    def create(self, props: dict[str, Any]) -> dynamic.CreateResult:
+        with self._client(props) as robot:
+            number = robot.server_number(str(props["address"]))
+        self._set(props, number, active=True)
+        return dynamic.CreateResult(str(number), {**_state(props), "server_number": number})
+
+    def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> dynamic.DiffResult:
+        changes = [key for key in (USER, PASSWORD, *INPUTS) if olds.get(key) != news.get(key)]
+        return dynamic.DiffResult(
+            changes=bool(changes), replaces=[key for key in changes if key == "address"]
+        )
+
+    def update(self, id_: str, olds: dict[str, Any], news: dict[str, Any]) -> dynamic.UpdateResult:
+        if olds.get("rules") != news.get("rules"):
+            self._set(news, int(id_), active=True)
+        return dynamic.UpdateResult({**_state(news), "server_number": int(id_)})
+
+    def read(self, id_: str, props: dict[str, Any]) -> dynamic.ReadResult:
+        try:
+            with self._client(props) as robot:
+                firewall = robot.firewall(int(id_))
+        except RobotApiError as e:
+            if e.status == 404:
+                return dynamic.ReadResult("", {})
+            raise
+        rules = list(firewall.input_rules) if firewall.status == "active" else []
+        return dynamic.ReadResult(id_, {**_state(props), "rules": rules, "server_number": int(id_)})
+
+    def delete(self, id_: str, props: dict[str, Any]) -> None:
+        self._set(props, int(id_), active=False)
+
+
+class RobotFirewall(DynamicResource, module="hetzner", name="RobotFirewall"):
+    """The Robot firewall of one GEX box: its rules, set whole and in order."""
+
+    server_number: pulumi.Output[int]
+
+    def __init__(
+        self,
+        resource_name: str,
+        props: Mapping[str, pulumi.Input[Any]],
+        opts: pulumi.ResourceOptions | None = None,
+        provider: RobotFirewallProvider | None = None,
+    ) -> None:
+        # The credentials are secret inputs; their copies in the state must stay secrets.
+        secret = pulumi.ResourceOptions(additional_secret_outputs=[USER, PASSWORD])
+        super().__init__(
+            provider or RobotFirewallProvider(),
+            resource_name,
+            {**props, "server_number": None},
+            pulumi.ResourceOptions.merge(opts, secret),
+        )

@@ -1,0 +1,171 @@
+"""A small typed client for Hetzner Robot's webservice: the stateless firewall of dedicated servers.
+
+GEX boxes are dedicated servers, ordered and managed through Robot, not Hetzner Cloud; their
+firewall filters on the switch port, before the node. As the webservice documents it
+(robot.hetzner.com/doc/webservice, "Firewall"): HTTP basic auth with a webservice user, JSON
+answers, form-encoded POSTs; `GET /server` lists the account's servers (`server_ip`,
+`server_number`); `GET /firewall/{server-number}` reads one firewall and
+`POST /firewall/{server-number}` sets it whole: `status` (active or disabled), `whitelist_hos`,
+`filter_ipv6` and at most 10 input rules `rules[input][n][field]`, applied in order, the first
+that matches deciding; anything no rule accepts is discarded. A change is applied to the switch
+in about 30 s, during which the firewall reads `in process`. A failure is
+`{"error": {"status", "code", "message"}}` and becomes one `RobotApiError` line, never the
+credentials. No Pulumi here.
+"""
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+API_URL = "https://robot-ws.your-server.de"
+MAX_INPUT_RULES = 10
+RULE_FIELDS = (
+    "name",
+    "ip_version",
+    "dst_ip",
+    "dst_port",
+    "src_ip",
+    "src_port",
+    "protocol",
+    "tcp_flags",
+    "action",
+)
+IN_PROCESS = "in process"
+WAIT_S = 300.0  # how long a change may stay `in process` before the call gives up
+POLL_S = 10.0
+
+
+class RobotApiError(Exception):
+    """One line: the operation, and what Robot said went wrong."""
+
+    def __init__(self, operation: str, message: str, status: int = 0, code: str = "") -> None:
+        super().__init__(f"Hetzner Robot {operation}: {message}")
+        self.status = status
+        self.code = code
+
+
+Rule = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Firewall:
+    server_number: int
+    status: str  # active, disabled, or `in process` while the switch is configured
+    whitelist_hos: bool
+    filter_ipv6: bool
+    input_rules: tuple[dict[str, str], ...]
+
+
+def form(
+    status: str, whitelist_hos: bool, filter_ipv6: bool, rules: Sequence[Rule]
+) -> dict[str, str]:
+    """The POST body: the firewall as a whole, rules numbered in order, empty fields left out."""
+    if len(rules) > MAX_INPUT_RULES:
+        raise ValueError(f"{len(rules)} input rules; Robot takes at most {MAX_INPUT_RULES}")
+    body = {
+        "status": status,
+        "whitelist_hos": "true" if whitelist_hos else "false",
+        "filter_ipv6": "true" if filter_ipv6 else "false",
+    }
+    for n, rule in enumerate(rules):
+        unknown = set(rule) - set(RULE_FIELDS)
+        if unknown:
+            raise ValueError(f"rule {n}: fields {sorted(unknown)} are not Robot's")
+        body.update({f"rules[input][{n}][{k}]": str(v) for k, v in rule.items() if v})
+    return body
+
+
+class RobotClient:
+    def __init__(
+        self,
+        user: str,
+        password: str,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        wait_s: float = WAIT_S,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self._http = httpx.Client(
+            base_url=API_URL, auth=(user, password), transport=transport, timeout=60.0
+        )
+        self._sleep, self._wait_s, self._poll_s = sleep, wait_s, poll_s
+
+    def __enter__(self) -> "RobotClient":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._http.close()
+
+    def server_number(self, address: str) -> int:
+        """The number of the account's server whose main IPv4 address this is."""
+        for item in self._call("list servers", "GET", "/server"):
+            server = item["server"]
+            if server.get("server_ip") == address:
+                return int(server["server_number"])
+        raise RobotApiError(
+            "list servers",
+            f"no server of this account has the address {address}; check the node's address "
+            "and that the webservice user belongs to the account that ordered it",
+        )
+
+    def firewall(self, number: int) -> Firewall:
+        return _firewall(self._call("read firewall", "GET", f"/firewall/{number}"))
+
+    def set_firewall(
+        self,
+        number: int,
+        *,
+        status: str,
+        whitelist_hos: bool,
+        filter_ipv6: bool,
+        rules: Sequence[Rule],
+    ) -> Firewall:
+        """Set the whole firewall, then wait until the switch has it."""
+        body = form(status, whitelist_hos, filter_ipv6, rules)
+        answer = _firewall(self._call("set firewall", "POST", f"/firewall/{number}", data=body))
+        deadline = self._wait_s
+        while answer.status == IN_PROCESS:
+            if deadline <= 0:
+                raise RobotApiError(
+                    "set firewall", f"still {IN_PROCESS} after {self._wait_s:.0f} s; run again"
+                )
+            self._sleep(self._poll_s)
+            deadline -= self._poll_s
+            answer = self.firewall(number)
+        return answer
+
+    def _call(
+        self, operation: str, method: str, path: str, data: Mapping[str, str] | None = None
+    ) -> Any:
+        try:
+            response = self._http.request(method, path, data=data)
+        except httpx.HTTPError as e:
+            raise RobotApiError(operation, f"no answer ({type(e).__name__})") from None
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.is_success and body is not None:
+            return body
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        message = str(error.get("message") or f"HTTP {response.status_code}")
+        raise RobotApiError(operation, message, response.status_code, str(error.get("code", "")))
+
+
+def _firewall(body: Any) -> Firewall:
+    firewall = body["firewall"]
+    rules = (firewall.get("rules") or {}).get("input") or []
+    return Firewall(
+        server_number=int(firewall["server_number"]),
+        status=str(firewall["status"]),
+        whitelist_hos=bool(firewall["whitelist_hos"]),
+        filter_ipv6=bool(firewall.get("filter_ipv6", False)),
+        input_rules=tuple(
+            {k: str(v) for k, v in rule.items() if k in RULE_FIELDS and v is not None}
+            for rule in rules
+        ),
+    )

@@ -1,0 +1,329 @@
+"""The Robot firewall of GEX boxes: its rules as a stateless filter, and the dynamic provider's
+create, diff, update, read and delete called for real against a fake Robot webservice that
+checks every request against the documented firewall fields (robot.hetzner.com/doc/webservice,
+"Firewall": POST /firewall/{server-number} with status, whitelist_hos, filter_ipv6 and at most
+10 rules[input][n][...]).
+"""
+
+import base64
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl
+
+import httpx
+import pytest
+
+from denv_iac.components.hetzner_robot import (
+    PASSWORD,
+    REPLY_RULES,
+    USER,
+    RobotFirewallProvider,
+    robot_problems,
+    robot_rules,
+)
+from denv_iac.components.security import IngressRule
+from denv_iac.robot_api import RULE_FIELDS, RobotApiError, RobotClient
+
+LOGIN, SECRET = "#ws+denvTEST", "robot-password-material"
+BOX, NUMBER = "203.0.113.21", 2187654
+BALANCER = "198.51.100.7"
+ADMIN = "192.0.2.0/24"
+
+PROTOCOLS = {"tcp", "udp", "gre", "icmp", "ipip", "ah", "esp"}
+PORTS = re.compile(r"(\d{1,5})(?:-(\d{1,5}))?")
+RULE_KEY = re.compile(r"rules\[input\]\[(\d+)\]\[(\w+)\]")
+
+
+def _error(status: int, code: str, message: str) -> httpx.Response:
+    return httpx.Response(
+        status, json={"error": {"status": status, "code": code, "message": message}}
+    )
+
+
+def check_rule(n: int, rule: dict[str, str]) -> None:
+    """One input rule as the webservice documents it."""
+    assert set(rule) <= set(RULE_FIELDS), rule
+    assert rule.get("action") in ("accept", "discard"), rule
+    version = rule.get("ip_version")
+    assert version in (None, "ipv4", "ipv6"), rule
+    if "protocol" in rule:
+        assert rule["protocol"] in PROTOCOLS, rule
+    if "tcp_flags" in rule:
+        assert rule.get("protocol") == "tcp", f"rule {n}: tcp_flags only with tcp"
+    for key in ("src_ip", "dst_ip"):
+        if key in rule:
+            network = ipaddress.ip_network(rule[key])
+            assert version == f"ipv{network.version}", f"rule {n}: {key} and ip_version differ"
+    for key in ("src_port", "dst_port"):
+        if key in rule:
+            match = PORTS.fullmatch(rule[key])
+            assert match, f"rule {n}: {key} {rule[key]!r}"
+            low, high = int(match[1]), int(match[2] or match[1])
+            assert 0 < low <= high <= 65535, rule
+            assert rule.get("protocol") in ("tcp", "udp"), f"rule {n}: ports need tcp or udp"
+    assert re.fullmatch(r"[A-Za-z0-9 -]{0,50}", rule.get("name", "")), rule
+
+
+@dataclass
+class FakeRobot:
+    """Robot's webservice for one account, as far as the firewall provider uses it."""
+
+    servers: dict[int, str] = field(default_factory=lambda: {NUMBER: BOX, 1000001: "192.0.2.99"})
+    firewalls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    process_reads: int = 1  # a change reads `in process` this many times, then applied
+    pending: dict[int, int] = field(default_factory=dict)
+    posts: list[dict[str, str]] = field(default_factory=list)
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.host == "robot-ws.your-server.de"
+        expected = "Basic " + base64.b64encode(f"{LOGIN}:{SECRET}".encode()).decode()
+        if request.headers.get("Authorization") != expected:
+            return _error(401, "UNAUTHORIZED", "Unauthorized")
+        path = request.url.path
+        if request.method == "GET" and path == "/server":
+            return httpx.Response(
+                200,
+                json=[
+                    {"server": {"server_ip": ip, "server_number": n, "product": "GEX44"}}
+                    for n, ip in self.servers.items()
+                ],
+            )
+        match = re.fullmatch(r"/firewall/(\d+)", path)
+        assert match, f"{request.method} {path} is not a call the provider makes"
+        number = int(match[1])
+        if number not in self.servers:
+            return _error(404, "SERVER_NOT_FOUND", "Server not found")
+        if request.method == "POST":
+            content_type = request.headers["Content-Type"]
+            assert content_type == "application/x-www-form-urlencoded", content_type
+            self._post(number, dict(parse_qsl(request.content.decode(), keep_blank_values=True)))
+        else:
+            assert request.method == "GET", request.method
+        return httpx.Response(200, json={"firewall": self._read(number)})
+
+    def _post(self, number: int, body: dict[str, str]) -> None:
+        self.posts.append(dict(body))
+        status = body.pop("status")
+        assert status in ("active", "disabled")
+        flags = {key: body.pop(key) for key in ("whitelist_hos", "filter_ipv6")}
+        assert set(flags.values()) <= {"true", "false"}, flags
+        rules: dict[int, dict[str, str]] = {}
+        for key, value in body.items():
+            found = RULE_KEY.fullmatch(key)
+            assert found, f"{key} is not a documented field"
+            rules.setdefault(int(found[1]), {})[found[2]] = value
+        assert sorted(rules) == list(range(len(rules))), "rules are numbered from 0, in order"
+        assert len(rules) <= 10, f"{len(rules)} input rules; Robot takes at most 10"
+        for n, rule in rules.items():
+            check_rule(n, rule)
+        self.firewalls[number] = {
+            "status": status,
+            "whitelist_hos": flags["whitelist_hos"] == "true",
+            "filter_ipv6": flags["filter_ipv6"] == "true",
+            "input": [rules[n] for n in sorted(rules)],
+        }
+        self.pending[number] = self.process_reads + 1
+
+    def _read(self, number: int) -> dict[str, Any]:
+        firewall = self.firewalls.get(
+            number, {"status": "disabled", "whitelist_hos": True, "filter_ipv6": False, "input": []}
+        )
+        left = self.pending.get(number, 0)
+        self.pending[number] = max(0, left - 1)
+        full = [{**dict.fromkeys(RULE_FIELDS), **rule} for rule in firewall["input"]]
+        return {
+            "server_ip": self.servers[number],
+            "server_number": number,
+            "status": "in process" if left > 1 else firewall["status"],
+            "whitelist_hos": firewall["whitelist_hos"],
+            "filter_ipv6": firewall["filter_ipv6"],
+            "port": "main",
+            "rules": {"input": full, "output": []},
+        }
+
+
+SSH = IngressRule("ssh-admin", "ssh from admins", 22, 22, ADMIN)
+SITE_RULES = [
+    SSH,
+    IngressRule("ssh-v6", "ssh from admins", 22, 22, "2001:db8::/48"),
+    IngressRule("agent-from-edge", "agent", 9100, 9100, "edge", from_balancer=True),
+    IngressRule("voice-from-edge", "voice", 8000, 8127, "edge", from_balancer=True),
+    IngressRule("side-from-edge", "side", 8128, 8255, "edge", from_balancer=True),
+]
+EXPECTED = [
+    {"name": "admin", "ip_version": "ipv4", "protocol": "tcp", "src_ip": ADMIN, "dst_port": "22"},
+    *(
+        {
+            "name": "balancer edge",
+            "ip_version": "ipv4",
+            "protocol": "tcp",
+            "src_ip": f"{BALANCER}/32",
+            "dst_port": ports,
+        }
+        for ports in ("8000-8255", "9100")
+    ),
+]
+
+
+def test_rules_open_ssh_to_admins_and_each_balancers_ports_merged_then_the_replies() -> None:
+    rules = robot_rules(SITE_RULES, {"edge": BALANCER})
+    assert rules == [*({**rule, "action": "accept"} for rule in EXPECTED), *REPLY_RULES]
+    for n, rule in enumerate(rules):
+        check_rule(n, rule)
+
+
+@dataclass(frozen=True)
+class Packet:
+    source: str
+    protocol: str
+    port: int
+    ack: bool = False  # a reply, or later in a connection; a new connection's SYN has none
+
+
+def _accepted(rules: list[dict[str, str]], packet: Packet) -> bool:
+    """Robot's stateless filter: the first rule that matches decides; nothing matching: discard."""
+    for rule in rules:
+        if rule.get("protocol", packet.protocol) != packet.protocol:
+            continue
+        if "src_ip" in rule and ipaddress.ip_address(packet.source) not in ipaddress.ip_network(
+            rule["src_ip"]
+        ):
+            continue
+        if "dst_port" in rule:
+            low, _, high = rule["dst_port"].partition("-")
+            if not int(low) <= packet.port <= int(high or low):
+                continue
+        if rule.get("tcp_flags") == "ack" and not packet.ack:
+            continue
+        return rule["action"] == "accept"
+    return False
+
+
+@pytest.mark.parametrize(
+    "packet, accepted",
+    [
+        (Packet(BALANCER, "tcp", 8000), True),  # a balancer opens a replica connection
+        (Packet(BALANCER, "tcp", 8255), True),
+        (Packet(BALANCER, "tcp", 9100), True),  # and an agent check
+        (Packet(BALANCER, "tcp", 22), False),  # but no SSH
+        (Packet("192.0.2.10", "tcp", 22), True),  # an admin's SSH
+        (Packet("192.0.2.10", "tcp", 8000), False),
+        (Packet("203.0.113.99", "tcp", 8000), False),  # anyone else: nothing
+        (Packet("203.0.113.99", "tcp", 22), False),
+        (Packet("203.0.113.99", "tcp", 9100), False),
+        # The node's own traffic: replies come back to its ephemeral ports.
+        (Packet("151.101.2.132", "tcp", 41000, ack=True), True),  # a mirror's answer
+        (Packet("151.101.2.132", "tcp", 41000), False),  # a SYN there is not a reply
+        (Packet("9.9.9.9", "udp", 53000), True),  # a resolver's answer
+        (Packet("9.9.9.9", "udp", 53), False),
+        (Packet("203.0.113.99", "icmp", 0), True),  # fragmentation needed, unreachable
+    ],
+)
+def test_the_stateless_firewall_lets_in_what_it_should_and_nothing_else(
+    packet: Packet, accepted: bool
+) -> None:
+    assert _accepted(robot_rules(SITE_RULES, {"edge": BALANCER}), packet) is accepted
+
+
+def test_more_than_ten_rules_is_one_line_naming_the_site() -> None:
+    admins = [IngressRule(f"ssh-{i}", "ssh", 22, 22, f"192.0.2.{i * 8}/29") for i in range(7)]
+    rules = robot_rules([*admins, *SITE_RULES[2:]], {"edge": BALANCER})
+    assert len(rules) == 12
+    (problem,) = robot_problems("gex", rules)
+    assert problem.startswith("sites: gex: the Robot firewall takes at most 10 input rules and")
+    assert "needs 12" in problem
+    assert robot_problems("gex", robot_rules(SITE_RULES, {"edge": BALANCER})) == []
+
+
+def _props(rules: list[dict[str, str]] | None = None, **extra: Any) -> dict[str, Any]:
+    rules = robot_rules(SITE_RULES, {"edge": BALANCER}) if rules is None else rules
+    return {USER: LOGIN, PASSWORD: SECRET, "address": BOX, "rules": rules, **extra}
+
+
+def _provider(robot: FakeRobot, sleeps: list[float]) -> RobotFirewallProvider:
+    return RobotFirewallProvider(robot.transport(), sleeps.append)
+
+
+def test_create_finds_the_box_by_address_sets_its_rules_and_waits_for_the_switch() -> None:
+    robot, sleeps = FakeRobot(process_reads=2), []
+    result = _provider(robot, sleeps).create(_props())
+    assert result.id == str(NUMBER)
+    assert result.outs["server_number"] == NUMBER
+    (post,) = robot.posts
+    assert post["status"] == "active" and post["filter_ipv6"] == "false"
+    firewall = robot.firewalls[NUMBER]
+    assert firewall["input"] == _props()["rules"]
+    assert len(sleeps) == 2  # two reads `in process`, then active
+    assert 1000001 not in robot.firewalls
+
+
+def test_diff_update_read_and_delete_as_the_engine_calls_them() -> None:
+    robot, sleeps = FakeRobot(process_reads=0), []
+    provider = _provider(robot, sleeps)
+    created = provider.create(_props())
+    olds, number = created.outs, created.id
+    moved = robot_rules(SITE_RULES, {"edge": "198.51.100.8"})
+    cases = {
+        "same": (_props(), False, []),
+        "balancer moved": (_props(moved), True, []),
+        "new password": (_props(**{PASSWORD: "rotated"}), True, []),
+        "another box": (_props(address="192.0.2.99"), True, ["address"]),
+    }
+    for name, (news, changes, replaces) in cases.items():
+        diff = provider.diff(number, olds, news)
+        assert (diff.changes, diff.replaces) == (changes, replaces), name
+    # Only the password: nothing to tell Robot, the state keeps the new one.
+    rotated = provider.update(number, olds, {**olds, PASSWORD: SECRET})
+    assert len(robot.posts) == 1 and rotated.outs[PASSWORD] == SECRET
+    provider.update(number, olds, _props(moved))
+    assert len(robot.posts) == 2
+    assert robot.firewalls[NUMBER]["input"][1]["src_ip"] == "198.51.100.8/32"
+    read = provider.read(number, _props(moved))
+    assert read.id == number and read.outs["rules"] == moved
+    provider.delete(number, _props(moved))
+    assert robot.posts[-1] == {
+        "status": "disabled",
+        "whitelist_hos": "true",
+        "filter_ipv6": "false",
+    }
+    assert provider.read(number, _props(moved)).outs["rules"] == []
+    assert provider.read("1000002", _props()).id == ""  # not a server of the account (any more)
+
+
+@pytest.mark.parametrize(
+    "props, message",
+    [
+        (
+            _props(address="203.0.113.250"),
+            "Hetzner Robot list servers: no server of this account has the address 203.0.113.250",
+        ),
+        (
+            _props(**{PASSWORD: "wrong-password-material"}),
+            "Hetzner Robot list servers: Unauthorized",
+        ),
+    ],
+)
+def test_a_failure_is_one_line_without_the_credentials(props: dict[str, Any], message: str) -> None:
+    robot = FakeRobot()
+    with pytest.raises(RobotApiError) as raised:
+        _provider(robot, []).create(props)
+    text = str(raised.value)
+    assert text.startswith(message) and "\n" not in text
+    assert SECRET not in text and "wrong-password" not in text and LOGIN not in text
+    assert robot.posts == []
+
+
+def test_a_change_that_stays_in_process_gives_up_with_one_line() -> None:
+    robot = FakeRobot(process_reads=100)
+    client = RobotClient(LOGIN, SECRET, transport=robot.transport(), sleep=lambda _: None)
+    with pytest.raises(
+        RobotApiError, match="set firewall: still in process after 300 s; run again"
+    ):
+        client.set_firewall(
+            NUMBER, status="active", whitelist_hos=True, filter_ipv6=False, rules=[]
+        )
