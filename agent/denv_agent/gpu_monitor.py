@@ -38,6 +38,8 @@ class GpuView:
     faults: Faults
     xid_events: Mapping[int, str]
     stalled_s: Mapping[int, float]
+    # How long NVML's start-up (nvmlInit, count, handles) has run, once past the stall limit.
+    init_stalled_s: float | None = None
 
 
 class GpuMonitor:
@@ -51,6 +53,7 @@ class GpuMonitor:
         self._readings: dict[int, GpuReading] = {}
         self._xid_events: dict[int, str] = {}
         self._poll_started: dict[int, float] = {}
+        self._open_started: float | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -74,12 +77,14 @@ class GpuMonitor:
             for gpu, started in self._poll_started.copy().items()
             if now - started >= stall_s
         }
+        opening = self._open_started
         return GpuView(
             nvml=self._status,
             readings=self._readings.copy(),
             faults=self.faults.snapshot(),
             xid_events=self._xid_events.copy(),
             stalled_s=stalled,
+            init_stalled_s=None if opening is None or now - opening < stall_s else now - opening,
         )
 
     def _run(self) -> None:
@@ -101,6 +106,7 @@ class GpuMonitor:
 
     def _open(self) -> list[Device | GpuReading] | None:
         nvml = self.nvml
+        self._open_started = time.monotonic()
         try:
             nvml.nvmlInit()
             count = nvml.nvmlDeviceGetCount()
@@ -113,6 +119,7 @@ class GpuMonitor:
                     error,
                     NVML_RETRY_S,
                 )
+            self._open_started = None
             self._status = NvmlStatus("unavailable", error)
             self.on_change()
             return None
@@ -124,6 +131,7 @@ class GpuMonitor:
         for item in opened:
             self._store_open(item)
         log.info("nvml: driver %s, %d gpu(s)", driver or "unknown", count)
+        self._open_started = None
         self._status = NvmlStatus("ok", driver_version=driver, gpu_count=count)
         self.on_change()
         return opened

@@ -117,6 +117,9 @@ def _node_conditions(gpus: GpuView, drains: Drains) -> list[Condition]:
     found: list[Condition] = []
     if gpus.nvml.state == "unavailable":
         found.append(conditions.down("nvml unavailable"))
+    elif gpus.init_stalled_s is not None:
+        # Hung in NVML's start-up nothing about the GPUs is known, as when NVML cannot load.
+        found.append(conditions.down("nvml init stalled"))
     found.extend(gpus.faults.node)
     if drains.unreadable:
         found.append(conditions.drain(drains.unreadable))

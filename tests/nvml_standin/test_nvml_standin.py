@@ -134,10 +134,10 @@ def replicas() -> Iterator[list[ReplicaServer]]:
         server.close()
 
 
-@pytest.fixture
-def agent(tmp_path: Path, replicas: list[ReplicaServer]) -> Iterator[AgentProcess]:
-    """`denv-agent` with real pynvml over the stand-in: both replicas up, XIDs registered."""
+def start_agent(tmp_path: Path, replicas: list[ReplicaServer], *faults: str) -> AgentProcess:
+    """`denv-agent` with real pynvml over the stand-in, with these faults from the start."""
     env = machine(tmp_path / "root")
+    nvml_standin.set_faults(tmp_path / "root", *faults)
     data = config_data(
         tmp_path,
         [replica(i, s.health_url) for i, s in enumerate(replicas)],
@@ -145,7 +145,13 @@ def agent(tmp_path: Path, replicas: list[ReplicaServer]) -> Iterator[AgentProces
     )
     config = tmp_path / "agent.toml"
     config.write_text(to_toml(data))
-    with AgentProcess(config, env=env) as process:
+    return AgentProcess(config, env=env)
+
+
+@pytest.fixture
+def agent(tmp_path: Path, replicas: list[ReplicaServer]) -> Iterator[AgentProcess]:
+    """The agent over healthy stand-in GPUs: both replicas up, XIDs registered."""
+    with start_agent(tmp_path, replicas) as process:
         wait_for(lambda: replies(process), (UP, UP))
         wait_for(lambda: [g["xid_events"] for g in healthz(process)["gpus"]], ["registered"] * 2)
         yield process
@@ -230,3 +236,14 @@ def test_a_hung_nvml_call_is_reported_and_never_blocks_replies_or_stopping(
     started = time.monotonic()
     assert agent.stop() == 0
     assert time.monotonic() - started < 5
+
+
+def test_nvml_hung_in_its_start_up_takes_every_replica_down_until_it_returns(
+    tmp_path: Path, replicas: list[ReplicaServer]
+) -> None:
+    with start_agent(tmp_path, replicas, "hang nvmlInitWithFlags") as process:
+        wait_for(lambda: replies(process), ("down #nvml init stalled\n",) * 2)
+        assert healthz(process)["nvml"]["state"] == "initializing"  # type: ignore[index]
+        nvml_standin.set_faults(tmp_path / "root")
+        wait_for(lambda: replies(process), (UP, UP))
+        assert healthz(process)["nvml"]["gpu_count"] == 2  # type: ignore[index]
