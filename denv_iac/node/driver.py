@@ -7,7 +7,7 @@ import re
 import shlex
 
 from denv_iac.node.facts import NodeFacts
-from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED
+from denv_iac.node.holders import PERSISTENCED, active, stopped_around
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import (
     APT_UPDATE,
@@ -109,12 +109,16 @@ def verify_command(spec: NodeDeploySpec) -> str:
     )
 
 
-def reload_modules_command() -> str:
-    # Clients of the device (persistenced, fabric manager) hold the modules; stop them first.
-    return (
-        f"systemctl stop {FABRICMANAGER} {PERSISTENCED} 2>/dev/null; "
-        f"modprobe -r {' '.join(MODULES)} && modprobe nvidia && modprobe nvidia_uvm"
-    )
+def reload_modules_command(stop: list[str]) -> str:
+    """Unload and load the modules with `stop` (the units holding the device) stopped around."""
+    reload = f"modprobe -r {' '.join(MODULES)} && modprobe nvidia && modprobe nvidia_uvm"
+    return stopped_around(stop, [reload])
+
+
+def device_users(facts: NodeFacts, spec: NodeDeploySpec) -> list[str]:
+    """What holds the GPUs now: the running replicas (first), then the NVML holders."""
+    replicas = [r.unit for r in spec.replicas if r.unit in facts.active_units]
+    return replicas + active(facts)
 
 
 def driver_package(spec: NodeDeploySpec) -> str:
@@ -163,7 +167,8 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
         pass  # a working driver of the branch asked for: verified, never reinstalled
     elif packaged_branch == spec.driver_branch and facts.smi_present:
         # Installed right, running wrong: a half-done upgrade or modules never loaded.
-        steps.append(_load_step(facts, "reload the kernel modules", reload_modules_command()))
+        command = reload_modules_command(device_users(facts, spec))
+        steps.append(_load_step(facts, "reload the kernel modules", command))
     else:
         keep = f"nvidia-driver-pinning-{spec.driver_branch}"
         purge = [name for name in installed_driver_packages(facts) if name != keep]

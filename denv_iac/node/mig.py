@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from denv_iac.node.facts import NodeFacts
+from denv_iac.node.holders import active, stopped_around
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import Step
 
@@ -31,17 +32,8 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
         steps += _gpu_steps(facts, spec, index, layout[index])
     for gpu in facts.gpus:
         if gpu.index not in layout and gpu.mig_enabled:
-            steps.append(
-                Step(
-                    "mig",
-                    f"GPU {gpu.index}: turn MIG off",
-                    (
-                        *_stop(facts, spec, gpu.index),
-                        *_mode(gpu.index, 0),
-                        *_start(facts, spec, gpu.index),
-                    ),
-                )
-            )
+            commands = _around(facts, spec, gpu.index, _mode(gpu.index, 0))
+            steps.append(Step("mig", f"GPU {gpu.index}: turn MIG off", commands))
     return steps
 
 
@@ -53,14 +45,12 @@ def _gpu_steps(
     current = sorted(device.profile for device in gpu.mig_devices) if gpu else []
     if enabled and current == sorted(profiles):
         return []
-    commands = list(_stop(facts, spec, index))
-    if not enabled:
-        commands += _mode(index, 1)
+    commands = [] if enabled else _mode(index, 1)
     if current:
         commands += [f"nvidia-smi mig -i {index} -dci", f"nvidia-smi mig -i {index} -dgi"]
     commands.append(f"nvidia-smi mig -i {index} -cgi {','.join(profiles)} -C")
-    commands += _start(facts, spec, index)
-    return [Step("mig", f"GPU {index}: {' '.join(profiles)}", tuple(commands))]
+    title = f"GPU {index}: {' '.join(profiles)}"
+    return [Step("mig", title, _around(facts, spec, index, commands))]
 
 
 def _mode(index: int, mode: int) -> list[str]:
@@ -68,15 +58,13 @@ def _mode(index: int, mode: int) -> list[str]:
     return [f"nvidia-smi -i {index} -mig {mode}", f"nvidia-smi -i {index} -r"]
 
 
-def _replica_units(facts: NodeFacts, spec: NodeDeploySpec, index: int) -> list[str]:
-    return [r.unit for r in spec.replicas if r.gpu == index and r.unit in facts.active_units]
+def _around(
+    facts: NodeFacts, spec: NodeDeploySpec, index: int, commands: list[str]
+) -> tuple[str, ...]:
+    """The commands with the GPU's running replicas and the NVML holders stopped around them.
 
-
-def _stop(facts: NodeFacts, spec: NodeDeploySpec, index: int) -> list[str]:
-    units = _replica_units(facts, spec, index)
-    return [f"systemctl stop {' '.join(units)}"] if units else []
-
-
-def _start(facts: NodeFacts, spec: NodeDeploySpec, index: int) -> list[str]:
-    units = _replica_units(facts, spec, index)
-    return [f"systemctl start {' '.join(units)}"] if units else []
+    A mode change needs a GPU reset, and DCGM and fabric manager keep GPU instances in use, so
+    the holders stop for any change; they start again even when a command fails.
+    """
+    replicas = [r.unit for r in spec.replicas if r.gpu == index and r.unit in facts.active_units]
+    return (stopped_around(replicas + active(facts), commands),)

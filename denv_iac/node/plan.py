@@ -5,7 +5,7 @@ from __future__ import annotations
 from denv_iac.node import agent, cache, driver, fabric, firewall, mig, replicas, runtime
 from denv_iac.node.driver import UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
-from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED
+from denv_iac.node.holders import STOP_ORDER
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import APT_UPDATE, Step, apt_install, wants_link
 
@@ -18,10 +18,8 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
     files = [*agent.files(spec), *replicas.files(spec), *firewall.files(spec)]
     volume = spec.cache_volume
     units = [
-        PERSISTENCED,
-        FABRICMANAGER,
+        *STOP_ORDER,  # the NVML holders: stopped around resets, reloads and MIG changes
         runtime.ENGINE_UNIT,
-        agent.UNIT,
         firewall.UNIT,
         *(r.unit for r in spec.replicas),
     ]
@@ -51,6 +49,8 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
         steps.append(
             Step("base", f"install {' '.join(missing)}", (apt_install(*missing),), uses_apt=True)
         )
+    # Before any port it guards listens (and before a reboot): right after nft is installed.
+    steps += firewall.plan(facts, spec)
     spec = driver.branch_for(facts, spec)
     steps += driver.keyring_steps(facts, spec)
     steps += driver.plan(facts, spec)
@@ -60,7 +60,6 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     steps += runtime.plan(facts, spec)
     steps += agent.plan(facts, spec)
     steps += replicas.plan(facts, spec)
-    steps += firewall.plan(facts, spec)
     if any(step.uses_apt for step in steps):
         steps.insert(0, Step("base", "refresh the package index", (APT_UPDATE,)))
     return steps

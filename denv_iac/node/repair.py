@@ -14,7 +14,7 @@ from enum import StrEnum
 from denv_iac.node import driver, fabric, mig
 from denv_iac.node.deploy import NodeSession, Target, connect
 from denv_iac.node.facts import NodeFacts
-from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED
+from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED, active, stopped_around
 from denv_iac.node.plan import fact_query
 from denv_iac.node.spec import NodeDeploySpec
 
@@ -116,16 +116,18 @@ class _Repair:
         return sorted({r.unit for r in self.spec.replicas} | facts.replica_units)
 
     def stop_replicas(self, session: NodeSession, facts: NodeFacts) -> str:
+        # They stay stopped until the GPUs are verified; the daemons holding NVML are stopped
+        # and started again by the fix itself, so a failed fix leaves them (the agent) running.
         units = self._units(facts)
         if not facts.systemd or not units:
             raise _Skip("no systemd running" if units else "no replicas on this node")
-        services = f"{FABRICMANAGER} {PERSISTENCED}"
-        return self._run(session, f"systemctl stop {' '.join(units)} {services}")
+        return self._run(session, f"systemctl stop {' '.join(units)}")
 
     def fix(self, session: NodeSession, facts: NodeFacts) -> str:
         if self.level is RepairLevel.RESET:
             count = len(facts.gpus) or len(facts.pci_gpus)
-            return "\n".join(self._run(session, f"nvidia-smi -r -i {i}") for i in range(count))
+            resets = [f"nvidia-smi -r -i {i}" for i in range(count)]
+            return self._run(session, stopped_around(active(facts), resets))
         if self.level is RepairLevel.REBOOT:
             session.reboot()
             return "rebooted and reconnected"
@@ -140,7 +142,7 @@ class _Repair:
         if not facts.systemd:
             output.append("modules not reloaded: no booted kernel of its own (chroot)")
         else:
-            ok, text = session.run(driver.reload_modules_command())
+            ok, text = session.run(driver.reload_modules_command(active(facts)))
             if not ok and self.level is RepairLevel.REINSTALL and session.can_reboot:
                 session.reboot()  # the old modules are in use; a reboot swaps them
                 text = "modules busy: rebooted"
@@ -207,19 +209,29 @@ def repair_node(
     """
     if level is RepairLevel.REBOOT and not target.is_ssh:
         raise RepairRefused(f"--level reboot: {target.host} is not a machine of its own; use SSH")
-    result = RepairReport(level)
     with connect(target) as session:
-        facts = session.facts(fact_query(spec))
-        repair = _Repair(driver.branch_for(facts, spec), level)
-        for name, action in repair.steps():
-            try:
-                step = StepReport(name, "ok", action(session, facts))
-            except _Skip as skip:
-                step = StepReport(name, "skipped", str(skip))
-            except _Fail as failure:
-                step = StepReport(name, "failed", str(failure))
-            result.steps.append(step)
-            report(step)
-            if step.status == "failed":
-                break
+        return repair_session(session, spec, level, report)
+
+
+def repair_session(
+    session: NodeSession,
+    spec: NodeDeploySpec,
+    level: RepairLevel,
+    report: Callable[[StepReport], None] = lambda step: None,
+) -> RepairReport:
+    """The repair's steps on a connected node, up to the first failure."""
+    result = RepairReport(level)
+    facts = session.facts(fact_query(spec))
+    repair = _Repair(driver.branch_for(facts, spec), level)
+    for name, action in repair.steps():
+        try:
+            step = StepReport(name, "ok", action(session, facts))
+        except _Skip as skip:
+            step = StepReport(name, "skipped", str(skip))
+        except _Fail as failure:
+            step = StepReport(name, "failed", str(failure))
+        result.steps.append(step)
+        report(step)
+        if step.status == "failed":
+            break
     return result

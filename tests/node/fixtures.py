@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from denv_iac.node import agent, driver, firewall, replicas
+from denv_iac.node import agent, driver, firewall, holders, replicas
 from denv_iac.node.facts import AGENT_VENV, GpuInfo, MigDevice, NodeFacts
 from denv_iac.node.plan import BASE_PACKAGES, fact_query
 from denv_iac.node.spec import NodeDeploySpec
@@ -107,7 +107,11 @@ def converged(
             agent.COMMAND_LINK: agent.AGENT_BIN,
         },
         dirs=frozenset(query.dirs) | {AGENT_VENV},
-        active_units=frozenset(query.units) if facts.systemd else frozenset(),
+        # Everything the deploy starts runs; DCGM is not the deploy's: it runs where it ran.
+        active_units=(frozenset(query.units) - {*holders.DCGM, holders.DCGM_EXPORTER})
+        | (facts.active_units & {*holders.DCGM, holders.DCGM_EXPORTER})
+        if facts.systemd
+        else frozenset(),
         replica_units=frozenset(r.unit for r in spec.replicas),
         runtime_configured=True,
         agent_version=spec.agent.version,

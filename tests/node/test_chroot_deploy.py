@@ -137,7 +137,7 @@ def test_1_dry_join_prints_the_plan_and_changes_nothing(root: Path, spec: NodeDe
     result = join_cli(root, spec, "--dry")
     assert result.exit_code == 0, result.output
     assert "driver: pin branch 580 and install nvidia-open" in result.output
-    assert "$ nvidia-smi mig -i 1 -cgi 1g.10gb,1g.10gb -C" in result.output
+    assert "nvidia-smi mig -i 1 -cgi 1g.10gb,1g.10gb -C" in result.output
     assert "write /etc/denv/firewall.nft" in result.output
     assert "nvidia-open" not in versions(root)
     assert not (root / "etc/denv").exists()

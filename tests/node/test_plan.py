@@ -196,9 +196,8 @@ def test_mig_layout_on_a_gpu_with_mig_off_enables_resets_and_creates() -> None:
     mig = [s for s in steps if s.area == "mig"]
     assert [s.commands for s in mig] == [
         (
-            "nvidia-smi -i 1 -mig 1",
-            "nvidia-smi -i 1 -r",
-            "nvidia-smi mig -i 1 -cgi 3g.40gb,3g.40gb,1g.10gb -C",
+            "nvidia-smi -i 1 -mig 1 && nvidia-smi -i 1 -r"
+            " && nvidia-smi mig -i 1 -cgi 3g.40gb,3g.40gb,1g.10gb -C",
         )
     ]
     unit = next(s for s in steps if s.file and s.file.path.endswith("llm.h.n.1.0.service"))
@@ -214,15 +213,16 @@ def test_mig_layout_change_stops_the_gpus_replicas_recreates_and_starts_them() -
     facts = node_facts(driver="580.95.05", mig={0: ["3g.40gb", "3g.40gb"], 1: ["7g.80gb"]})
     facts = dataclasses.replace(facts, active_units=frozenset({replica.unit}))
     mig = [s for s in plan_node(facts, the_spec) if s.area == "mig"]
+    # One command each: the replicas start again even when a MIG command fails.
     assert [s.commands for s in mig] == [
         (
-            f"systemctl stop {replica.unit}",
-            "nvidia-smi mig -i 0 -dci",
-            "nvidia-smi mig -i 0 -dgi",
-            "nvidia-smi mig -i 0 -cgi " + ",".join(["1g.10gb"] * 7) + " -C",
-            f"systemctl start {replica.unit}",
+            f"rc=0; s=0; {{ systemctl stop {replica.unit}"
+            " && nvidia-smi mig -i 0 -dci && nvidia-smi mig -i 0 -dgi"
+            " && nvidia-smi mig -i 0 -cgi " + ",".join(["1g.10gb"] * 7) + " -C; } || rc=$?; "
+            f"systemctl start {replica.unit} || s=1; "
+            '[ "$rc" -eq 0 ] || exit "$rc"; exit "$s"',
         ),
-        ("nvidia-smi -i 1 -mig 0", "nvidia-smi -i 1 -r"),  # GPU 1 is outside the layout
+        ("nvidia-smi -i 1 -mig 0 && nvidia-smi -i 1 -r",),  # GPU 1 is outside the layout
     ]
 
 
