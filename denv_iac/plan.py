@@ -5,6 +5,7 @@ from typing import Any
 
 from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.kube_manifests import site_problems
+from denv_iac.overlay import OverlayPlan, plan_overlay
 from denv_iac.placement import PlacedNode, Placement, place_replicas
 from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
 from denv_iac.spec.ports import placed_port_problems
@@ -29,6 +30,7 @@ class Plan:
     stack: StackSpec
     placement: Placement
     costs: tuple[NodeCost, ...]
+    overlay: OverlayPlan
 
     @property
     def usd_per_hour(self) -> float:
@@ -57,6 +59,13 @@ class Plan:
                 {**asdict(c.node), "usd_per_hour": round(c.usd_per_hour, 2)} for c in self.costs
             ],
             "mig_layouts": [asdict(m) for m in self.placement.mig_layouts],
+            "overlay": {
+                "on": self.overlay.on,
+                "cidr": self.overlay.spec.cidr,
+                "port": self.overlay.spec.port,
+                "members": [asdict(m) for m in self.overlay.members],
+                "links": [list(link) for link in self.overlay.links()],
+            },
             "cost": {
                 "usd_per_hour": round(self.usd_per_hour, 2),
                 "usd_per_month": round(self.usd_per_hour * HOURS_PER_MONTH, 2),
@@ -113,4 +122,4 @@ def make_plan(stack: StackSpec, previous: list[str] | None = None) -> Plan:
             continue  # an idle joined machine is not warm capacity of this stack
         price, read = node_price(stack.site(node.site), node, catalog)
         costs.append(NodeCost(node, price, read))
-    return Plan(stack, placement, tuple(costs))
+    return Plan(stack, placement, tuple(costs), plan_overlay(stack, placement))

@@ -75,12 +75,44 @@ def render_plan(plan: Plan, console: Console) -> None:
             for m in plan.placement.mig_layouts
         )
         console.print(f"MIG layout: {layouts}")
+    render_overlay(plan, console)
     hourly = plan.usd_per_hour
     read = sorted({c.price_read for c in plan.costs if c.price_read})
     basis = f" (list prices read {', '.join(read)})" if read else ""
     console.print(
         f"Warm capacity: ${hourly:,.2f}/hour, ${hourly * HOURS_PER_MONTH:,.0f}/month{basis}"
     )
+
+
+def render_overlay(plan: Plan, console: Console) -> None:
+    """Whether traffic between the balancer and the nodes is encrypted, and how."""
+    overlay = plan.overlay
+    if not overlay.on:
+        why = (
+            "balancer.overlay.enabled: false; traffic to nodes is plain HTTP"
+            if not overlay.spec.enabled
+            else "no balancer host and node reached over SSH to link; a balancer on a local site "
+            "joins none"
+        )
+        console.print(f"Overlay: off ({why})")
+        return
+    spec = overlay.spec
+    console.print(
+        f"Overlay: on, WireGuard {spec.cidr} on udp/{spec.port}, {len(overlay.members)} machines, "
+        f"{len(overlay.links())} links"
+    )
+    table = Table(title="Overlay", title_justify="left")
+    for column in ("machine", "address", "role", "reached"):
+        table.add_column(column)
+    for member in overlay.members:
+        role = "+".join(r for r, on in (("balancer", member.hub), ("node", member.node)) if on)
+        reached = (
+            "dials out (behind NAT)"
+            if member.behind_nat
+            else member.public_address or "once created"
+        )
+        table.add_row(member.name, member.address, role, reached)
+    console.print(table)
 
 
 def _brief(value: Any) -> str:

@@ -8,6 +8,7 @@ import hashlib
 import ipaddress
 
 from denv_iac.spec.model import StackSpec
+from denv_iac.spec.overlay import overlay_warnings
 
 # Kinds whose machines get a cloud firewall from the stack: without admin_cidrs it has no SSH
 # rule, so the deploy cannot reach the machines it just created.
@@ -61,4 +62,4 @@ def stack_warnings(stack: StackSpec) -> list[str]:
                 f'balancer.api_key_digests: {digest[:12]}... is the SHA-256 of "{key}", a key '
                 "anyone would try; make one with `openssl rand -hex 32` and list its digest"
             )
-    return warnings
+    return warnings + overlay_warnings(stack)

@@ -46,6 +46,9 @@ class NodeSpec:
     address: str = ""  # SSH/data-plane address; empty for local nodes (127.0.0.1)
     ssh_user: str = "root"
     server_model: str = ""  # Hetzner GEX model, when the node is one
+    # No inbound path from the internet (an office or lab behind NAT): the node dials out to the
+    # balancer hosts over the overlay and keeps its NAT mapping open; joined nodes only.
+    behind_nat: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,10 @@ class SiteSpec:
     ssh_private_key: Secret | None = None
     api_key: Secret | None = None  # Lambda Cloud
     kubeconfig: Secret | None = None  # Kubernetes
+    # Hetzner: the Robot webservice user that manages the GEX boxes' firewall (none: no Robot
+    # firewall is set, and the node's nftables alone filter).
+    robot_user: Secret | None = None
+    robot_password: Secret | None = None
     namespace: str = ""
     project_id: str = ""  # Nebius parent project
     subnet_id: str = ""  # Nebius / AWS subnet, optional on AWS
@@ -136,6 +143,21 @@ class DnsSpec:
     ttl: int = 30
 
 
+# The overlay's defaults: a private range far from the usual office and cloud subnets, and
+# WireGuard's registered port.
+OVERLAY_CIDR = "10.99.0.0/16"
+WIREGUARD_PORT = 51820
+
+
+@dataclass(frozen=True)
+class OverlaySpec:
+    """The WireGuard overlay between balancer hosts and the nodes they reach over SSH."""
+
+    enabled: bool = True
+    cidr: str = OVERLAY_CIDR
+    port: int = WIREGUARD_PORT  # UDP, on every member's public address
+
+
 @dataclass(frozen=True)
 class BalancerSpec:
     sites: tuple[str, ...]  # where HAProxy instances run
@@ -144,6 +166,7 @@ class BalancerSpec:
     tls_certificate: Secret | None = None
     prometheus_port: int = 8405
     dns: DnsSpec | None = None
+    overlay: OverlaySpec = OverlaySpec()
 
 
 @dataclass(frozen=True)

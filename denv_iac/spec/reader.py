@@ -17,11 +17,14 @@ from denv_iac.spec.model import (
     BalancerSpec,
     DnsSpec,
     NodeSpec,
+    OverlaySpec,
     RecipeSpec,
+    Secret,
     SimulatedServer,
     SiteSpec,
     StackSpec,
 )
+from denv_iac.spec.overlay import overlay_problems, read_overlay
 from denv_iac.spec.ports import stack_port_problems
 from denv_iac.spec.values import (
     HOST_RULE,
@@ -38,6 +41,7 @@ from denv_iac.spec.values import (
 CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
 SSH_KEY_HOW = "set it with 'pulumi config set --secret' (see docs/stacks.md)"
+ROBOT_FIELDS = ("robot_user", "robot_password")
 # How each provider writes its region names, so that a typo fails here, not in the provider's API.
 REGION_FORMATS = {
     "aws": (re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d$"), "us-east-1"),
@@ -91,6 +95,8 @@ def _read_node(problems: Problems, path: str, raw: object, kind: str, catalog: C
     if ssh_user and not USER_NAME.match(ssh_user):
         f.problem("ssh_user", f'"{ssh_user}" is not a login name; {USER_RULE}')
     if kind == "hetzner":
+        if f.flag("behind_nat", False):
+            f.problem("behind_nat", "a Hetzner box has a public address; remove behind_nat")
         model = f.text("server_model", example="GEX130")
         offering = catalog.offering("hetzner", model) if model else None
         if model and offering is None:
@@ -104,8 +110,10 @@ def _read_node(problems: Problems, path: str, raw: object, kind: str, catalog: C
         return NodeSpec(name, offering.gpu, offering.gpu_count, address, ssh_user, model)
     gpu = _gpu_model(f, "gpu", catalog)
     count = f.integer("gpus", None, 1, 16)
+    # Only a joined machine can sit behind NAT: every other kind has a public address.
+    behind_nat = f.flag("behind_nat", False) if kind == "joined" else False
     f.finish()
-    return NodeSpec(name, gpu, count, address, ssh_user)
+    return NodeSpec(name, gpu, count, address, ssh_user, behind_nat=behind_nat)
 
 
 def _gpu_model(f: Fields, key: str, catalog: Catalog) -> str:
@@ -132,6 +140,7 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
             extra["admin_cidrs"] = _cidrs(f)
         if kind == "hetzner":
             extra["region"] = f.choice("location", HETZNER_LOCATIONS, "fsn1")
+            extra.update(_robot_credentials(f))
         site = SiteSpec(name, kind, **common, **extra)
     elif kind in ("aws", "lambda", "nebius"):
         site = _read_cloud_site(f, name, kind, catalog, common)
@@ -149,6 +158,20 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
     if kind:  # with the kind unknown, which keys belong is unknown too
         f.finish()
     return site
+
+
+def _robot_credentials(f: Fields) -> dict[str, Secret | None]:
+    """The Robot webservice user of a Hetzner site: both secrets, or neither."""
+    found = {key: f.secret(key, required=False, how=SSH_KEY_HOW) for key in ROBOT_FIELDS}
+    given = [key for key in ROBOT_FIELDS if f.has(key)]
+    if len(given) == 1:
+        (missing,) = set(ROBOT_FIELDS) - set(given)
+        f.problem(
+            missing,
+            f"missing; {given[0]} is set, and the Robot firewall needs both: "
+            f"set {missing} too, or remove {given[0]}",
+        )
+    return found
 
 
 # Namespaces Kubernetes itself runs in: a site creates and owns its namespace, and deleting the
@@ -350,6 +373,8 @@ def _read_balancer(f: Fields) -> BalancerSpec:
             dns_fields.integer("ttl", 30, 5, 86400),
         )
         dns_fields.finish()
+    overlay_fields = f.child("overlay")
+    overlay = read_overlay(overlay_fields) if overlay_fields is not None else OverlaySpec()
     balancer = BalancerSpec(
         sites=sites,
         port=f.integer("port", 8080, 1, 65535),
@@ -357,6 +382,7 @@ def _read_balancer(f: Fields) -> BalancerSpec:
         tls_certificate=f.secret("tls_certificate", required=False, how=SSH_KEY_HOW),
         prometheus_port=f.integer("prometheus_port", 8405, 1, 65535),
         dns=dns,
+        overlay=overlay,
     )
     if balancer.port == balancer.prometheus_port:
         f.problem("prometheus_port", f"{balancer.port} is also the endpoint port; pick another")
@@ -416,6 +442,7 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
                 f"use one of {', '.join(BALANCER_HOST_KINDS)}",
             )
     _check_addresses(problems, stack)
+    overlay_problems(problems, stack)
     _check_machine_names(problems, stack)
     _check_provider_names(problems, stack)
     for i, recipe in enumerate(stack.recipes):
