@@ -52,3 +52,8 @@ def test_nothing_served_exits_1(tmp_path: Path) -> None:
     code, output = bench("http://127.0.0.1:9", *args)
     assert code == 1 and '"connect": 3' in output
     assert "no completed stream" in plot.read_text()  # SVG text stays text
+
+
+def test_a_bad_direct_url_is_named_before_any_load() -> None:
+    code, output = bench("http://127.0.0.1:9", "--pool", "voice", "--direct", "127.0.0.1:1")
+    assert code == 2 and "--direct: '127.0.0.1:1' is not an http(s) URL" in output

@@ -1,5 +1,6 @@
 """`denv bench --plot`: a PNG (or SVG) with the run's figures and errors, readable at a glance."""
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -8,7 +9,7 @@ from matplotlib.collections import PathCollection
 from matplotlib.figure import Figure
 from PIL import Image
 
-from denv_iac.ops.bench_plot import BAR, DPI, ERROR, SIZE_IN, render_figure, write_plot
+from denv_iac.ops.bench_plot import BAR, DIRECT, DPI, ERROR, SIZE_IN, render_figure, write_plot
 from denv_iac.ops.loadgen import LoadReport, StreamResult
 
 
@@ -103,6 +104,22 @@ def test_a_run_where_nothing_completed_still_plots(tmp_path: Path) -> None:
     assert "no completed stream" in texts(render_figure(report, "down <&> out"))
     write_plot(report, "down <&> out", tmp_path / "down.png")
     assert (tmp_path / "down.png").stat().st_size > 1000
+
+
+def test_a_voice_run_names_its_figure_and_draws_the_direct_path_behind() -> None:
+    report = synthetic_report()
+    direct = [
+        dataclasses.replace(r, via="direct", ttft_ms=(r.ttft_ms or 0) - 0.5)
+        for r in report.results
+        if r.ok
+    ]
+    voice = LoadReport([*report.results, *direct], 10.0, "realtime")
+    figure = render_figure(voice, "t")
+    words = "\n".join(texts(figure))
+    assert "400 requests, 395 ok, 5 failed; first audio p50 " in words
+    assert "added +0.50 ms" in words
+    assert figure.axes[0].get_xlabel() == "first audio (ms)"
+    assert points(figure, DIRECT) == len(direct) == 395
 
 
 def test_an_unknown_format_is_refused(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""`denv bench`: time to first token through an endpoint, the figure voice needs."""
+"""`denv bench`: the latency voice needs through an endpoint (time to first token, to first audio
+byte, to transcript), optionally against the replicas called directly in the same run."""
 
 import asyncio
 import json
@@ -18,7 +19,7 @@ from rich.table import Table
 
 from denv_iac.cli.console import fail, output_file_problems, wide_console, write_output
 from denv_iac.ops.bench_plot import FORMATS, write_plot
-from denv_iac.ops.loadgen import LoadReport, run_load
+from denv_iac.ops.loadgen import FIGURES, PROTOCOLS, QUANTILES, LoadReport, Protocol, run_load
 
 TICK_S = 0.2
 
@@ -52,17 +53,36 @@ def _url_problems(url: str) -> list[str]:
     return []
 
 
-def _summary_line(summary: dict[str, object]) -> str:
-    return (
+def _summary_line(protocol: Protocol, summary: dict[str, object]) -> str:
+    line = (
         f"requests {summary['requests']} ok {summary['ok']} errors {json.dumps(summary['errors'])}"
-        f" ttft_p50_ms {summary['ttft_p50_ms']} ttft_p90_ms {summary['ttft_p90_ms']}"
-        f" ttft_p99_ms {summary['ttft_p99_ms']}"
     )
+    key = FIGURES[protocol].key
+    line += "".join(f" {key}_p{q}_ms {summary[f'{key}_p{q}_ms']}" for q in QUANTILES)
+    if "direct" in summary:
+        line += f" added_p50_ms {summary['added_p50_ms']} ratio_p50 {summary['ratio_p50']}"
+    return line
 
 
 @click.command()
 @click.argument("url")
 @click.option("--pool", required=True, help="The pool (OpenAI model name) to load.")
+@click.option(
+    "--protocol",
+    type=click.Choice(PROTOCOLS),
+    default="chat",
+    show_default=True,
+    help="chat: streamed completions (time to first token); speech: streamed /v1/audio/speech"
+    " (first audio byte); transcription: a 1 s upload (whole transcript); realtime: turns of a"
+    " /v1/realtime WebSocket session (first audio delta).",
+)
+@click.option(
+    "--direct",
+    "direct_urls",
+    multiple=True,
+    help="A replica's URL (repeatable): each worker also sends every request straight to one,"
+    " alternating with the endpoint, and the figures show what the endpoint adds.",
+)
 @click.option("--concurrency", type=click.IntRange(1, 1024), default=8, show_default=True)
 @click.option("--duration", type=click.FloatRange(0.1, 3600), help="Seconds of load.")
 @click.option("--requests", type=click.IntRange(1, 10_000_000), help="Number of requests.")
@@ -85,12 +105,14 @@ def _summary_line(summary: dict[str, object]) -> str:
     "--plot",
     "plot_file",
     type=click.Path(path_type=Path),
-    help="Write a figure to FILE.png (or .svg): TTFT histogram and TTFT per request over time.",
+    help="Write a figure to FILE.png (or .svg): the latency histogram and each request over time.",
 )
 @click.option("--quiet", is_flag=True, help="No progress line and no table: one summary line.")
 def bench(
     url: str,
     pool: str,
+    protocol: Protocol,
+    direct_urls: tuple[str, ...],
     concurrency: int,
     duration: float | None,
     requests: int | None,
@@ -100,8 +122,10 @@ def bench(
     plot_file: Path | None,
     quiet: bool,
 ) -> None:
-    """Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind."""
+    """Load URL with one protocol; its latency p50/p90/p99, gaps, errors by kind."""
     problems = _url_problems(url)
+    for direct in direct_urls:
+        problems += [p.replace("URL:", "--direct:", 1) for p in _url_problems(direct)]
     if duration is not None and not math.isfinite(duration):
         problems.append(f"--duration: {duration} is not a number of seconds; e.g. --duration 30")
     if plot_file is not None and plot_file.suffix not in FORMATS:
@@ -115,10 +139,14 @@ def bench(
         fail(problems)
     if duration is None and requests is None:
         duration = 10.0
-    what = f"{url} pool {pool}, concurrency {concurrency}"
+    what = f"{url} pool {pool}, {protocol}, concurrency {concurrency}"
+    if direct_urls:
+        what += f", direct {' '.join(direct_urls)}"
     load = run_load(
         url.rstrip("/"),
         pool,
+        protocol=protocol,
+        direct_urls=tuple(u.rstrip("/") for u in direct_urls),
         concurrency=concurrency,
         duration_s=duration,
         requests=requests,
@@ -135,7 +163,7 @@ def bench(
     elif json_file:
         write_output("--json", json_file, json.dumps(summary, indent=2) + "\n")
     if quiet and not to_stdout:
-        click.echo(_summary_line(summary))
+        click.echo(_summary_line(protocol, summary))
     elif not to_stdout:
         table = Table(title=what, title_justify="left")
         table.add_column("figure")

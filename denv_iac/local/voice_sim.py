@@ -134,16 +134,27 @@ def handshake_response(headers: dict[str, str], extra: dict[str, str]) -> bytes 
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def encode_frame(opcode: int, payload: bytes) -> bytes:
-    """A final, unmasked frame (a server never masks)."""
+def apply_mask(payload: bytes, mask: bytes) -> bytes:
+    """`payload` XOR the repeated 4-byte `mask` (masking and unmasking are the same)."""
+    if not mask or not payload:
+        return payload
+    key = (mask * (len(payload) // 4 + 1))[: len(payload)]
+    masked = int.from_bytes(payload, "big") ^ int.from_bytes(key, "big")
+    return masked.to_bytes(len(payload), "big")
+
+
+def encode_frame(opcode: int, payload: bytes, mask: bytes = b"") -> bytes:
+    """A final frame: unmasked as a server sends it, or masked by the 4-byte `mask` as a client
+    must send it (RFC 6455 5.3)."""
     length = len(payload)
+    masked = 0x80 if mask else 0
     if length < 126:
-        head = struct.pack("!BB", 0x80 | opcode, length)
+        head = struct.pack("!BB", 0x80 | opcode, masked | length)
     elif length < 1 << 16:
-        head = struct.pack("!BBH", 0x80 | opcode, 126, length)
+        head = struct.pack("!BBH", 0x80 | opcode, masked | 126, length)
     else:
-        head = struct.pack("!BBQ", 0x80 | opcode, 127, length)
-    return head + payload
+        head = struct.pack("!BBQ", 0x80 | opcode, masked | 127, length)
+    return head + mask + apply_mask(payload, mask)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -160,8 +171,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
             raise ValueError("frame too large")
         mask = await reader.readexactly(4) if second & 0x80 else b""
         payload = await reader.readexactly(length)
-        if mask:
-            payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        payload = apply_mask(payload, mask)
         frame_opcode = first & 0x0F
         if frame_opcode >= 0x8:  # control frames come whole, between fragments too
             return frame_opcode, payload

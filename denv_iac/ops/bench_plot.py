@@ -1,10 +1,12 @@
 """`denv bench --plot`: one figure of a run, readable at a glance (PNG, or SVG by suffix).
 
-Top: the TTFT histogram of completed streams, with p50/p90/p99 marked. Bottom: TTFT of every
-request against the time it started, with failed requests as red crosses along the top, so a
-failover shows up as a column of crosses and a latency step as a shifted cloud. Both panels stop
-at 1.5 x p99: one slow outlier (often the first request) would squeeze the rest, so slower
-requests are counted in a note and pinned on the top edge instead.
+Top: the histogram of the protocol's figure (time to first token, first audio byte, or
+transcript) over completed answers through the endpoint, with p50/p90/p99 marked. Bottom: the
+figure of every request against the time it started, with failed requests as red crosses along
+the top, so a failover shows up as a column of crosses and a latency step as a shifted cloud.
+Both panels stop at 1.5 x p99: one slow outlier (often the first request) would squeeze the
+rest, so slower requests are counted in a note and pinned on the top edge instead. Requests
+sent straight to the replicas in the same run (`--direct`) are drawn in grey behind them.
 """
 
 from pathlib import Path
@@ -14,7 +16,7 @@ from matplotlib import rc_context
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from denv_iac.ops.loadgen import LoadReport, StreamResult
+from denv_iac.ops.loadgen import FIGURES, LoadReport, StreamResult
 
 FORMATS = (".png", ".svg")
 SIZE_IN = (9.0, 7.0)
@@ -22,12 +24,16 @@ DPI = 120  # 1080 x 840 pixels
 BINS = 60
 TAIL = 1.5
 PERCENTILES = ((50, "#2b6cb0"), (90, "#dd6b20"), (99, "#c53030"))
-BAR, POINT, ERROR = "#4a90d9", "#2b6cb0", "#c53030"
+BAR, POINT, ERROR, DIRECT = "#4a90d9", "#2b6cb0", "#c53030", "#718096"
+
+
+def _firsts(report: LoadReport, via: str = "endpoint") -> list[float]:
+    return [r.ttft_ms for r in report.results if r.ok and r.ttft_ms is not None and r.via == via]
 
 
 def ttft_limit(report: LoadReport) -> float | None:
-    """The largest TTFT shown; None when no stream completed."""
-    ttfts = [r.ttft_ms for r in report.results if r.ok and r.ttft_ms is not None]
+    """The largest figure shown; None when no answer completed."""
+    ttfts = _firsts(report)
     p99 = report.ttft_ms(99)
     if not ttfts or p99 is None:
         return None
@@ -35,11 +41,17 @@ def ttft_limit(report: LoadReport) -> float | None:
 
 
 def headline(report: LoadReport) -> str:
-    """`N requests, K ok, F failed; TTFT p50 .. ms, ...`: the figures above the panels."""
-    ok = sum(1 for r in report.results if r.ok)
-    line = f"{len(report.results)} requests, {ok} ok, {len(report.results) - ok} failed"
+    """`N requests, K ok, F failed; TTFT p50 .. ms, ...`: the figures above the panels, and
+    with a direct path `direct p50 .. ms, added .. ms`."""
+    through = [r for r in report.results if r.via == "endpoint"]
+    ok = sum(1 for r in through if r.ok)
+    line = f"{len(through)} requests, {ok} ok, {len(through) - ok} failed"
     if report.ttft_ms(50) is not None:
-        line += "; TTFT " + ", ".join(f"p{q} {report.ttft_ms(q):.1f} ms" for q, _ in PERCENTILES)
+        line += f"; {FIGURES[report.protocol].short} "
+        line += ", ".join(f"p{q} {report.ttft_ms(q):.1f} ms" for q, _ in PERCENTILES)
+    direct, added = report.ttft_ms(50, "direct"), report.added_ms(50)
+    if direct is not None and added is not None:
+        line += f"; direct p50 {direct:.1f} ms, added {added:+.2f} ms"
     return line
 
 
@@ -62,7 +74,12 @@ def _beyond(axes: Axes, count: int, limit: float) -> None:
 
 
 def _histogram(axes: Axes, report: LoadReport, limit: float) -> None:
-    ttfts = [r.ttft_ms for r in report.results if r.ok and r.ttft_ms is not None]
+    ttfts = _firsts(report)
+    direct = [t for t in _firsts(report, "direct") if t <= limit]
+    if direct:
+        axes.hist(
+            direct, bins=BINS, range=(0, limit), color=DIRECT, histtype="step", label="direct"
+        )
     axes.hist([t for t in ttfts if t <= limit], bins=BINS, range=(0, limit), color=BAR)
     axes.set_xlim(0, limit)
     for row, (q, color) in enumerate(PERCENTILES):
@@ -81,14 +98,24 @@ def _histogram(axes: Axes, report: LoadReport, limit: float) -> None:
             fontsize=9,
         )
     _beyond(axes, sum(1 for t in ttfts if t > limit), limit)
-    axes.set_xlabel("TTFT (ms)")
+    axes.set_xlabel(f"{FIGURES[report.protocol].short} (ms)")
     axes.set_ylabel("requests")
 
 
 def _timeline(axes: Axes, report: LoadReport, limit: float | None) -> None:
-    ordered: list[StreamResult] = sorted(report.results, key=lambda r: (r.started_s, r.request_id))
+    everything = sorted(report.results, key=lambda r: (r.started_s, r.request_id))
+    ordered: list[StreamResult] = [r for r in everything if r.via == "endpoint"]
     ok = [r for r in ordered if r.ok and r.ttft_ms is not None]
     top = limit if limit is not None else 1.0
+    direct = [r for r in everything if r.via == "direct" and r.ok and (r.ttft_ms or 0.0) <= top]
+    if direct:
+        axes.scatter(
+            [r.started_s for r in direct],
+            [r.ttft_ms or 0.0 for r in direct],
+            s=6,
+            color=DIRECT,
+            alpha=0.4,
+        )
     inside = [r for r in ok if (r.ttft_ms or 0.0) <= top]
     beyond = [r for r in ok if (r.ttft_ms or 0.0) > top]
     axes.scatter(
@@ -114,10 +141,10 @@ def _timeline(axes: Axes, report: LoadReport, limit: float | None) -> None:
     errors = [r for r in ordered if not r.ok]
     axes.scatter([r.started_s for r in errors], [top * 1.04] * len(errors), marker="x", c=ERROR)
     axes.set_ylim(0, top * 1.08)
-    axes.set_xlim(0, max([report.wall_s] + [r.started_s for r in ordered] + [0.1]))
+    axes.set_xlim(0, max([report.wall_s] + [r.started_s for r in everything] + [0.1]))
     axes.set_title(error_legend(report), loc="right", color=ERROR, fontsize=9)
     axes.set_xlabel("request start (s)")
-    axes.set_ylabel("TTFT (ms)")
+    axes.set_ylabel(f"{FIGURES[report.protocol].short} (ms)")
 
 
 def render_figure(report: LoadReport, title: str) -> Figure:

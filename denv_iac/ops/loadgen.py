@@ -1,11 +1,24 @@
-"""OpenAI-compatible streaming load through an endpoint, measured per request.
+"""OpenAI-compatible load through an endpoint, measured per request, for each protocol voice uses.
 
-Each request carries its own `X-Request-Id`, so a run can be checked against the replicas' own
-logs: a stream that was replayed elsewhere would show up there twice.
+- chat: streamed `POST /v1/chat/completions`; the figure is the time to the first token.
+- speech: streamed `POST /v1/audio/speech` (PCM); the time to the first audio byte.
+- transcription: a multipart `POST /v1/audio/transcriptions` of a short PCM16 WAV; the time to
+  the whole transcript.
+- realtime: one `GET /v1/realtime` WebSocket session per worker, a turn per request
+  (`response.create`); the time from the turn's request to its first audio delta.
+
+Each request (each realtime session) carries its own `X-Request-Id`, so a run can be checked
+against the replicas' own logs: a stream that was replayed elsewhere would show up there twice.
+With direct URLs, every worker alternates one request through the endpoint and one straight to
+a replica, so drift and noise hit both paths alike and the balancer's share is their difference.
 """
 
 import asyncio
+import base64
+import contextlib
+import io
 import json
+import os
 import ssl
 import statistics
 import time
@@ -14,7 +27,38 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
+from denv_iac.local import voice_sim
+
+Protocol = Literal["chat", "speech", "transcription", "realtime"]
+PROTOCOLS: tuple[Protocol, ...] = ("chat", "speech", "transcription", "realtime")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """How a protocol's figures are named: in a summary (`{key}_p50_ms`), for people (and in a
+    plot, `short`), the unit counted per answer (`{units}_per_s`) and the gap between two of
+    them (`{gap}_mean_ms`)."""
+
+    key: str
+    label: str
+    short: str
+    units: str
+    gap: str
+
+
+FIGURES: dict[Protocol, Figure] = {
+    "chat": Figure("ttft", "time to first token", "TTFT", "tokens", "itl"),
+    "speech": Figure(
+        "first_audio", "time to first audio byte", "first audio", "audio_bytes", "chunk_gap"
+    ),
+    "transcription": Figure("transcript", "time to transcript", "transcript", "transcripts", "gap"),
+    "realtime": Figure(
+        "first_audio", "time to first audio byte", "first audio", "audio_deltas", "delta_gap"
+    ),
+}
+Via = Literal["endpoint", "direct"]
 REPLICA_HEADER = "x-denv-replica"
 RETRYABLE = ("connect", "no_response")  # nothing was answered: safe to send elsewhere
 CONNECT_TIMEOUT_S = 5.0
@@ -25,16 +69,23 @@ class StreamResult:
     request_id: str
     started_s: float  # since the run started
     status: int  # 0 when no HTTP response arrived
-    error: str  # "" for a completed stream; else aborted, connect, timeout, http_<status>
+    # "" for a completed answer; else aborted (cut off), closed (a realtime session closed by
+    # its peer mid-turn), connect, no_response, timeout, http_<status>, bad_answer
+    error: str
     replica: str
+    # The protocol's figure (FIGURES): first token, first audio byte, or the whole transcript.
     ttft_ms: float | None
     total_ms: float
-    tokens: int
+    tokens: int  # tokens, audio bytes (speech), audio deltas (realtime), 1 per transcript
     gaps_ms: tuple[float, ...] = ()
+    via: Via = "endpoint"
 
     @property
     def ok(self) -> bool:
         return not self.error
+
+
+QUANTILES = (50, 90, 99)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -49,33 +100,60 @@ def percentile(values: list[float], q: float) -> float | None:
 class LoadReport:
     results: list[StreamResult] = field(default_factory=list)
     wall_s: float = 0.0
+    protocol: Protocol = "chat"
 
-    def errors(self) -> Counter[str]:
-        return Counter(r.error for r in self.results if r.error)
+    def errors(self, via: Via = "endpoint") -> Counter[str]:
+        return Counter(r.error for r in self.results if r.error and r.via == via)
 
-    def ttft_ms(self, q: float) -> float | None:
-        """TTFT percentile `q` of the completed streams, rounded to 0.01 ms."""
-        ttfts = [r.ttft_ms for r in self.results if r.ok and r.ttft_ms is not None]
-        value = percentile(ttfts, q)
+    def has_direct(self) -> bool:
+        return any(r.via == "direct" for r in self.results)
+
+    def ttft_ms(self, q: float, via: Via = "endpoint") -> float | None:
+        """Percentile `q` of the protocol's figure over the completed answers, to 0.01 ms."""
+        firsts = [
+            r.ttft_ms for r in self.results if r.ok and r.ttft_ms is not None and r.via == via
+        ]
+        value = percentile(firsts, q)
         return None if value is None else round(value, 2)
 
-    def summary(self) -> dict[str, object]:
-        gaps = [g for r in self.results if r.ok for g in r.gaps_ms]
-        tokens = sum(r.tokens for r in self.results if r.ok)
+    def added_ms(self, q: float) -> float | None:
+        """What the endpoint adds to percentile `q` over the direct path of the same run."""
+        through, direct = self.ttft_ms(q), self.ttft_ms(q, "direct")
+        return None if through is None or direct is None else round(through - direct, 2)
 
-        return {
-            "requests": len(self.results),
-            "ok": sum(1 for r in self.results if r.ok),
+    def ratio(self, q: float) -> float | None:
+        through, direct = self.ttft_ms(q), self.ttft_ms(q, "direct")
+        return None if through is None or not direct else round(through / direct, 3)
+
+    def summary(self) -> dict[str, object]:
+        """The endpoint's figures; with a direct path, the direct ones and the difference too."""
+        mine = [r for r in self.results if r.via == "endpoint"]
+        gaps = [g for r in mine if r.ok for g in r.gaps_ms]
+        tokens = sum(r.tokens for r in mine if r.ok)
+        figure = FIGURES[self.protocol]
+        figures: dict[str, object] = {
+            "protocol": self.protocol,
+            "requests": len(mine),
+            "ok": sum(1 for r in mine if r.ok),
             "errors": dict(sorted(self.errors().items())),
-            "ttft_p50_ms": self.ttft_ms(50),
-            "ttft_p90_ms": self.ttft_ms(90),
-            "ttft_p99_ms": self.ttft_ms(99),
-            "itl_mean_ms": round(statistics.fmean(gaps), 2) if gaps else None,
-            "tokens_per_s": round(tokens / self.wall_s, 1) if self.wall_s else 0.0,
+            **{f"{figure.key}_p{q}_ms": self.ttft_ms(q) for q in QUANTILES},
+            f"{figure.gap}_mean_ms": round(statistics.fmean(gaps), 2) if gaps else None,
+            f"{figure.units}_per_s": round(tokens / self.wall_s, 1) if self.wall_s else 0.0,
             "replicas": dict(
-                sorted(Counter(r.replica for r in self.results if r.ok and r.replica).items())
+                sorted(Counter(r.replica for r in mine if r.ok and r.replica).items())
             ),
         }
+        if self.has_direct():
+            direct = [r for r in self.results if r.via == "direct"]
+            figures["direct"] = {
+                "requests": len(direct),
+                "ok": sum(1 for r in direct if r.ok),
+                "errors": dict(sorted(self.errors("direct").items())),
+                **{f"{figure.key}_p{q}_ms": self.ttft_ms(q, "direct") for q in QUANTILES},
+            }
+            figures |= {f"added_p{q}_ms": self.added_ms(q) for q in QUANTILES}
+            figures["ratio_p50"] = self.ratio(50)
+        return figures
 
 
 class Endpoint:
@@ -131,13 +209,35 @@ class Connection:
             self._writer.close()
         self._reader = self._writer = None
 
-    async def send(self, path: str, headers: dict[str, str], body: bytes) -> None:
+    async def send(
+        self, path: str, headers: dict[str, str], body: bytes | None, method: str = "POST"
+    ) -> None:
+        """A request; a None body sends none and no Content-Length (a WebSocket upgrade)."""
         assert self._writer is not None
-        lines = [f"POST {self.endpoint.prefix}{path} HTTP/1.1", f"Host: {self.endpoint.authority}"]
+        target = f"{method} {self.endpoint.prefix}{path} HTTP/1.1"
+        lines = [target, f"Host: {self.endpoint.authority}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
-        lines += [f"Content-Length: {len(body)}", "", ""]
-        self._writer.write("\r\n".join(lines).encode("latin-1") + body)
+        if body is not None:
+            lines.append(f"Content-Length: {len(body)}")
+        lines += ["", ""]
+        self._writer.write("\r\n".join(lines).encode("latin-1") + (body or b""))
         await self._writer.drain()
+
+    async def send_frame(self, opcode: int, payload: bytes) -> None:
+        """One WebSocket frame, masked as a client's must be (RFC 6455 5.3)."""
+        assert self._writer is not None
+        self._writer.write(voice_sim.encode_frame(opcode, payload, os.urandom(4)))
+        await self._writer.drain()
+
+    async def frame(self) -> tuple[int, bytes]:
+        """The next WebSocket message: its opcode and payload."""
+        assert self._reader is not None
+        reader = self._reader
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await voice_sim.read_frame(reader)
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, ValueError) as error:
+            raise _Closed from error
 
     async def _read(self, read: Callable[[], Awaitable[bytes]]) -> bytes:
         try:
@@ -206,26 +306,124 @@ async def _body_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
         yield pending.decode("utf-8", "replace")
 
 
-async def stream_once(
-    connection: Connection,
-    pool: str,
-    *,
-    session: str | None = None,
-    api_key: str | None = None,
-    max_tokens: int | None = None,
-    t0: float = 0.0,
-) -> StreamResult:
-    request_id = uuid.uuid4().hex
-    headers = {
-        "User-Agent": "denv-bench",
-        "Accept": "text/event-stream",
-        "Content-Type": "application/json",
-        "X-Request-Id": request_id,
-    }
-    if session:
-        headers["X-Denv-Session"] = session
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+@dataclass
+class _Timing:
+    """What a response's reader saw: the first unit, each later one's gap, the end."""
+
+    start: float
+    first: float | None = None
+    last: float | None = None
+    ended: float | None = None
+    units: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+    def unit(self, count: int = 1) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append((now - self.last) * 1000)
+        self.last = now
+        self.units += count
+
+    def result(
+        self, request_id: str, t0: float, status: int, error: str, replica: str, via: Via
+    ) -> StreamResult:
+        first = (self.first - self.start) * 1000 if self.first is not None else None
+        total = ((self.ended or time.perf_counter()) - self.start) * 1000
+        return StreamResult(
+            request_id,
+            self.start - t0,
+            status,
+            error,
+            replica,
+            first,
+            total,
+            self.units,
+            tuple(self.gaps),
+            via,
+        )
+
+
+BodyReader = Callable[[AsyncIterator[bytes], _Timing], Awaitable[str]]
+
+
+async def _read_chat(body: AsyncIterator[bytes], timing: _Timing) -> str:
+    outcome = "aborted"  # a stream that ends without [DONE] is an abort, never a success
+    async for line in _body_lines(body):
+        if timing.ended is not None or not line.startswith("data:"):
+            continue  # after [DONE]: read to the end, so the connection can be kept
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            timing.ended, outcome = time.perf_counter(), ""
+        elif _has_content(payload):
+            timing.unit()
+    return outcome
+
+
+async def _read_speech(body: AsyncIterator[bytes], timing: _Timing) -> str:
+    async for chunk in body:
+        if chunk:
+            timing.unit(len(chunk))
+    timing.ended = time.perf_counter()
+    return "" if timing.units else "bad_answer"
+
+
+async def _read_transcript(body: AsyncIterator[bytes], timing: _Timing) -> str:
+    text = b"".join([chunk async for chunk in body])
+    timing.ended = time.perf_counter()
+    if not transcript_of(text):
+        return "bad_answer"
+    timing.first = timing.ended  # the figure is the whole transcript: it is useful only whole
+    timing.units = 1
+    return ""
+
+
+def transcript_of(body: bytes) -> str:
+    """The text of a transcription answer: JSON `{"text": ...}`, or plain text."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()
+    text = answer.get("text") if isinstance(answer, dict) else None
+    return text if isinstance(text, str) else ""
+
+
+def speech_request(pool: str) -> tuple[str, dict[str, str], bytes]:
+    body = {"model": pool, "input": "Hello, how can I help?", "voice": "alloy"}
+    body["response_format"] = "pcm"
+    return "/v1/audio/speech", {"Content-Type": "application/json"}, json.dumps(body).encode()
+
+
+def wav(seconds: float) -> bytes:
+    """A PCM16 mono 24 kHz WAV of the simulator's tone: the upload a transcription bench sends."""
+    frames = round(seconds * 1000 / voice_sim.FRAME_MS)
+    audio = b"".join(voice_sim.audio_frame(index) for index in range(frames))
+    out = io.BytesIO()
+    header = voice_sim.wav_header()  # sizes filled in: a file, not a stream
+    out.write(header[:4] + (36 + len(audio)).to_bytes(4, "little") + header[8:-4])
+    out.write(len(audio).to_bytes(4, "little") + audio)
+    return out.getvalue()
+
+
+UPLOAD = wav(1.0)
+BOUNDARY = "denv-bench-boundary"
+
+
+def transcription_request(pool: str) -> tuple[str, dict[str, str], bytes]:
+    parts = [
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="model"\r\n\r\n{pool}\r\n'.encode(),
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="bench.wav"\r\n'
+        "Content-Type: audio/wav\r\n\r\n".encode()
+        + UPLOAD
+        + b"\r\n",
+        f"--{BOUNDARY}--\r\n".encode(),
+    ]
+    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    return "/v1/audio/transcriptions", headers, b"".join(parts)
+
+
+def chat_request(pool: str, max_tokens: int | None) -> tuple[str, dict[str, str], bytes]:
     request: dict[str, object] = {
         "model": pool,
         "stream": True,
@@ -233,17 +431,38 @@ async def stream_once(
     }
     if max_tokens:
         request["max_tokens"] = max_tokens
-    body = json.dumps(request).encode()
-    start = time.perf_counter()
-    status, replica, tokens, first, last, ended = 0, "", 0, None, None, None
-    gaps: list[float] = []
+    headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+    return "/v1/chat/completions", headers, json.dumps(request).encode()
+
+
+def _common_headers(request_id: str, session: str | None, api_key: str | None) -> dict[str, str]:
+    headers = {"User-Agent": "denv-bench", "X-Request-Id": request_id}
+    if session:
+        headers["X-Denv-Session"] = session
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+async def _exchange(
+    connection: Connection,
+    request: tuple[str, dict[str, str], bytes],
+    read: BodyReader,
+    *,
+    session: str | None,
+    api_key: str | None,
+    t0: float,
+    via: Via,
+) -> StreamResult:
+    """One request on the worker's connection; `read` consumes a 200 answer's body."""
+    request_id = uuid.uuid4().hex
+    path, extra, body = request
+    headers = {**_common_headers(request_id, session, api_key), **extra}
+    timing = _Timing(time.perf_counter())
+    status, replica = 0, ""
 
     def result(error: str) -> StreamResult:
-        ttft = (first - start) * 1000 if first is not None else None
-        total = ((ended or time.perf_counter()) - start) * 1000
-        return StreamResult(
-            request_id, start - t0, status, error, replica, ttft, total, tokens, tuple(gaps)
-        )
+        return timing.result(request_id, t0, status, error, replica, via)
 
     # A kept-alive connection the server has since closed fails before any byte of the
     # response: sent again once, on a new connection, as every HTTP client does.
@@ -251,7 +470,7 @@ async def stream_once(
         try:
             if not connection.is_open:
                 await connection.open()
-            await connection.send("/v1/chat/completions", headers, body)
+            await connection.send(path, headers, body)
             status, response = await connection.head()
             break
         except (OSError, TimeoutError) as error:
@@ -267,24 +486,10 @@ async def stream_once(
         if status != 200:
             async for _ in connection.body(response):
                 pass
-            ended = time.perf_counter()
+            timing.ended = time.perf_counter()
             outcome = f"http_{status}"
         else:
-            outcome = "aborted"  # a stream that ends without [DONE] is an abort, never a success
-            async for line in _body_lines(connection.body(response)):
-                if ended is not None or not line.startswith("data:"):
-                    continue  # after [DONE]: read to the end, so the connection can be kept
-                payload = line[5:].strip()
-                now = time.perf_counter()
-                if payload == "[DONE]":
-                    ended, outcome = now, ""
-                elif _has_content(payload):
-                    if first is None:
-                        first = now
-                    elif last is not None:
-                        gaps.append((now - last) * 1000)
-                    last = now
-                    tokens += 1
+            outcome = await read(connection.body(response), timing)
     except TimeoutError:
         connection.close()
         return result("timeout")
@@ -296,6 +501,23 @@ async def stream_once(
     return result(outcome)
 
 
+async def stream_once(
+    connection: Connection,
+    pool: str,
+    *,
+    session: str | None = None,
+    api_key: str | None = None,
+    max_tokens: int | None = None,
+    t0: float = 0.0,
+    via: Via = "endpoint",
+) -> StreamResult:
+    """One streamed chat completion."""
+    request = chat_request(pool, max_tokens)
+    return await _exchange(
+        connection, request, _read_chat, session=session, api_key=api_key, t0=t0, via=via
+    )
+
+
 def _has_content(payload: str) -> bool:
     try:
         chunk = json.loads(payload)
@@ -305,10 +527,157 @@ def _has_content(payload: str) -> bool:
     return bool(delta.get("content"))
 
 
+class RealtimeSession:
+    """One realtime WebSocket session on a worker's connection: opened on first use, one turn
+    per `turn()`; after a close (by either side) the next turn opens a new session."""
+
+    def __init__(self, connection: Connection, pool: str, api_key: str | None) -> None:
+        self.connection, self.pool, self.api_key = connection, pool, api_key
+        self.request_id = ""
+        self.replica = ""
+        self.status = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.connection.is_open
+
+    async def open(self, session: str | None) -> str:
+        """The handshake and `session.created`: "" when served, else the error's kind."""
+        self.request_id, self.replica, self.status = uuid.uuid4().hex, "", 0
+        key = base64.b64encode(os.urandom(16)).decode()
+        headers = {
+            **_common_headers(self.request_id, session, self.api_key),
+            "Upgrade": "websocket",
+            "Connection": "Upgrade",
+            "Sec-WebSocket-Key": key,
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Protocol": voice_sim.REALTIME_SUBPROTOCOL,
+            "OpenAI-Beta": "realtime=v1",
+        }
+        path = f"/v1/realtime?model={urllib.parse.quote(self.pool)}"
+        try:
+            await self.connection.open()
+            await self.connection.send(path, headers, None, method="GET")
+            self.status, response = await self.connection.head()
+            if self.status != 101:
+                return self._give_up(f"http_{self.status}")
+            if response.get("sec-websocket-accept") != voice_sim.websocket_accept(key):
+                return self._give_up("bad_answer")
+            self.replica = response.get(REPLICA_HEADER, "")
+            while (event := await self._event()) is not None:
+                if event.get("type") == "session.created":
+                    return ""
+            return self._give_up("closed")
+        except TimeoutError:
+            return self._give_up("timeout")
+        except OSError:
+            return self._give_up("connect")
+        except _Closed:
+            return self._give_up("no_response")
+
+    def _give_up(self, error: str) -> str:
+        self.connection.close()
+        return error
+
+    async def _event(self) -> dict[str, object] | None:
+        """The next event of the session; None when the peer sent a close."""
+        while True:
+            opcode, payload = await self.connection.frame()
+            if opcode == voice_sim.OpCode.CLOSE:
+                return None
+            if opcode == voice_sim.OpCode.PING:
+                await self.connection.send_frame(voice_sim.OpCode.PONG, payload)
+            elif opcode == voice_sim.OpCode.TEXT:
+                try:
+                    event = json.loads(payload)
+                except ValueError:
+                    continue
+                if isinstance(event, dict):
+                    return event
+
+    async def turn(self, session: str | None, t0: float, via: Via) -> StreamResult:
+        """One turn: `response.create` to `response.done`; its figure is the first audio."""
+        timing = _Timing(time.perf_counter())
+        if not self.is_open and (error := await self.open(session)):
+            return timing.result(self.request_id, t0, self.status, error, self.replica, via)
+        timing.start = time.perf_counter()
+        outcome = "aborted"
+        try:
+            create = json.dumps({"type": "response.create"}).encode()
+            await self.connection.send_frame(voice_sim.OpCode.TEXT, create)
+            while (event := await self._event()) is not None:
+                kind = event.get("type")
+                if kind == "response.audio.delta":
+                    timing.unit()
+                elif kind == "response.done":
+                    timing.ended, outcome = time.perf_counter(), ""
+                    break
+                elif kind == "error":
+                    timing.ended, outcome = time.perf_counter(), "bad_answer"
+                    break
+            else:
+                outcome = "closed"  # a close frame mid-turn: the peer ended the session
+        except TimeoutError:
+            outcome = "timeout"
+        except _Closed:
+            outcome = "aborted"  # the socket went without a close frame (1006)
+        if outcome:
+            self.connection.close()
+        return timing.result(self.request_id, t0, self.status, outcome, self.replica, via)
+
+    async def close(self) -> None:
+        """A clean close: the close frame (1000), then the socket."""
+        if self.is_open:
+            with contextlib.suppress(OSError):
+                await self.connection.send_frame(voice_sim.OpCode.CLOSE, (1000).to_bytes(2, "big"))
+        self.connection.close()
+
+
+class _Worker:
+    """One worker's client of one URL: its connection, and its realtime session if any."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        protocol: Protocol,
+        pool: str,
+        api_key: str | None,
+        timeout_s: float,
+        via: Via,
+    ) -> None:
+        self.connection = Connection(endpoint, timeout_s, CONNECT_TIMEOUT_S)
+        self.protocol, self.pool, self.api_key, self.via = protocol, pool, api_key, via
+        self.realtime = RealtimeSession(self.connection, pool, api_key)
+
+    async def request(self, session: str | None, new_session: bool, t0: float) -> StreamResult:
+        if self.protocol == "realtime":
+            if new_session:
+                await self.realtime.close()
+            return await self.realtime.turn(session, t0, self.via)
+        request, read = {
+            "chat": (chat_request(self.pool, None), _read_chat),
+            "speech": (speech_request(self.pool), _read_speech),
+            "transcription": (transcription_request(self.pool), _read_transcript),
+        }[self.protocol]
+        return await _exchange(
+            self.connection,
+            request,
+            read,
+            session=session,
+            api_key=self.api_key,
+            t0=t0,
+            via=self.via,
+        )
+
+    async def close(self) -> None:
+        await self.realtime.close()
+
+
 async def run_load(
     url: str,
     pool: str,
     *,
+    protocol: Protocol = "chat",
     concurrency: int = 8,
     duration_s: float | None = None,
     requests: int | None = None,
@@ -316,18 +685,22 @@ async def run_load(
     api_key: str | None = None,
     timeout_s: float = 30.0,
     fallback_urls: tuple[str, ...] = (),
+    direct_urls: tuple[str, ...] = (),
 ) -> LoadReport:
     """Closed-loop load: `concurrency` workers, each sending its next request when one ends.
 
     With `session_turns`, each worker is a conversation of that many turns sharing one
-    `X-Denv-Session`, then starts a new conversation. With `fallback_urls`, a request that got
-    no response at all (refused, reset before a byte) is sent to the next URL, as a client
-    resolving several balancer addresses would.
+    `X-Denv-Session`, then starts a new conversation (a realtime worker opens a new session;
+    without `session_turns` it keeps one session while it lasts). With `fallback_urls`, a
+    request that got no response at all (refused, reset before a byte) is sent to the next URL,
+    as a client resolving several balancer addresses would. With `direct_urls` (replicas), each
+    worker also sends every request straight to one of them, alternating which path goes first.
     """
     if duration_s is None and requests is None:
         raise ValueError("give duration_s or requests")
-    report = LoadReport()
+    report = LoadReport(protocol=protocol)
     endpoints = [Endpoint(u) for u in (url, *fallback_urls)]
+    directs = [Endpoint(u) for u in direct_urls]
     t0 = time.perf_counter()
     deadline = t0 + duration_s if duration_s is not None else None
     budget = [requests] if requests is not None else None
@@ -342,24 +715,31 @@ async def run_load(
         return True
 
     async def worker(index: int) -> None:
-        connections = [Connection(e, timeout_s, CONNECT_TIMEOUT_S) for e in endpoints]
-        turn, conversation = 0, 0
+        def client(endpoint: Endpoint, via: Via) -> _Worker:
+            return _Worker(endpoint, protocol, pool, api_key, timeout_s, via)
+
+        through = [client(e, "endpoint") for e in endpoints]
+        direct = [client(directs[index % len(directs)], "direct")] if directs else []
+        turn, conversation, sent = 0, 0, 0
         while more():
-            session = None
+            session, new_session = None, False
             if session_turns:
                 session = f"w{index}-c{conversation}"
+                new_session = turn == 0
                 turn += 1
                 if turn >= session_turns:
                     turn, conversation = 0, conversation + 1
-            for connection in connections:
-                result = await stream_once(
-                    connection, pool, session=session, api_key=api_key, t0=t0
-                )
-                if result.error not in RETRYABLE:
-                    break
-            report.results.append(result)
-        for connection in connections:
-            connection.close()
+            paths = [through, direct] if sent % 2 == 0 else [direct, through]
+            sent += 1
+            for clients in paths:
+                for client_ in clients:
+                    result = await client_.request(session, new_session, t0)
+                    if result.error not in RETRYABLE:
+                        break
+                if clients:
+                    report.results.append(result)
+        for client_ in [*through, *direct]:
+            await client_.close()
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     report.wall_s = time.perf_counter() - t0

@@ -1,0 +1,65 @@
+"""`denv bench --protocol` through a real HAProxy, and a replica called directly in one run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from click.testing import CliRunner
+
+from denv_iac.cli import main
+
+from .dataplane_harness import Dataplane
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dataplane]:
+    """One data plane for the module: each run is short, the plane's start is not."""
+    started = Dataplane.start(tmp_path_factory.mktemp("bench-plane"))
+    yield started
+    started.close()
+
+
+def _bench(plane: Dataplane, *args: str) -> dict[str, object]:
+    direct = plane.replicas["voice.home-a.n0.0"].url
+    argv = ["bench", plane.url, "--pool", "voice", "--direct", direct, "--json", "-", *args]
+    outcome = CliRunner().invoke(main, argv)
+    assert outcome.exit_code == 0, outcome.output
+    summary: dict[str, object] = json.loads(outcome.output)
+    return summary
+
+
+def _total(plane: Dataplane, stat: str) -> int:
+    return sum(int(r.stats()[stat]) for r in plane.replicas.values())
+
+
+def test_realtime_turns_through_the_endpoint_and_direct(plane: Dataplane) -> None:
+    args = ["--protocol", "realtime", "--requests", "6", "--concurrency", "2"]
+    sessions, turns = _total(plane, "realtime_sessions"), _total(plane, "realtime_turns_completed")
+    summary = _bench(plane, *args)
+    assert summary["ok"] == 6 and summary["errors"] == {}
+    direct = summary["direct"]
+    assert isinstance(direct, dict) and direct["ok"] == 6
+    replicas = summary["replicas"]
+    assert isinstance(replicas, dict) and all(r.startswith("voice.home-") for r in replicas)
+    p50, added = summary["first_audio_p50_ms"], summary["added_p50_ms"]
+    assert isinstance(p50, float) and isinstance(added, float)
+    assert p50 >= 20  # the replicas' first-audio time: the figure is the turn's, not the socket's
+    # One session per worker and path, kept for all its turns, each turn served once.
+    assert _total(plane, "realtime_sessions") - sessions == 4
+    assert _total(plane, "realtime_turns_completed") - turns == 12
+
+
+@pytest.mark.parametrize(
+    ("protocol", "key"), [("speech", "first_audio"), ("transcription", "transcript")]
+)
+def test_speech_and_transcription_through_the_endpoint_and_direct(
+    plane: Dataplane, protocol: str, key: str
+) -> None:
+    summary = _bench(plane, "--protocol", protocol, "--requests", "4", "--concurrency", "1")
+    assert summary["ok"] == 4 and summary["protocol"] == protocol
+    direct = summary["direct"]
+    assert isinstance(direct, dict) and direct["ok"] == 4
+    assert isinstance(summary[f"{key}_p50_ms"], float)
+    assert isinstance(direct[f"{key}_p50_ms"], float)
