@@ -13,10 +13,12 @@ range at least four times the machines (the reader's rule), that is under one ch
 machine added to a full range, and far less in the default /16. Collisions are resolved by
 linear probing in name order: deterministic, the same on every run.
 
-Pure: no Pulumi, no I/O. Keys are never seen here: configs name the peers' public keys, and each
-machine's private key stays in a file of its own (see `render_config`).
+Pure: no Pulumi, no I/O. Rendered configs name the peers' public keys and hold a placeholder for
+the machine's own private key, filled in only where the file is written (see `render_config`).
 """
 
+import base64
+import binascii
 import hashlib
 import ipaddress
 from collections.abc import Mapping
@@ -28,7 +30,9 @@ from denv_iac.spec.overlay import MADE_HOST_KINDS
 
 INTERFACE = "denv0"
 CONFIG_PATH = f"/etc/wireguard/{INTERFACE}.conf"
-KEY_PATH = f"/etc/wireguard/{INTERFACE}.key"
+# Where a rendered config holds the machine's private key until the deploy writes the file.
+PRIVATE_KEY_PLACEHOLDER = "(this machine's key, filled in where the file is written)"
+KEY_BYTES = 32  # a Curve25519 key
 # What a node behind NAT sends to keep its mapping open: under the 30 s that the most eager NATs
 # give a UDP flow, as WireGuard's own documentation advises.
 NAT_KEEPALIVE_S = 25
@@ -164,13 +168,15 @@ def render_config(
     public_keys: Mapping[str, str],
     public_addresses: Mapping[str, str],
 ) -> str:
-    """`name`'s /etc/wireguard/denv0.conf, for wg-quick; it holds no private key.
+    """`name`'s /etc/wireguard/denv0.conf for wg-quick, its private key a placeholder.
 
     wg-quick because Debian and Ubuntu ship it with wireguard-tools and its systemd unit makes the
     deploy idempotent: `systemctl enable --now wg-quick@denv0` brings the interface up once, and
     `systemctl reload` runs `wg syncconf`, which changes only the peers that differ, so a node
-    added elsewhere or a key rotated elsewhere never drops a session in flight here. The private
-    key is read from its own 0600 file by PostUp, so this text can be shown, diffed and logged.
+    added elsewhere or a key rotated elsewhere never drops a session in flight here. syncconf
+    sets the device to the file as a whole (a file without PrivateKey clears the key), so the
+    key belongs in the file; `with_private_key` fills it in only where the 0600 file is written,
+    and this text, an input of the deploy that previews and logs show, never holds it.
     `public_keys` and `public_addresses` map member names to values known once machines exist.
     """
     own = plan.member(name)
@@ -179,7 +185,7 @@ def render_config(
         "[Interface]",
         f"Address = {own.address}/{plan.prefix_length}",
         f"ListenPort = {plan.spec.port}",
-        f"PostUp = wg set %i private-key {KEY_PATH}",
+        f"PrivateKey = {PRIVATE_KEY_PLACEHOLDER}",
     ]
     for peer in plan.peers(name):
         lines += ["", "[Peer]", f"# {peer.name}", f"PublicKey = {public_keys[peer.name]}"]
@@ -189,6 +195,20 @@ def render_config(
         if peer.keepalive_s is not None:
             lines.append(f"PersistentKeepalive = {peer.keepalive_s}")
     return "\n".join(lines) + "\n"
+
+
+def with_private_key(config: str, private_key: str) -> str:
+    """The config as written to the machine: the placeholder replaced by its base64 key."""
+    try:
+        size = len(base64.b64decode(private_key, validate=True))
+    except (binascii.Error, ValueError):
+        size = 0
+    if size != KEY_BYTES:
+        raise ValueError("the overlay's private key is not a base64 Curve25519 key")
+    line = f"PrivateKey = {PRIVATE_KEY_PLACEHOLDER}"
+    if config.count(line) != 1:
+        raise ValueError("the overlay config has no private key placeholder")
+    return config.replace(line, f"PrivateKey = {private_key}")
 
 
 def _endpoint(address: str, port: int) -> str:

@@ -12,11 +12,12 @@ from click.testing import CliRunner, Result
 from denv_iac.cli import main
 from denv_iac.overlay import (
     CONFIG_PATH,
-    KEY_PATH,
     NAT_KEEPALIVE_S,
+    PRIVATE_KEY_PLACEHOLDER,
     OverlayPlan,
     allocate,
     render_config,
+    with_private_key,
 )
 from denv_iac.plan import make_plan
 from denv_iac.spec.exposure import stack_warnings
@@ -156,7 +157,7 @@ def test_a_rendered_config_holds_addresses_and_public_keys_only() -> None:
         "[Interface]",
         f"Address = {own}/16",
         "ListenPort = 51820",
-        f"PostUp = wg set %i private-key {KEY_PATH}",
+        f"PrivateKey = {PRIVATE_KEY_PLACEHOLDER}",
         "",
         "[Peer]",
         f"# {HUB}",
@@ -164,7 +165,25 @@ def test_a_rendered_config_holds_addresses_and_public_keys_only() -> None:
         f"AllowedIPs = {hub}/32",
         f"Endpoint = {HUB}.example:51820",
     ]
-    assert "PrivateKey" not in text and CONFIG_PATH.endswith("denv0.conf")
+    assert CONFIG_PATH.endswith("denv0.conf")
+    key = "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk="
+    written = with_private_key(text, key)
+    assert written == text.replace(PRIVATE_KEY_PLACEHOLDER, key)
+
+
+@pytest.mark.parametrize(
+    ("key", "given", "error"),
+    [
+        ("not-base64!", None, "not a base64 Curve25519 key"),
+        ("c2hvcnQ=", None, "not a base64 Curve25519 key"),
+        ("yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk=", "[Interface]\n", "no private key"),
+    ],
+)
+def test_only_a_real_key_fills_the_placeholder(key: str, given: str | None, error: str) -> None:
+    plan = overlay_of(config())
+    text = given if given is not None else render_config(plan, HUB, keys(plan), public(plan))
+    with pytest.raises(ValueError, match=error):
+        with_private_key(text, key)
 
 
 @pytest.mark.parametrize(
