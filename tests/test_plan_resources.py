@@ -152,6 +152,17 @@ def test_voice_multicloud_lists_every_site_kinds_resources_with_secrets_masked(
     } <= types
     by_name = {r["name"]: r["inputs"] for r in resources}
     assert by_name["voice-multicloud-lambda-use1-node-0"]["api_key"] == "[secret]"
+    # each GEX box's Robot firewall, its webservice credentials masked
+    firewalls = sorted(
+        r["name"] for r in resources if r["type"] == "pulumi-python:dynamic/hetzner:RobotFirewall"
+    )
+    assert firewalls == [
+        "voice-multicloud-hetzner-fsn-robot-firewall-gex-1",
+        "voice-multicloud-hetzner-fsn-robot-firewall-gex-2",
+    ]
+    firewall = by_name[firewalls[0]]
+    assert (firewall["robot_user"], firewall["robot_password"]) == ("[secret]", "[secret]")
+    assert firewall["address"] == "203.0.113.21"
     text = yaml.safe_load((ROOT / "stacks" / "Pulumi.voice-multicloud.yaml").read_text())
     ciphertexts = [v for v in _secure_values(text) if v]
     assert ciphertexts

@@ -105,6 +105,18 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "sites[2].api_key: missing; set it with 'pulumi config set --secret' (see docs/stacks.md)",
     ),
     (
+        "robot user without its password",
+        lambda c: site(c, 4).update(robot_user=SECRET),
+        "sites[4].robot_password: missing; robot_user is set, and the Robot firewall needs "
+        "both: set robot_password too, or remove robot_user",
+    ),
+    (
+        "plaintext robot password",
+        lambda c: site(c, 4).update(robot_user=SECRET, robot_password="hunter2"),
+        "sites[4].robot_password: must be a Pulumi secret, never plain text; set it with "
+        "'pulumi config set --secret' (see docs/stacks.md)",
+    ),
+    (
         "bad cidr",
         lambda c: site(c, 1).update(admin_cidrs=["10.0.0.0/33"]),
         'sites[1].admin_cidrs: "10.0.0.0/33" is not a CIDR block; write it like 198.51.100.0/24',

@@ -12,7 +12,8 @@ from denv_iac.components.balancer_host import (
     BalancerHost,
     BalancerHostArgs,
 )
-from denv_iac.components.joined import HetznerSite, JoinedSite, LocalSite
+from denv_iac.components.hetzner_robot import hetzner_site
+from denv_iac.components.joined import JoinedSite, LocalSite
 from denv_iac.components.kubernetes import kubernetes_site
 from denv_iac.components.lambda_cloud import lambda_site
 from denv_iac.components.naming import child_name
@@ -45,7 +46,7 @@ from denv_iac.plan import deploy_problems
 from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError, read_stack
 
-_EXISTING_NODE_SITES = {"hetzner": HetznerSite, "joined": JoinedSite, "local": LocalSite}
+_EXISTING_NODE_SITES = {"joined": JoinedSite, "local": LocalSite}
 
 
 def _aws_site(
@@ -72,7 +73,7 @@ def _existing_site(
 
 SITE_BUILDERS: dict[str, SiteBuilder] = {
     "aws": _aws_site,
-    "hetzner": _existing_site,
+    "hetzner": hetzner_site,
     "joined": _existing_site,
     "kubernetes": kubernetes_site,
     "lambda": lambda_site,

@@ -23,8 +23,13 @@ import pulumi
 import pulumi.dynamic as dynamic
 
 from denv_iac.components.dynamic_resource import DynamicResource
-from denv_iac.components.security import IngressRule
+from denv_iac.components.joined import HetznerSite
+from denv_iac.components.naming import child_name
+from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.robot_api import MAX_INPUT_RULES, RobotApiError, RobotClient
+from denv_iac.spec.model import SiteSpec
+from denv_iac.spec.reader import StackError
 
 USER, PASSWORD = "robot_user", "robot_password"
 INPUTS = ("address", "rules")
@@ -183,3 +188,35 @@ class RobotFirewall(DynamicResource, module="hetzner", name="RobotFirewall"):
             {**props, "server_number": None},
             pulumi.ResourceOptions.merge(opts, secret),
         )
+
+
+def hetzner_site(
+    name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
+) -> SiteNodes:
+    """Cluster's builder of a Hetzner site: its boxes, each with its Robot firewall when the
+    site has Robot webservice credentials (without them, the node's nftables alone filter)."""
+    component = HetznerSite(name, {"nodes": context["nodes"]}, opts)
+    secrets = context["secrets"]
+    if USER in secrets and PASSWORD in secrets:
+        balancers = context["balancer_addresses"]
+        hosts = sorted(balancers)
+        rows = site_ingress_rules(site, context["spec"].recipes, tuple(hosts))
+        # The count does not depend on the addresses, only on how many there are (IPv4 ones).
+        problems = robot_problems(site.name, robot_rules(rows, dict.fromkeys(hosts, "0.0.0.0")))
+        if problems:
+            raise StackError(problems)
+        rules = pulumi.Output.all(*(balancers[h] for h in hosts)).apply(
+            lambda addresses: robot_rules(rows, dict(zip(hosts, addresses, strict=True)))
+        )
+        for node in context["nodes"]:
+            RobotFirewall(
+                child_name(name, "robot-firewall", node.name),
+                {
+                    USER: secrets[USER],
+                    PASSWORD: secrets[PASSWORD],
+                    "address": node.address,
+                    "rules": rules,
+                },
+                pulumi.ResourceOptions(parent=component),
+            )
+    return SiteNodes(component, component.node_addresses)

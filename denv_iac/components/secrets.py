@@ -11,7 +11,9 @@ from typing import Any
 import pulumi
 from cryptography.hazmat.primitives import serialization
 
-SITE_SECRET_FIELDS = ("ssh_private_key", "api_key", "kubeconfig")
+from denv_iac.spec.reader import ROBOT_FIELDS
+
+SITE_SECRET_FIELDS = ("ssh_private_key", "api_key", "kubeconfig", *ROBOT_FIELDS)
 BALANCER_SECRET_FIELDS = ("tls_certificate",)
 _SEAL = "sealed"
 

@@ -1,0 +1,71 @@
+"""A Hetzner site with Robot webservice credentials gets each GEX box's Robot firewall."""
+
+from typing import Any
+
+import pytest
+
+from denv_iac.components.preview import shown
+from denv_iac.spec.reader import StackError
+from tests.components import stacks
+from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
+from tests.test_robot_api import check_rule
+
+FIREWALL = "pulumi-python:dynamic/hetzner:RobotFirewall"
+USER, PASSWORD = "#ws+ROBOT-USER-MATERIAL", "ROBOT-PASSWORD-MATERIAL"
+
+
+def _args(**hetzner: Any) -> Any:
+    args = stacks.multicloud()
+    site = next(s for s in args["sites"] if s["kind"] == "hetzner")
+    site.update(robot_user={"secure": USER}, robot_password={"secure": PASSWORD}, **hetzner)
+    return args
+
+
+def _run(args: Any, preview: bool = False) -> Run:
+    return run_program(lambda: cluster_outputs(args), preview=preview)
+
+
+def test_each_box_gets_its_firewall_from_the_balancer_hosts_addresses() -> None:
+    run = _run(_args())
+    firewalls = sorted(run.of_type(FIREWALL), key=lambda r: r.name)
+    assert [r.name for r in firewalls] == [
+        "prod-hetzner-fsn-robot-firewall-gex-1",
+        "prod-hetzner-fsn-robot-firewall-gex-2",
+    ]
+    (site,) = run.of_type("denv:index:HetznerSite")
+    assert {r.parent for r in firewalls} == {site.urn}
+    assert [shown(r.inputs)["address"] for r in firewalls] == ["203.0.113.21", "203.0.113.22"]
+    rules = shown(firewalls[0].inputs)["rules"]
+    assert len(rules) <= 10
+    for n, rule in enumerate(rules):
+        check_rule(n, rule)
+    sources = {rule.get("src_ip") for rule in rules}
+    hosts = {f"{address}/32" for address in run.outputs["balancer_addresses"]}
+    assert hosts and hosts <= sources
+    assert sources - hosts == {stacks.ADMIN, None}  # SSH from admins; replies from anywhere
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_the_webservice_credentials_are_secrets_everywhere(preview: bool) -> None:
+    run = _run(_args(), preview)
+    assert run.of_type(FIREWALL)
+    for registration in run.registrations:
+        strings = plain_strings(registration.inputs)
+        assert not any(USER in s or PASSWORD in s for s in strings), registration.name
+    for firewall in run.of_type(FIREWALL):
+        shown_inputs = shown(firewall.inputs)
+        assert (shown_inputs["robot_user"], shown_inputs["robot_password"]) == ("[secret]",) * 2
+
+
+def test_without_credentials_no_robot_firewall_is_set() -> None:
+    assert _run(stacks.multicloud()).of_type(FIREWALL) == []
+
+
+def test_more_rules_than_robot_takes_is_one_line_and_no_firewall() -> None:
+    admins = [f"192.0.2.{i * 8}/29" for i in range(7)]
+    run = Run()
+    with pytest.raises(StackError) as raised:
+        run_program(lambda: cluster_outputs(_args(admin_cidrs=admins)), preview=False, run=run)
+    (problem,) = raised.value.problems
+    assert problem.startswith("sites: hetzner-fsn: the Robot firewall takes at most 10 input rules")
+    assert run.of_type(FIREWALL) == []
