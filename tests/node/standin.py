@@ -2,8 +2,10 @@
 local apt repository; a fake PCI bus for the chroot; a stand-in denv-agent wheel.
 
 The stand-in driver ships an `nvidia-smi` that answers from the fake PCI bus and keeps MIG
-state in a file. The "loaded kernel module" version is a file too: its postinst writes the
-package's version there, and a test that writes another one gets NVML's version mismatch.
+state in a file, and the stand-in `libnvidia-ml.so.1` (tests/nvml_standin) that the agent's NVML
+binding loads, answering from the same bus, module version and MIG state. The "loaded kernel
+module" version is a file too: its postinst writes the package's version there, and a test that
+writes another one gets NVML's version mismatch.
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+from tests import nvml_standin
+
 DRIVER = "580.95.05"
 NEWER_DRIVER = "590.44.01"  # in the repository too: the branch pin must keep it out
 MODULE_DIR = "/var/lib/nvidia-standin"
-MODULE_VERSION_FILE = f"{MODULE_DIR}/module-version"
+MODULE_VERSION_FILE = f"/{nvml_standin.MODULE_VERSION}"
 AGENT_STATE_FILE = "/var/lib/denv/agent-state"
 REPO_IN_ROOT = "/srv/nvidia-standin"
+# Where Debian's multiarch layout and NVIDIA's driver packages put NVML.
+NVML_IN_ROOT = f"/usr/lib/x86_64-linux-gnu/{nvml_standin.LIBRARY}"
 
 _NVIDIA_SMI = r"""#!/usr/bin/python3
 import json, os, sys
@@ -138,7 +144,11 @@ def main() -> None:
 
 
 def _package(
-    out: Path, name: str, version: str, files: dict[str, tuple[str, int]], postinst: str = ""
+    out: Path,
+    name: str,
+    version: str,
+    files: dict[str, tuple[str | bytes, int]],
+    postinst: str = "",
 ) -> None:
     tree = out / f"build-{name}-{version}"
     (tree / "DEBIAN").mkdir(parents=True)
@@ -153,7 +163,10 @@ def _package(
     for path, (text, mode) in files.items():
         target = tree / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
+        if isinstance(text, bytes):
+            target.write_bytes(text)
+        else:
+            target.write_text(text)
         target.chmod(mode)
     subprocess.run(
         ["dpkg-deb", "--root-owner-group", "-b", str(tree), str(out / f"{name}_{version}_all.deb")],
@@ -192,12 +205,17 @@ def build_repo(out: Path) -> None:
             f"{version}-1",
             {
                 "/usr/bin/nvidia-smi": (smi, 0o755),
+                NVML_IN_ROOT: (
+                    (nvml_standin.build(version) / nvml_standin.LIBRARY).read_bytes(),
+                    0o644,
+                ),
                 "/lib/systemd/system/nvidia-persistenced.service": (
                     _UNIT.format(name="nvidia-persistenced"),
                     0o644,
                 ),
             },
-            postinst=f"mkdir -p {MODULE_DIR}; echo {version} > {MODULE_VERSION_FILE}",
+            # ldconfig: what the real library package's trigger runs.
+            postinst=f"mkdir -p {MODULE_DIR}; echo {version} > {MODULE_VERSION_FILE}; ldconfig",
         )
     _package(
         out,

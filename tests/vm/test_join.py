@@ -8,6 +8,7 @@ from both sides of the bridge, the test's own address (admin and balancer) and t
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,8 @@ import pytest
 
 from denv_iac.components.node_setup import spec_to_json
 from denv_iac.node import NodeDeploySpec, ReplicaSpec
+from denv_iac.node.agent import CONFIG
+from denv_iac.node.facts import AGENT_VENV
 from tests.node import standin
 from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
@@ -90,6 +93,28 @@ def props(bed: Bed, node: Vm, admin_cidrs: tuple[str, ...] = (f"{HOST}/32",)) ->
     }
 
 
+# The agent's /healthz, at the address its own config gives, read by its own Python in the VM.
+_HEALTHZ = (
+    "import urllib.request; from pathlib import Path; from denv_agent.config import load;"
+    " from denv_agent.control import control_url;"
+    f" url = control_url(load(Path({CONFIG!r}))) + '/healthz';"
+    " print(urllib.request.urlopen(url, timeout=5).read().decode())"
+)
+
+
+def agent_healthz(node: Vm) -> dict[str, Any]:
+    """What the joined node's agent reads through pynvml and the stand-in NVML library, once NVML
+    has started (the agent may have been started a moment ago)."""
+    deadline = time.monotonic() + 60
+    while True:
+        doc: dict[str, Any] = json.loads(
+            node.ssh(f"{AGENT_VENV}/bin/python -c {shlex.quote(_HEALTHZ)}")
+        )
+        if doc["nvml"]["state"] != "initializing" or time.monotonic() > deadline:
+            return doc
+        time.sleep(1)
+
+
 def units(node: Vm) -> list[str]:
     out = node.ssh("ls /etc/systemd/system/ | grep '^denv-' || true")
     return sorted(out.split())
@@ -118,6 +143,16 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     assert len(replicas) == 2, units(node)
     assert node.ssh("systemctl is-active denv-agent.service", check=False).strip() == "active"
     assert node.ssh("nvidia-smi --query-gpu=index --format=csv,noheader").split() == ["0", "1"]
+    health = agent_healthz(node)
+    assert health["nvml"] == {
+        "state": "ok",
+        "error": None,
+        "driver_version": standin.DRIVER,
+        "gpu_count": 2,
+    }, health["nvml"]
+    smi = node.ssh("nvidia-smi --query-gpu=uuid --format=csv,noheader").split()
+    assert [g["uuid"] for g in health["gpus"]] == smi
+    assert [g["xid_events"] for g in health["gpus"]] == ["registered", "registered"]
 
     start = time.monotonic()
     check_firewalls(bed, node)
