@@ -1,11 +1,40 @@
-"""The MIG layout: MIG mode and GPU instances per GPU, as the spec's layout asks."""
+"""The MIG layout: MIG mode and GPU instances per GPU, as the spec's layout asks, and a unit
+that recreates the instances at boot."""
 
 from __future__ import annotations
 
 from denv_iac.node.facts import NodeFacts
-from denv_iac.node.holders import active, stopped_around
+from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED, active, stopped_around
 from denv_iac.node.spec import NodeDeploySpec
-from denv_iac.node.steps import Step
+from denv_iac.node.steps import (
+    FileContent,
+    Step,
+    enable_link,
+    text_file,
+    unit_path,
+    wants_link,
+)
+
+# MIG mode survives a reboot, the GPU and compute instances do not: this unit recreates them
+# before the replicas that run on them start (their units Require and come After it).
+UNIT = "denv-mig.service"
+RESTORE = "/opt/denv/bin/denv-mig-restore"
+_RESTORE_SCRIPT = r"""#!/bin/sh
+# denv-mig-restore GPU=PROFILE,PROFILE... (one argument per GPU of the layout)
+# Creates the GPU instances, each with its compute instance, on every such GPU that has none;
+# a GPU that has some is left as it is (a second run changes nothing).
+set -eu
+for arg in "$@"; do
+  gpu=${arg%%=*} profiles=${arg#*=}
+  have=$(nvidia-smi -L | awk -v gpu="$gpu" '
+    /^GPU / { current = $2; sub(":", "", current) }
+    /^ +MIG / { if (current == gpu) n++ }
+    END { print n + 0 }')
+  if [ "$have" -eq 0 ]; then
+    nvidia-smi mig -i "$gpu" -cgi "$profiles" -C
+  fi
+done
+"""
 
 
 class MigLayoutError(RuntimeError):
@@ -68,3 +97,59 @@ def _around(
     """
     replicas = [r.unit for r in spec.replicas if r.gpu == index and r.unit in facts.active_units]
     return (stopped_around(replicas + active(facts), commands),)
+
+
+def files(spec: NodeDeploySpec) -> list[FileContent]:
+    """The restore script and its unit; none without a MIG layout."""
+    layout = spec.mig_layout()
+    if not layout:
+        return []
+    arguments = " ".join(f"{gpu}={','.join(layout[gpu])}" for gpu in sorted(layout))
+    unit = text_file(
+        unit_path(UNIT),
+        f"""[Unit]
+Description=denv MIG layout: recreate the GPU instances a reboot removed
+# The driver is loaded and kept by persistenced; on NVSwitch boards the fabric is up.
+After=systemd-modules-load.service {PERSISTENCED} {FABRICMANAGER}
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart={RESTORE} {arguments}
+
+[Install]
+WantedBy=multi-user.target
+""",
+    )
+    return [FileContent(RESTORE, _RESTORE_SCRIPT.encode(), "0755"), unit]
+
+
+PATHS = (RESTORE, unit_path(UNIT))  # what the probe reads, with or without a layout
+
+
+def boot_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    """Write and enable the boot unit; remove it once the node has no MIG layout any more."""
+    wanted = files(spec)
+    if not wanted:
+        if not any(path in facts.files for path in PATHS):
+            return []
+        remove = f"rm -f {' '.join(PATHS)} {wants_link(UNIT)}"
+        commands = (
+            (f"systemctl disable {UNIT}", remove, "systemctl daemon-reload")
+            if facts.systemd
+            else (remove,)
+        )
+        return [Step("mig", "remove the boot unit (no MIG layout)", commands)]
+    steps = [
+        Step("mig", f"write {content.path}", file=content)
+        for content in wanted
+        if facts.files.get(content.path) != content.sha256
+    ]
+    enabled = wants_link(UNIT) in facts.links
+    if facts.systemd and (steps or not enabled):
+        # Enabled, not started: the steps above made this boot's instances already.
+        enable = ("systemctl daemon-reload", f"systemctl enable {UNIT}")
+        steps.append(Step("mig", "enable the boot unit", enable))
+    elif not facts.systemd and not enabled:
+        steps.append(Step("mig", "enable the boot unit (no systemd)", (enable_link(UNIT),)))
+    return steps

@@ -24,8 +24,8 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
         *(r.unit for r in spec.replicas),
     ]
     return FactQuery(
-        files=(*(content.path for content in files), agent.TOKEN),
-        links=(agent.COMMAND_LINK, *(wants_link(u) for u in units)),
+        files=(*(content.path for content in files), agent.TOKEN, *mig.PATHS),
+        links=(agent.COMMAND_LINK, wants_link(mig.UNIT), *(wants_link(u) for u in units)),
         dirs=(AGENT_VENV, *spec.cache.paths()),
         units=tuple(units),
         devices=(volume.device,) if volume else (),
@@ -56,6 +56,7 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     steps += driver.plan(facts, spec)
     steps += fabric.plan(facts, spec)
     steps += mig.plan(facts, spec)
+    steps += mig.boot_steps(facts, spec)  # before replica units that Require it start
     steps += cache.plan(facts, spec)  # before the replicas make their cache dirs on it
     steps += runtime.plan(facts, spec)
     steps += agent.plan(facts, spec)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import shlex
 
+from denv_iac.node import mig
 from denv_iac.node.facts import NodeFacts
+from denv_iac.node.holders import AGENT
 from denv_iac.node.spec import NodeDeploySpec, ReplicaSpec
 from denv_iac.node.steps import (
     FileContent,
@@ -69,12 +71,15 @@ def unit(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
         replica.image,
         *replica.command,
     ]
+    # A MIG instance exists only once the boot unit has recreated it: without it the replica
+    # would crash-loop on a device that is not there.
+    mig_unit = f" {mig.UNIT}" if replica.mig_profile else ""
     return text_file(
         unit_path(replica.unit),
         f"""[Unit]
 Description=denv replica {replica.id}
-After=docker.service denv-agent.service
-Requires=docker.service
+After=docker.service {AGENT}{mig_unit}
+Requires=docker.service{mig_unit}
 # Restart=always for good: systemd's default start limit (5 starts in 10 s) would leave a
 # crash-looping unit stopped for ever, and nothing else brings it back.
 StartLimitIntervalSec=0

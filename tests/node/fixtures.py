@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from denv_iac.node import agent, driver, firewall, holders, replicas
+from denv_iac.node import agent, driver, firewall, holders, mig, replicas
 from denv_iac.node.facts import AGENT_VENV, GpuInfo, MigDevice, NodeFacts
 from denv_iac.node.plan import BASE_PACKAGES, fact_query
 from denv_iac.node.spec import NodeDeploySpec
@@ -75,7 +75,9 @@ def converged(
     `removed`: what it purged.
     """
     query = fact_query(spec)
-    files = {c.path: c.sha256 for c in (*agent.files(spec), *replicas.files(spec))}
+    files = {
+        c.path: c.sha256 for c in (*agent.files(spec), *replicas.files(spec), *mig.files(spec))
+    }
     files[agent.TOKEN] = "token-present"
     files.update({c.path: c.sha256 for c in firewall.files(spec)})
     layout = spec.mig_layout()
