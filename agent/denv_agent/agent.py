@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from denv_agent.agentcheck import AgentCheckServer
@@ -11,9 +12,11 @@ from denv_agent.config import AgentConfig
 from denv_agent.gpu_monitor import GpuMonitor
 from denv_agent.healthz import document
 from denv_agent.http_api import ControlError, ControlHandler, HttpApi
+from denv_agent.kubelet import KubeletPodResources
 from denv_agent.metrics import Metrics
 from denv_agent.nvml_api import Nvml
 from denv_agent.nvml_double import FakeNvml
+from denv_agent.pod_resources import Assigned, PodMonitor, PodResourcesSource
 from denv_agent.replica_health import ReplicaMonitor
 from denv_agent.state import Drains, DrainStore
 from denv_agent.verdict import Snapshot, compose
@@ -23,22 +26,39 @@ log = logging.getLogger("denv_agent")
 
 class Agent:
     def __init__(
-        self, config: AgentConfig, nvml: Nvml, *, simulator: FakeNvml | None = None
+        self,
+        config: AgentConfig,
+        nvml: Nvml,
+        *,
+        simulator: FakeNvml | None = None,
+        pod_source: PodResourcesSource | None = None,
     ) -> None:
-        """`simulator`, when given, is also served at POST /control/simulate for fault injection."""
+        """`simulator`, when given, is also served at POST /control/simulate for fault injection.
+        `pod_source` stands in for the kubelet's socket on Kubernetes (tests)."""
         self.config = config
         self.simulator = simulator
         self.store = DrainStore(config.state_file)
         self.drains = self.store.load()
         self.metrics = Metrics(lambda: self.snapshot)
         self.gpus = GpuMonitor(nvml, config, self.publish)
+        self.pods: PodMonitor | None = None
+        if config.kubernetes is not None:
+            source = pod_source or KubeletPodResources(config.kubernetes.pod_resources_socket)
+            interval = config.intervals.gpu_poll_s
+            self.pods = PodMonitor(
+                source, config.kubernetes, config.replicas, interval, self.publish
+            )
         self.replicas = ReplicaMonitor(
-            config.replicas, config.intervals, self.publish, self.metrics.observe_ttft
+            config.replicas,
+            config.intervals,
+            self.publish,
+            self.metrics.observe_ttft,
+            here=self.pods.here if self.pods else None,
         )
         self._publish_lock = threading.Lock()
         self._control_lock = threading.Lock()
         self.snapshot: Snapshot = compose(
-            config, self.gpus.view(), self.replicas.view(), self.drains
+            config, self.gpus.view(), self.replicas.view(), self.drains, self._pod_view()
         )
         self.agent_check: AgentCheckServer | None = None
         self.http: HttpApi | None = None
@@ -65,6 +85,8 @@ class Agent:
         self.agent_check.start()
         self.http.start()
         self.gpus.start()
+        if self.pods:
+            self.pods.start()
         self.replicas.start()
 
     def stop(self) -> None:
@@ -73,13 +95,17 @@ class Agent:
         if self.http:
             self.http.stop()
         self.replicas.stop()
+        if self.pods:
+            self.pods.stop()
         self.gpus.stop()
 
     def publish(self) -> None:
         """Recompute every verdict from the monitors' latest readings and swap the snapshot."""
         with self._publish_lock:
             old = self.snapshot
-            new = compose(self.config, self.gpus.view(), self.replicas.view(), self.drains)
+            new = compose(
+                self.config, self.gpus.view(), self.replicas.view(), self.drains, self._pod_view()
+            )
             self.snapshot = new
         for rid, verdict in new.verdicts.items():
             before = old.verdicts.get(rid)
@@ -88,6 +114,9 @@ class Agent:
                 verdict.weight_pct,
             ):
                 log.info("%s: %s", rid, verdict.reply)
+
+    def _pod_view(self) -> Mapping[str, Assigned] | None:
+        return self.pods.view() if self.pods else None
 
     def healthz(self) -> dict[str, Any]:
         return document(self.config.node, self.snapshot, simulated=self.simulator is not None)

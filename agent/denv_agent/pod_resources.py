@@ -12,9 +12,16 @@ transport that fetches it is a `PodResourcesSource`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+from denv_agent.config import Kubernetes, Replica
+from denv_agent.periodic import start_periodic
+
+log = logging.getLogger("denv_agent.pods")
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
@@ -93,6 +100,65 @@ def replica_devices(
                     migs.update(devices.device_ids)
         found[replica] = Assigned(frozenset(gpus), frozenset(migs))
     return found
+
+
+class PodMonitor:
+    """Polls the node's pod resources; the view is the devices of the replicas running here.
+
+    Until the first answer no replica is here (each is answered as unknown). A failed poll keeps
+    the last view: pods keep their devices while they run, and a kubelet restarting says
+    nothing new about them.
+    """
+
+    def __init__(
+        self,
+        source: PodResourcesSource,
+        kubernetes: Kubernetes,
+        replicas: tuple[Replica, ...],
+        interval_s: float,
+        on_change: Callable[[], None],
+    ) -> None:
+        self.source = source
+        self.kubernetes = kubernetes
+        self.replica_pods = {r.id: r.pod for r in replicas if r.pod is not None}
+        self.interval_s = interval_s
+        self.on_change = on_change
+        self._view: dict[str, Assigned] = {}
+        self._error = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = start_periodic("pod-resources", self.interval_s, self.poll, self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    def view(self) -> Mapping[str, Assigned]:
+        return self._view
+
+    def here(self, replica_id: str) -> bool:
+        """Whether this node should check the replica: not given by pod, or its pod is here."""
+        return replica_id not in self.replica_pods or replica_id in self._view
+
+    def poll(self) -> None:
+        try:
+            pods = self.source.list()
+        except (OSError, ValueError) as e:
+            if str(e) != self._error:
+                log.warning("pod resources: %s; keeping the last answer", e)
+                self._error = str(e)
+            return
+        self._error = ""
+        found = replica_devices(
+            pods, self.kubernetes.namespace, self.kubernetes.container, self.replica_pods
+        )
+        if found != self._view:
+            log.info("replicas here: %s", sorted(found) or "none")
+            self._view = found
+            self.on_change()
 
 
 def decode_list_response(data: bytes) -> tuple[PodResources, ...]:

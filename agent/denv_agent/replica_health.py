@@ -219,8 +219,12 @@ class ReplicaMonitor:
         intervals: Intervals,
         on_change: Callable[[], None],
         on_ttft: Callable[[str, float], None],
+        here: Callable[[str], bool] | None = None,
     ) -> None:
+        """`here`: whether a replica runs on this node now (on Kubernetes, where every node's
+        agent knows every replica of the site); those elsewhere are neither checked nor probed."""
         self.replicas = replicas
+        self.here = here or (lambda _replica_id: True)
         self.intervals = intervals
         self.on_change = on_change
         self.on_ttft = on_ttft
@@ -265,6 +269,8 @@ class ReplicaMonitor:
         self.on_change()
 
     def _check(self, replica: Replica) -> None:
+        if not self.here(replica.id):
+            return
         error = check_health(replica.health_url, self.intervals.health_timeout_s)
         now = time.monotonic()
         self._update(
@@ -283,6 +289,8 @@ class ReplicaMonitor:
         self._update(replica_id, lambda old: replace(old, ttft_ms=ttft_ms))
 
     def _probe(self, replica_id: str, probe: Probe) -> None:
+        if not self.here(replica_id):
+            return
         try:
             timing = probe_stream(
                 probe.url,
