@@ -40,6 +40,12 @@ def _connection_options(func: F) -> F:
 
 def _spec_options(func: F) -> F:
     func = click.option(
+        "--admin",
+        "admins",
+        multiple=True,
+        help="Address or CIDR that may reach SSH (repeatable; none: SSH is left open).",
+    )(func)
+    func = click.option(
         "--balancer", "balancers", multiple=True, help="Balancer address or CIDR (repeatable)."
     )(func)
     func = click.option("--branch", default="580", show_default=True, help="Driver branch.")(func)
@@ -67,6 +73,7 @@ def _spec(
     host: str,
     branch: str,
     balancers: tuple[str, ...],
+    admins: tuple[str, ...],
 ) -> NodeDeploySpec:
     try:
         if spec_file is not None:
@@ -77,6 +84,7 @@ def _spec(
                 node_id=node_id or f"{site}.{name}",
                 driver_branch=branch,
                 balancer_addresses=balancers,
+                admin_cidrs=admins,
             )
     except NodeSpecError as error:
         fail(error.problems)
@@ -131,13 +139,14 @@ def join(
     node_id: str | None,
     branch: str,
     balancers: tuple[str, ...],
+    admins: tuple[str, ...],
     dry: bool,
     quiet: bool,
     as_json: bool,
 ) -> None:
     """Prepare HOST: driver, runtime, MIG layout, agent, replica units and firewall."""
     target = _target(host, user, key, port, sudo)
-    spec = _spec(spec_file, node_id, site, host, branch, balancers)
+    spec = _spec(spec_file, node_id, site, host, branch, balancers, admins)
     try:
         with StepProgress(f"joining {host}", quiet=quiet or as_json) as bar:
             steps = prepare_node(target, spec, dry=dry, progress=_step_progress(bar))
@@ -178,12 +187,13 @@ def repair(
     node_id: str | None,
     branch: str,
     balancers: tuple[str, ...],
+    admins: tuple[str, ...],
     quiet: bool,
     as_json: bool,
 ) -> None:
     """Drain HOST, repair its GPUs at LEVEL, verify through NVML, undrain (stays drained if not)."""
     target = _target(host, user, key, port, sudo)
-    spec = _spec(spec_file, node_id, site, host, branch, balancers)
+    spec = _spec(spec_file, node_id, site, host, branch, balancers, admins)
     try:
         with StepProgress(f"repairing {host} ({level})", quiet=quiet or as_json) as bar:
             done: list[StepReport] = []

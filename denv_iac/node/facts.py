@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 import shlex
 from collections.abc import Iterable, Mapping
@@ -224,8 +225,7 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
     smi_ok = values.get("smi_rc") == "0"
     gpus = _parse_gpus(smi_lines, smil_lines) if smi_ok else ()
     agent = _AGENT_DIST.search(values.get("agent", ""))
-    # SSH_CONNECTION: client address, client port, server address, server port.
-    ssh = values.get("ssh", "").split()
+    ssh_client, ssh_port = _ssh_connection(values.get("ssh", ""))
     return NodeFacts(
         os_id=values.get("os_id", ""),
         os_version=values.get("os_version", ""),
@@ -255,9 +255,22 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
         docker_cli="docker_cli" in flags,
         module_version=values.get("module", "").strip(),
         agent_version=agent.group(1) if agent else None,
-        ssh_client=ssh[0] if len(ssh) == 4 and ssh[3].isdigit() else "",
-        ssh_port=int(ssh[3]) if len(ssh) == 4 and ssh[3].isdigit() else 0,
+        ssh_client=ssh_client,
+        ssh_port=ssh_port,
     )
+
+
+def _ssh_connection(value: str) -> tuple[str, int]:
+    """SSH_CONNECTION (client address, client port, server address, server port): the client's
+    address and the server's port; ("", 0) for anything else."""
+    fields = value.split()
+    if len(fields) != 4 or not fields[3].isdigit():
+        return "", 0
+    try:
+        ipaddress.ip_address(fields[0])
+    except ValueError:
+        return "", 0
+    return fields[0], int(fields[3])
 
 
 def _csv(line: str) -> list[str]:

@@ -129,6 +129,18 @@ def test_a_cache_volume_in_the_node_spec_is_kept_when_no_device_is_given() -> No
     assert spec.cache_volume == own
 
 
+def test_every_node_and_balancer_host_deploy_gets_its_sites_admin_cidrs() -> None:
+    run = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
+    deploys = {r.name: r.inputs for r in run.of_type(DEPLOYMENT)}
+    nodes = {name: d["node"]["admin_cidrs"] for name, d in deploys.items() if "node" in d}
+    # Joined and Hetzner machines too: their host firewall is the only guard of their SSH.
+    for site in ("office", "hetzner-fsn", "aws-use1"):
+        assert any(name.startswith(f"prod-{site}-") for name in nodes), site
+    assert all(cidrs == [stacks.ADMIN] for cidrs in nodes.values()), nodes
+    hosts = [d["balancer_firewall"] for d in deploys.values() if "balancer" in d]
+    assert hosts == [{"admin_cidrs": [stacks.ADMIN], "stats_port": 8405}] * 2
+
+
 def test_aws_nodes_mount_their_ebs_cache_volume_where_their_caches_are() -> None:
     run = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
     volumes = {r.name: r.urn for r in run.of_type("aws:ebs/volume:Volume")}

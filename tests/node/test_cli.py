@@ -87,3 +87,19 @@ def test_a_join_the_firewall_would_shut_out_is_one_line_and_exit_2(
         "admin_cidrs does not hold, so the firewall would shut it out; add 192.0.2.50 (or a "
         "block holding it) to admin_cidrs\n",
     )
+
+
+def test_admin_addresses_reach_the_join_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    joined: list[NodeDeploySpec] = []
+
+    def record(_target: object, spec: NodeDeploySpec, **_: object) -> list[object]:
+        joined.append(spec)
+        return []
+
+    monkeypatch.setattr("denv_iac.cli.node.prepare_node", record)
+    code, _ = run("join", "@local", "--site", "s1", "--admin", "198.51.100.0/24", "--admin", "::1")
+    assert code == 0 and joined[0].admin_cidrs == ("198.51.100.0/24", "::1")
+    assert run("join", "@local", "--site", "s1", "--admin", "office") == (
+        2,
+        "error: admin_cidrs 'office': give an IP address or CIDR\n",
+    )

@@ -222,8 +222,9 @@ def test_the_probe_reads_the_deploys_ssh_connection(line: str) -> None:
     assert (facts.ssh_client, facts.ssh_port) == (address, int(port))
 
 
-def test_the_probe_reads_no_ssh_connection_from_a_malformed_line() -> None:
-    facts = parse_facts(["ssh\tgarbage"])
+@pytest.mark.parametrize("value", ["garbage", "1.2.3.4 5 6.7.8.9 x", "host 5 6.7.8.9 22"])
+def test_the_probe_reads_no_ssh_connection_from_a_malformed_line(value: str) -> None:
+    facts = parse_facts([f"ssh\t{value}"])
     assert (facts.ssh_client, facts.ssh_port) == ("", 0)
 
 
@@ -265,3 +266,15 @@ def test_balancer_host_deploy_from_outside_admin_cidrs_is_refused() -> None:
     with pytest.raises(NodeSpecError) as refused:
         plan_balancer_host(_balancer_facts(ssh_client="192.0.2.50"), ACCESS)
     assert refused.value.problems == [LOCKOUT]
+
+
+def test_a_fresh_node_is_firewalled_before_anything_listens_or_reboots() -> None:
+    fresh = node_facts()
+    fresh = dataclasses.replace(
+        fresh, packages={k: v for k, v in fresh.packages.items() if k != "nftables"}
+    )
+    steps = plan_node(fresh, spec())
+    areas = [step.area for step in steps]
+    assert areas.index("firewall") < min(areas.index(a) for a in ("driver", "agent", "replicas"))
+    # nft comes with the base packages, installed first.
+    assert areas[:2] == ["base", "base"] and "nftables" in steps[1].title
