@@ -8,6 +8,7 @@ same graph. Importing this module imports Pulumi: keep it out of code paths that
 """
 
 import asyncio
+import base64
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ class RecordingMocks(pulumi.runtime.Mocks):
             state["status"] = {"loadBalancer": {"ingress": [{"ip": _address(args.name)}]}}
         if args.typ == "pulumi-python:dynamic/lambda:Instance":
             state["ip"] = _address(args.name)
+        if args.typ == "pulumi-python:dynamic/denv:WireGuardKey":
+            # A stand-in public key, stable per name; the private key's slot stays a secret.
+            digest = hashlib.sha256(args.name.encode()).digest()
+            state["public_key"] = base64.b64encode(digest).decode()
         if args.typ == "nebius:index/computeV1Instance:ComputeV1Instance":
             # Nebius reports an interface's public address with its prefix length.
             public = {"address": f"{_address(args.name)}/32"}
