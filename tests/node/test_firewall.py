@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from denv_iac.node import NodeDeploySpec, NodeSpecError, ReplicaSpec, plan_node
-from denv_iac.node.facts import NodeFacts, parse_facts
+from denv_iac.node.facts import FactQuery, NodeFacts, parse_facts, probe_script
 from denv_iac.node.firewall import (
     BALANCER_RULES,
     BALANCER_UNIT,
@@ -278,3 +279,20 @@ def test_a_fresh_node_is_firewalled_before_anything_listens_or_reboots() -> None
     assert areas.index("firewall") < min(areas.index(a) for a in ("driver", "agent", "replicas"))
     # nft comes with the base packages, installed first.
     assert areas[:2] == ["base", "base"] and "nftables" in steps[1].title
+
+
+def test_the_probe_finds_the_login_above_a_sudo_that_cleared_the_environment() -> None:
+    # sudo starts its command with a clean environment, as `env -i` does here; the login's
+    # SSH_CONNECTION is still in the environment of the shell above it (`; true` keeps that
+    # shell from replacing itself with its last command).
+    login = {**os.environ, "SSH_CONNECTION": "198.51.100.7 51234 10.0.0.5 22"}
+    out = subprocess.run(
+        ["sh", "-c", 'env -i sh -c "$0"; true', probe_script(FactQuery())],
+        env=login,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    facts = parse_facts(out.splitlines())
+    assert (facts.ssh_client, facts.ssh_port) == ("198.51.100.7", 22)
