@@ -36,7 +36,7 @@
 #define STANDIN_DRIVER "580.95.05"
 #endif
 
-/* nvmlReturn_t values (pynvml NVML_SUCCESS, NVML_ERROR_*). */
+/* NVML's names and values (nvmlReturn_t and others); a test checks each against pynvml. */
 typedef int nvmlReturn_t;
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
@@ -52,9 +52,9 @@ typedef int nvmlReturn_t;
 #define NVML_MEMORY_ERROR_TYPE_UNCORRECTED 1   /* nvmlMemoryErrorType_t */
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1         /* nvmlValueType_t */
 #define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230 /* a field id (recent drivers) */
-#define NVML_EVENT_TYPE_XID_CRITICAL_ERROR 0x8ULL
-#define NVML_EVENT_TYPE_SUPPORTED 0x1fULL /* ECC, P-state, XID and clock events */
-#define NVML_MIG_INSTANCES_MAX 7           /* nvmlDeviceGetMaxMigDeviceCount on H100 */
+#define nvmlEventTypeXidCriticalError 0x8ULL
+#define STANDIN_EVENT_TYPES 0x1fULL /* ECC, P-state, XID and clock events */
+#define STANDIN_MIG_SLOTS 7           /* nvmlDeviceGetMaxMigDeviceCount on H100 */
 #define NO_INSTANCE 0xFFFFFFFFu            /* event data's GPU/compute instance: none */
 
 #define MAX_GPUS 16
@@ -116,7 +116,7 @@ static int init_count;
 static int gpu_count;
 static unsigned int gpu_bus[MAX_GPUS];
 static struct nvmlDevice_st gpus[MAX_GPUS];
-static struct nvmlDevice_st migs[MAX_GPUS][NVML_MIG_INSTANCES_MAX];
+static struct nvmlDevice_st migs[MAX_GPUS][STANDIN_MIG_SLOTS];
 
 struct faults {
     int lost[MAX_GPUS], remap_pending[MAX_GPUS], remap_failure[MAX_GPUS];
@@ -223,7 +223,7 @@ static int device_gpu(nvmlDevice_t device) {
     for (int i = 0; i < gpu_count; i++) {
         if (device == &gpus[i])
             return i;
-        for (int m = 0; m < NVML_MIG_INSTANCES_MAX; m++)
+        for (int m = 0; m < STANDIN_MIG_SLOTS; m++)
             if (device == &migs[i][m])
                 return i;
     }
@@ -242,8 +242,7 @@ static int device_gpu(nvmlDevice_t device) {
 /* The stand-in nvidia-smi's MIG state ({"mig": {"0": true}, "devices": {"0": ["1g.10gb"]}}):
  * whether MIG is on for `gpu` and its instances' profile names. */
 static int mig_state(int gpu, char profiles[][NAME_LEN], int *count) {
-    static char text[65536];
-    char key[32];
+    char text[16384], key[32]; /* per call: the pollers of several GPUs ask at once */
     *count = 0;
     if (!read_text("var/lib/nvidia-standin/state.json", text, sizeof text))
         return 0;
@@ -257,7 +256,7 @@ static int mig_state(int gpu, char profiles[][NAME_LEN], int *count) {
     end = devices ? strchr(devices, '}') : NULL;
     if (found && found < end) {
         char *p = found + strlen(key), *close = strchr(p, ']');
-        while (close && *count < NVML_MIG_INSTANCES_MAX && (p = strchr(p, '"')) && p < close) {
+        while (close && *count < STANDIN_MIG_SLOTS && (p = strchr(p, '"')) && p < close) {
             sscanf(p, "\"%63[^\"]\"", profiles[*count]);
             (*count)++;
             p = strchr(p + 1, '"') + 1;
@@ -302,7 +301,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
             free(names);
         for (int i = 0; i < MAX_GPUS; i++) {
             gpus[i] = (struct nvmlDevice_st){i, -1};
-            for (int m = 0; m < NVML_MIG_INSTANCES_MAX; m++)
+            for (int m = 0; m < STANDIN_MIG_SLOTS; m++)
                 migs[i][m] = (struct nvmlDevice_st){i, m};
         }
     }
@@ -371,7 +370,7 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
 
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
     DEVICE_CALL(device);
-    char text[128], profiles[NVML_MIG_INSTANCES_MAX][NAME_LEN];
+    char text[128], profiles[STANDIN_MIG_SLOTS][NAME_LEN];
     int count = 0;
     if (device->mig < 0) {
         /* As the stand-in nvidia-smi names them. */
@@ -470,7 +469,7 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count, nvmlFieldV
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
                                   unsigned int *pending) {
     DEVICE_CALL(device);
-    char profiles[NVML_MIG_INSTANCES_MAX][NAME_LEN];
+    char profiles[STANDIN_MIG_SLOTS][NAME_LEN];
     int count;
     *current = *pending = (unsigned int)mig_state(gpu, profiles, &count);
     return NVML_SUCCESS;
@@ -478,14 +477,14 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
 
 nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
     DEVICE_CALL(device);
-    *count = NVML_MIG_INSTANCES_MAX;
+    *count = STANDIN_MIG_SLOTS;
     return NVML_SUCCESS;
 }
 
 nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
                                                  nvmlDevice_t *mig) {
     DEVICE_CALL(device);
-    char profiles[NVML_MIG_INSTANCES_MAX][NAME_LEN];
+    char profiles[STANDIN_MIG_SLOTS][NAME_LEN];
     int count;
     if (!mig_state(gpu, profiles, &count))
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -498,7 +497,7 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned i
 nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device,
                                               unsigned long long *eventTypes) {
     DEVICE_CALL(device);
-    *eventTypes = NVML_EVENT_TYPE_SUPPORTED;
+    *eventTypes = STANDIN_EVENT_TYPES;
     return NVML_SUCCESS;
 }
 
@@ -517,7 +516,7 @@ nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
 nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
                                       nvmlEventSet_t set) {
     DEVICE_CALL(device);
-    if (!set || eventTypes & ~NVML_EVENT_TYPE_SUPPORTED)
+    if (!set || eventTypes & ~STANDIN_EVENT_TYPES)
         return NVML_ERROR_NOT_SUPPORTED;
     set->registered[gpu] |= eventTypes;
     return NVML_SUCCESS;
@@ -536,8 +535,8 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data,
             set->delivered = f.xids;
         while (set->delivered < f.xids) {
             int n = set->delivered++, gpu = f.xid_gpu[n];
-            if (valid_gpu(gpu) && set->registered[gpu] & NVML_EVENT_TYPE_XID_CRITICAL_ERROR) {
-                *data = (nvmlEventData_t){&gpus[gpu], NVML_EVENT_TYPE_XID_CRITICAL_ERROR,
+            if (valid_gpu(gpu) && set->registered[gpu] & nvmlEventTypeXidCriticalError) {
+                *data = (nvmlEventData_t){&gpus[gpu], nvmlEventTypeXidCriticalError,
                                           (unsigned long long)f.xid_code[n], NO_INSTANCE,
                                           NO_INSTANCE};
                 return NVML_SUCCESS;

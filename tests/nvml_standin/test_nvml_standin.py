@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import pynvml
 import pytest
 from denv_agent import control
 from denv_agent.config import to_toml
@@ -103,6 +105,16 @@ def test_every_read_the_agent_makes_answers_through_pynvml(tmp_path: Path) -> No
     assert gpus[0]["reading"]["mig_current"] is False
     assert gpus[1]["reading"]["mig_current"] is True
     assert gpus[1]["reading"]["mig_devices"] == ["MIG-1-0-3g.40gb", "MIG-1-1-3g.40gb"]
+
+
+def test_every_nvml_constant_the_stand_in_defines_is_pynvml_s() -> None:
+    defined = dict(
+        re.findall(r"^#define ((?:NVML_|nvml)\w+) (\w+)", nvml_standin.SOURCE.read_text(), re.M)
+    )
+    assert {"NVML_ERROR_GPU_IS_LOST", "nvmlEventTypeXidCriticalError"} <= set(defined)
+    assert {name: int(value.rstrip("ULul"), 0) for name, value in defined.items()} == {
+        name: getattr(pynvml, name) for name in defined
+    }
 
 
 @pytest.mark.parametrize(
