@@ -5,7 +5,14 @@ import json
 import sys
 from pathlib import Path
 
-MODULES = ("start_bench", "placement_bench", "graph_bench", "agent_bench", "dataplane_bench")
+MODULES = (
+    "start_bench",
+    "placement_bench",
+    "graph_bench",
+    "agent_bench",
+    "dataplane_bench",
+    "voice_bench",
+)
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -18,7 +18,6 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from denv_iac.cli.console import fail, output_file_problems, wide_console, write_output
-from denv_iac.ops.bench_plot import FORMATS, write_plot
 from denv_iac.ops.loadgen import FIGURES, PROTOCOLS, QUANTILES, LoadReport, Protocol, run_load
 
 TICK_S = 0.2
@@ -128,10 +127,14 @@ def bench(
         problems += [p.replace("URL:", "--direct:", 1) for p in _url_problems(direct)]
     if duration is not None and not math.isfinite(duration):
         problems.append(f"--duration: {duration} is not a number of seconds; e.g. --duration 30")
-    if plot_file is not None and plot_file.suffix not in FORMATS:
-        problems.append(
-            f"--plot: {plot_file} must end in {' or '.join(FORMATS)}; e.g. --plot ttft.png"
-        )
+    if plot_file is not None:
+        # Only a run with a plot pays for importing matplotlib (seconds on a busy machine).
+        from denv_iac.ops.bench_plot import FORMATS
+
+        if plot_file.suffix not in FORMATS:
+            problems.append(
+                f"--plot: {plot_file} must end in {' or '.join(FORMATS)}; e.g. --plot ttft.png"
+            )
     # Checked before the load runs: a typo in a path must not cost the whole run's figures.
     problems += output_file_problems("--json", json_file)
     problems += output_file_problems("--plot", None if plot_file is None else str(plot_file))
@@ -157,6 +160,8 @@ def bench(
     report = asyncio.run(load if quiet or to_stdout else _with_progress(load, what, duration))
     summary = report.summary()
     if plot_file is not None:
+        from denv_iac.ops.bench_plot import write_plot
+
         write_plot(report, what, plot_file)
     if to_stdout:
         click.echo(json.dumps(summary, indent=2))

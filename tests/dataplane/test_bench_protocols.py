@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from denv_iac.cli import main
+from denv_iac.ops.voice_failover import realtime_failover
 
 from .dataplane_harness import Dataplane
 
@@ -26,7 +28,8 @@ def _bench(plane: Dataplane, *args: str) -> dict[str, object]:
     argv = ["bench", plane.url, "--pool", "voice", "--direct", direct, "--json", "-", *args]
     outcome = CliRunner().invoke(main, argv)
     assert outcome.exit_code == 0, outcome.output
-    summary: dict[str, object] = json.loads(outcome.output)
+    # stdout only: the agent stand-in's threads may log to stderr meanwhile
+    summary: dict[str, object] = json.loads(outcome.stdout)
     return summary
 
 
@@ -63,3 +66,34 @@ def test_speech_and_transcription_through_the_endpoint_and_direct(
     assert isinstance(direct, dict) and direct["ok"] == 4
     assert isinstance(summary[f"{key}_p50_ms"], float)
     assert isinstance(direct[f"{key}_p50_ms"], float)
+
+
+def test_realtime_failover_cuts_with_a_close_and_reconnects_elsewhere(plane: Dataplane) -> None:
+    def seen() -> dict[str, list[str]]:
+        receipts: dict[str, list[str]] = {}
+        for replica_id, replica in plane.replicas.items():
+            if replica.process.port is not None and replica_id != killed[0]:
+                for request_id, count in replica.stats()["by_request_id"].items():
+                    receipts.setdefault(request_id, []).extend([replica_id] * count)
+        return receipts
+
+    killed = [""]
+
+    def kill(replica_id: str) -> None:
+        killed[0] = replica_id
+        plane.replicas[replica_id].kill()
+
+    # FAST_REPLICA: first audio at 20 ms, 8 frames 5 ms apart: killed after two frames.
+    failover = realtime_failover(plane.url, "voice", kill, seen, sessions=4, kill_after_s=0.03)
+    report = asyncio.run(failover)
+    plane.replicas[report.victim].restart()
+    plane.wait_until(plane.all_up, timeout_s=10, what="every server up again")
+    figures = report.figures()
+    assert report.victim.startswith("voice.home-")
+    assert isinstance(figures["cut"], int) and figures["cut"] >= 1
+    assert figures["cut_as"] == {"aborted": figures["cut"]}  # the socket goes: 1006, no frame
+    assert figures["stalled"] == 0 and figures["replayed"] == 0
+    assert figures["failed_reconnects"] == 0
+    assert figures["reconnected_elsewhere"] == figures["cut"]
+    reconnect = figures["reconnect_max_ms"]
+    assert isinstance(reconnect, float) and reconnect < 1000  # the bench holds it to 100 ms

@@ -1,0 +1,149 @@
+"""Realtime session failover, measured from the client's side: open sessions, kill the replica
+that serves the most of them mid-turn, and reconnect each cut session at once.
+
+The contract (docs/balancer.md): a session stays on one replica for its life and is never moved
+or replayed; when its replica dies the client sees the socket close, and a reconnect with the
+same `X-Denv-Session` is served by a healthy replica. Counted here:
+
+- cut: sessions whose turn was broken off by the kill, and how the client saw it (`aborted`: the
+  socket went without a close frame, 1006; `closed`: a close frame came);
+- stalled: sessions cut without any close, found only by the client's own timeout: the failure
+  the contract rules out;
+- replayed: cut sessions whose opening request (its `X-Request-Id`) reached any replica other
+  than the one it was opened on, by the replicas' own logs;
+- failed_reconnects, and reconnect_ms: from the moment the client saw the close to
+  `session.created` on the new socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from denv_iac.ops.loadgen import (
+    CONNECT_TIMEOUT_S,
+    Connection,
+    Endpoint,
+    RealtimeSession,
+    percentile,
+)
+
+Seen = Callable[[], dict[str, list[str]]]  # request id -> the replicas that received it
+
+
+@dataclass(frozen=True)
+class SessionOutcome:
+    session: str
+    request_id: str  # of the opening request
+    replica: str
+    cut: str  # "" when the turn at the kill completed; else the error the client saw
+    cut_at: float | None  # perf_counter() when the client saw it
+    reconnect_error: str  # "" when the reconnect was served
+    reconnect_ms: float | None
+    reconnect_replica: str
+    turn_after_error: str  # the first turn on the new socket
+
+
+@dataclass(frozen=True)
+class FailoverReport:
+    victim: str
+    killed_at: float  # perf_counter() when the kill was issued
+    outcomes: tuple[SessionOutcome, ...]
+    replayed: int
+
+    def figures(self) -> dict[str, object]:
+        cut = [o for o in self.outcomes if o.cut]
+        reconnects = [o.reconnect_ms for o in cut if o.reconnect_ms is not None]
+        closes = [(o.cut_at - self.killed_at) * 1000 for o in cut if o.cut_at is not None]
+        worst_close = max(closes, default=None)
+        worst = max(reconnects, default=None)
+        return {
+            "sessions": len(self.outcomes),
+            "cut": len(cut),
+            "cut_as": dict(sorted(Counter(o.cut for o in cut).items())),
+            "stalled": sum(1 for o in cut if o.cut == "timeout"),
+            "replayed": self.replayed,
+            "failed_reconnects": sum(1 for o in cut if o.reconnect_error or o.turn_after_error),
+            "reconnected_elsewhere": sum(
+                1 for o in cut if o.reconnect_replica and o.reconnect_replica != self.victim
+            ),
+            "close_after_kill_max_ms": None if worst_close is None else round(worst_close, 2),
+            "reconnect_p50_ms": percentile(reconnects, 50),
+            "reconnect_max_ms": None if worst is None else round(worst, 2),
+        }
+
+
+def count_replayed(outcomes: tuple[SessionOutcome, ...], seen: dict[str, list[str]]) -> int:
+    """Cut sessions whose opening request reached a replica other than its own, or twice."""
+    replayed = 0
+    for outcome in outcomes:
+        receipts = seen.get(outcome.request_id, [])
+        if outcome.cut and (len(receipts) > 1 or any(r != outcome.replica for r in receipts)):
+            replayed += 1
+    return replayed
+
+
+async def realtime_failover(
+    url: str,
+    pool: str,
+    kill: Callable[[str], None],
+    seen: Seen,
+    *,
+    sessions: int = 8,
+    kill_after_s: float = 0.1,
+    timeout_s: float = 5.0,
+    api_key: str | None = None,
+) -> FailoverReport:
+    """`sessions` sessions through `url`, each one turn warm; then a turn on all of them while
+    `kill(replica)` ends the replica serving the most, `kill_after_s` into the turns."""
+    endpoint = Endpoint(url)
+    run = time.monotonic_ns()
+    clients = {
+        f"failover-{run}-{n}": RealtimeSession(
+            Connection(endpoint, timeout_s, CONNECT_TIMEOUT_S), pool, api_key
+        )
+        for n in range(sessions)
+    }
+    warm = await asyncio.gather(*(c.turn(n, 0.0, "endpoint") for n, c in clients.items()))
+    if failed := [r.error for r in warm if r.error]:
+        raise RuntimeError(f"sessions failed to open before the kill: {Counter(failed)}")
+    victim = Counter(c.replica for c in clients.values()).most_common(1)[0][0]
+    killed_at: list[float] = []
+
+    async def kill_victim() -> None:
+        await asyncio.sleep(kill_after_s)
+        killed_at.append(time.perf_counter())
+        await asyncio.to_thread(kill, victim)
+
+    async def turn_and_reconnect(client: RealtimeSession, name: str) -> SessionOutcome:
+        request_id, replica = client.request_id, client.replica
+        result = await client.turn(name, 0.0, "endpoint")
+        if not result.error:
+            await client.close()
+            return SessionOutcome(name, request_id, replica, "", None, "", None, "", "")
+        seen_at = time.perf_counter()
+        error = await client.open(name)
+        reconnect_ms = (time.perf_counter() - seen_at) * 1000 if not error else None
+        after = "" if error else (await client.turn(name, 0.0, "endpoint")).error
+        new_replica = client.replica
+        await client.close()
+        return SessionOutcome(
+            name,
+            request_id,
+            replica,
+            result.error,
+            seen_at,
+            error,
+            reconnect_ms,
+            new_replica,
+            after,
+        )
+
+    killer = asyncio.create_task(kill_victim())
+    outcomes = await asyncio.gather(*(turn_and_reconnect(c, n) for n, c in clients.items()))
+    await killer
+    replayed = count_replayed(tuple(outcomes), await asyncio.to_thread(seen))
+    return FailoverReport(victim, killed_at[0], tuple(outcomes), replayed)
