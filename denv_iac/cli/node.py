@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import asdict
@@ -147,7 +148,10 @@ def join(
     """Prepare HOST: driver, runtime, MIG layout, agent, replica units and firewall."""
     target = _target(host, user, key, port, sudo)
     spec = _spec(spec_file, node_id, site, host, branch, balancers, admins)
+    ssh_port = target.inventory()[1].get("ssh_port")
     try:
+        if ssh_port is not None:  # the port this join reaches sshd on: the one admin_cidrs guard
+            spec = dataclasses.replace(spec, ssh_port=ssh_port)
         with StepProgress(f"joining {host}", quiet=quiet or as_json) as bar:
             steps = prepare_node(target, spec, dry=dry, progress=_step_progress(bar))
     except (UnsupportedNode, MigLayoutError) as error:

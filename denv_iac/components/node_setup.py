@@ -167,6 +167,8 @@ def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
             del replica["probe"]
     if not data["admin_cidrs"]:
         del data["admin_cidrs"]
+    if data["ssh_port"] == NodeDeploySpec.ssh_port:
+        del data["ssh_port"]
     return data
 
 

@@ -30,7 +30,7 @@ RULES = "/etc/denv/firewall.nft"
 UNIT = "denv-firewall.service"
 BALANCER_RULES = "/etc/denv/balancer-firewall.nft"
 BALANCER_UNIT = "denv-balancer-firewall.service"
-# The port the deploy reaches every stack's machines on: a site's node address carries none.
+# The port the deploy reaches a balancer host's SSH on: a stack's addresses carry no port.
 SSH_PORT = 22
 
 
@@ -70,7 +70,7 @@ def node_guards(spec: NodeDeploySpec) -> list[Guard]:
     ports = tuple(sorted({spec.agent_port, *(r.port for r in spec.replicas)}))
     guards = [Guard("balancer_addresses", spec.balancer_addresses, ports)]
     if spec.admin_cidrs:
-        guards.append(Guard("admin_cidrs", spec.admin_cidrs, (SSH_PORT,)))
+        guards.append(Guard("admin_cidrs", spec.admin_cidrs, (spec.ssh_port,)))
     return guards
 
 

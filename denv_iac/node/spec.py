@@ -139,6 +139,7 @@ class NodeDeploySpec:
     balancer_addresses: tuple[str, ...] = ()
     # Who may reach the node's SSH port; none given: the firewall leaves SSH as it finds it.
     admin_cidrs: tuple[str, ...] = ()
+    ssh_port: int = 22  # the port sshd listens on, which admin_cidrs guard
     agent_port: int = 9100
     # Base URL of NVIDIA's CUDA repository (holding cuda-keyring_1.1-1_all.deb); {distro} and
     # {arch} are filled in from the node. A mirror for nodes without access to NVIDIA's CDN.
@@ -205,8 +206,11 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
                 ipaddress.ip_network(address, strict=False)
             except ValueError:
                 problems.append(f"{key} {address!r}: give an IP address or CIDR")
-    if not 1 <= spec.agent_port <= 65535:
-        problems.append(f"agent_port {spec.agent_port}: give a TCP port, 1-65535")
+    for key in ("agent_port", "ssh_port"):
+        if not 1 <= getattr(spec, key) <= 65535:
+            problems.append(f"{key} {getattr(spec, key)}: give a TCP port, 1-65535")
+    if spec.ssh_port == spec.agent_port:
+        problems.append(f"agent_port {spec.agent_port}: SSH listens there; pick another")
     if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1:
         problems.append(
             "drain_timeout_s / ready_timeout_s: give seconds, drain 0 or more, ready 1+"
@@ -241,7 +245,7 @@ def _agent_config_problems(config: Mapping[str, Any]) -> list[str]:
 def _replica_problems(spec: NodeDeploySpec) -> list[str]:
     problems: list[str] = []
     layout = spec.mig_layout()
-    ports: dict[int, str] = {spec.agent_port: "the agent"}
+    ports: dict[int, str] = {spec.agent_port: "the agent", spec.ssh_port: "SSH"}
     seen: set[str] = set()
     for replica in spec.replicas:
         where = f"replica {replica.id!r}"

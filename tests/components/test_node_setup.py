@@ -226,7 +226,9 @@ def test_the_provider_hands_the_certificate_to_the_deploy_and_a_new_one_reruns_i
 
 
 def test_node_admin_cidrs_reach_the_deploy_and_are_left_out_of_the_state_when_unset() -> None:
-    assert "admin_cidrs" not in spec_to_json(SPEC)  # a stack without them: no new input, no diff
+    # A stack without them: no new input, no diff (sshd on 22 likewise).
+    assert {"admin_cidrs", "ssh_port"}.isdisjoint(spec_to_json(SPEC))
+    assert spec_to_json(dataclasses.replace(SPEC, ssh_port=2222))["ssh_port"] == 2222
     recorder = Recorder()
     NodeSetupProvider(recorder.runner()).create(_changed_node(admin_cidrs=("198.51.100.0/24",)))
     assert recorder.calls[0][2].admin_cidrs == ("198.51.100.0/24",)

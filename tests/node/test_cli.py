@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -102,4 +103,39 @@ def test_admin_addresses_reach_the_join_spec(monkeypatch: pytest.MonkeyPatch) ->
     assert run("join", "@local", "--site", "s1", "--admin", "office") == (
         2,
         "error: admin_cidrs 'office': give an IP address or CIDR\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "port"),
+    [(("192.0.2.1:2222",), 2222), (("192.0.2.1", "--port", "2200"), 2200), (("192.0.2.1",), 22)],
+)
+def test_the_port_a_join_reaches_sshd_on_is_the_one_the_firewall_guards(
+    monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], port: int
+) -> None:
+    joined: list[NodeDeploySpec] = []
+
+    def record(_target: object, spec: NodeDeploySpec, **_: object) -> list[object]:
+        joined.append(spec)
+        return []
+
+    monkeypatch.setattr("denv_iac.cli.node.prepare_node", record)
+    assert run("join", *args, "--site", "s1")[0] == 0
+    assert joined[0].ssh_port == port
+
+
+def test_a_join_on_a_port_a_replica_uses_is_one_line(tmp_path: Path) -> None:
+    spec = tmp_path / "node.json"
+    replica = {"id": "r0", "image": "ghcr.io/acme/voice:1", "port": 8000, "gpu": 0}
+    spec.write_text(json.dumps({"node_id": "s1.box", "replicas": [replica]}))
+    assert run("join", "192.0.2.1:8000", "--site", "s1", "--spec", str(spec)) == (
+        2,
+        "error: 192.0.2.1:8000: replica 'r0' port 8000: already used by SSH\n",
+    )
+
+
+def test_a_join_on_the_agents_port_is_one_line() -> None:
+    assert run("join", "192.0.2.1:9100", "--site", "s1") == (
+        2,
+        "error: 192.0.2.1:9100: agent_port 9100: SSH listens there; pick another\n",
     )

@@ -109,8 +109,10 @@ def test_node_rules_admit_replicas_from_balancers_and_ssh_from_admins_only() -> 
             ["@balancer_v4", "@balancer_v6"],
         ),
         ({"replicas": (), "agent_port": 9200}, ["tcp dport { 9200 } drop"], ["8000"]),
+        # sshd on another port: that port is the one guarded.
+        ({"ssh_port": 2222}, ["tcp dport { 2222 } drop"], ["dport { 22 }"]),
     ],
-    ids=["no-admins", "ipv4-admins", "host-address", "no-balancers", "agent-only"],
+    ids=["no-admins", "ipv4-admins", "host-address", "no-balancers", "agent-only", "ssh-port"],
 )
 def test_node_rules_table(fields: dict[str, object], present: list[str], absent: list[str]) -> None:
     rendered = text(spec(**fields))
@@ -189,6 +191,14 @@ def test_lockout_table(
 ) -> None:
     facts = NodeFacts(systemd=systemd, ssh_client=client, ssh_port=port)
     assert lockout_problems(facts, node_guards(spec(admin_cidrs=admins))) == expected
+
+
+def test_lockout_follows_the_nodes_ssh_port() -> None:
+    on_2222 = spec(ssh_port=2222)
+    outside = NodeFacts(systemd=True, ssh_client="192.0.2.50", ssh_port=2222)
+    assert lockout_problems(outside, node_guards(on_2222)) == [LOCKOUT]
+    on_22 = dataclasses.replace(outside, ssh_port=22)  # a port this node's table leaves alone
+    assert lockout_problems(on_22, node_guards(on_2222)) == []
 
 
 def test_a_deploy_from_outside_admin_cidrs_is_refused_before_any_step() -> None:
