@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 import shlex
 
@@ -12,10 +13,12 @@ from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import (
     APT_UPDATE,
     PACKAGE_UNIT_DIR,
+    FileContent,
     Step,
     apt_install,
     apt_purge,
     enable_link,
+    text_file,
     wants_link,
 )
 
@@ -40,6 +43,9 @@ _MAIN_PATTERNS = (
     re.compile(r"^nvidia-headless-(\d+)(-server)?(-open)?$"),
 )
 MODULES = ("nvidia_uvm", "nvidia_drm", "nvidia_modeset", "nvidia")
+# The in-kernel driver binds the GPUs first when it may, and the NVIDIA modules then fail to load.
+NOUVEAU_CONF = "/etc/modprobe.d/denv-blacklist-nouveau.conf"
+_NOUVEAU_TEXT = "blacklist nouveau\noptions nouveau modeset=0\n"
 MISMATCH = "version mismatch"
 
 
@@ -139,9 +145,39 @@ def keyring_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     return [Step("repository", "add NVIDIA's repository (cuda-keyring)", commands)]
 
 
-def install_steps(spec: NodeDeploySpec, purge: list[str]) -> list[Step]:
-    """Purge `purge`, then install the pinned branch from NVIDIA's repository."""
+def nouveau_blacklist() -> FileContent:
+    return text_file(NOUVEAU_CONF, _NOUVEAU_TEXT)
+
+
+def prerequisite_steps(facts: NodeFacts) -> list[Step]:
+    """What a driver install needs first: nouveau kept off the GPUs, the kernel's headers."""
     steps = []
+    blacklist = nouveau_blacklist()
+    if facts.files.get(blacklist.path) != blacklist.sha256:
+        # Written by a command, not as a step's file: the repair runs these steps' commands.
+        # The initramfs loads modules before the root file system is there: it learns the
+        # blacklist only when rebuilt (a machine without initramfs-tools has none to rebuild).
+        folder = posixpath.dirname(blacklist.path)
+        write = f"mkdir -p {folder} && printf %s {shlex.quote(_NOUVEAU_TEXT)} > {blacklist.path}"
+        initramfs = "if command -v update-initramfs >/dev/null; then update-initramfs -u; fi"
+        steps.append(Step("driver", f"blacklist nouveau ({blacklist.path})", (write, initramfs)))
+    headers = f"linux-headers-{facts.kernel}"
+    # Only a booted kernel of the node's own: in a chroot `uname -r` is the build host's.
+    if facts.systemd and facts.kernel and headers not in facts.packages:
+        steps.append(
+            Step(
+                "driver",
+                f"install {headers} (the driver's modules are built against them)",
+                (apt_install(headers),),
+                uses_apt=True,
+            )
+        )
+    return steps
+
+
+def install_steps(facts: NodeFacts, spec: NodeDeploySpec, purge: list[str]) -> list[Step]:
+    """Purge `purge`, then install the pinned branch from NVIDIA's repository."""
+    steps = prerequisite_steps(facts)
     if purge:
         steps.append(
             Step("driver", f"purge {len(purge)} other driver packages", (apt_purge(*purge),))
@@ -172,7 +208,7 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     else:
         keep = f"nvidia-driver-pinning-{spec.driver_branch}"
         purge = [name for name in installed_driver_packages(facts) if name != keep]
-        steps += install_steps(spec, purge)
+        steps += install_steps(facts, spec, purge)
         if facts.smi_ok and facts.systemd:
             # Another branch's modules are loaded and in use: only a reboot swaps them.
             steps.append(Step("driver", "reboot into the new driver", reboot=True))

@@ -24,7 +24,12 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
         *(r.unit for r in spec.replicas),
     ]
     return FactQuery(
-        files=(*(content.path for content in files), agent.TOKEN, *mig.PATHS),
+        files=(
+            *(content.path for content in files),
+            agent.TOKEN,
+            *mig.PATHS,
+            driver.NOUVEAU_CONF,
+        ),
         links=(agent.COMMAND_LINK, wants_link(mig.UNIT), *(wants_link(u) for u in units)),
         dirs=(AGENT_VENV, *spec.cache.paths()),
         units=tuple(units),

@@ -134,7 +134,7 @@ class _Repair:
         output = []
         if self.level is RepairLevel.REINSTALL:
             purge = driver.installed_driver_packages(facts)
-            for step in driver.install_steps(self.spec, purge):
+            for step in driver.install_steps(facts, self.spec, purge):
                 output += [self._run(session, command) for command in step.commands]
             board = fabric.board(facts)
             if board is not fabric.Board.PLAIN:

@@ -175,9 +175,13 @@ def _package(
     )
 
 
-def build_repo(out: Path) -> None:
-    """A flat apt repository (Packages index) of the stand-ins in `out`."""
+def build_repo(out: Path, kernel: str | None = None) -> None:
+    """A flat apt repository (Packages index) of the stand-ins in `out`; with `kernel` (a
+    booted machine's `uname -r`), the headers a driver install asks for first."""
     out.mkdir(parents=True, exist_ok=True)
+    if kernel:
+        headers = f"linux-headers-{kernel}"
+        _package(out, headers, "1-1", {f"/usr/src/{headers}/Makefile": ("", 0o644)})
     source = f"deb [trusted=yes] file:{REPO_IN_ROOT} ./\n"
     _package(
         out,

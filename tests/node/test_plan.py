@@ -252,7 +252,7 @@ def test_without_systemd_units_are_enabled_by_links_and_nothing_is_started() -> 
     facts = node_facts(os=DEBIAN_12, systemd=False)
     steps = plan_node(facts, spec())
     text = joined(steps)
-    assert "systemctl" not in text and "modprobe" not in text and "nft -c" not in text
+    assert "systemctl" not in text and "modprobe " not in text and "nft -c" not in text
     assert "ln -sfn /etc/systemd/system/denv-agent.service " + wants_link("denv-agent.service") in (
         text
     )

@@ -81,7 +81,7 @@ def send_folder(vm: Vm, folder: Path, dest: str) -> None:
 def make_gpu_machine(vm: Vm, workdir: Path, gpus: int = 2, nvswitches: int = 0) -> None:
     """Turn a booted VM into a GPU machine with no driver, offline but for the stand-ins."""
     repo = workdir / "nvidia-repo"
-    standin.build_repo(repo)
+    standin.build_repo(repo, kernel=vm.ssh("uname -r").strip())
     send_folder(vm, repo, standin.REPO_IN_ROOT)
     wheels = workdir / "wheels"
     wheels.mkdir(exist_ok=True)
