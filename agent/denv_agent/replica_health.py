@@ -270,6 +270,9 @@ class ReplicaMonitor:
 
     def _check(self, replica: Replica) -> None:
         if not self.here(replica.id):
+            # Gone to another node: when its pod comes back here it is a new pod, starting.
+            with self._lock:
+                self._readings[replica.id] = ReplicaReading()
             return
         error = check_health(replica.health_url, self.intervals.health_timeout_s)
         now = time.monotonic()

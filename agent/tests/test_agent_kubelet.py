@@ -125,6 +125,12 @@ def test_a_node_agent_answers_for_the_pods_on_its_node_by_their_gpus(tmp_path: P
             )
             wait_for(lambda: reply(agent, "voice.1"), "up ready 100%\n")
             assert agent.replicas.view()["voice.1"].checks > 0
+            # and goes away again: its readings go with it, a pod coming back starts afresh
+            answer["pods"] = _encoded(
+                _pod("voice-0", server=[("nvidia.com/gpu", [nvml.gpus[1].uuid])])
+            )
+            wait_for(lambda: reply(agent, "voice.1"), "down #unknown replica\n")
+            wait_for(lambda: agent.replicas.view()["voice.1"].checks, 0)
     finally:
         for server in servers:
             server.close()
