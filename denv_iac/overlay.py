@@ -48,6 +48,7 @@ class OverlayMember:
     hub: bool  # a balancer host: peers with every node
     node: bool  # runs replicas (or may): peers with every balancer host
     behind_nat: bool = False
+    node_name: str = ""  # the node's name in its site; "" for a host made for the balancer
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,12 @@ def plan_overlay(stack: StackSpec, placement: Placement) -> OverlayPlan:
         return OverlayPlan(spec, ())
     nat = {node_member(s.name, n.name): n.behind_nat for s in stack.sites for n in s.nodes}
     members: dict[str, tuple[str, str, bool, bool]] = {}  # name -> site, public, hub, node
+    node_names: dict[str, str] = {}
     for placed in placement.nodes:
         if stack.site(placed.site).kind in SSH_SITE_KINDS:
             name = node_member(placed.site, placed.name)
             members[name] = (placed.site, placed.address, False, True)
+            node_names[name] = placed.name
     for site_name in stack.balancer.sites:
         host = host_member(stack, site_name)
         if host is None:
@@ -156,7 +159,16 @@ def plan_overlay(stack: StackSpec, placement: Placement) -> OverlayPlan:
     return OverlayPlan(
         spec,
         tuple(
-            OverlayMember(name, site, addresses[name], public, hub, node, nat.get(name, False))
+            OverlayMember(
+                name,
+                site,
+                addresses[name],
+                public,
+                hub,
+                node,
+                nat.get(name, False),
+                node_names.get(name, ""),
+            )
             for name, (site, public, hub, node) in sorted(members.items())
         ),
     )

@@ -27,6 +27,7 @@ from denv_iac.components.node_setup import (
     node_id,
     node_ssh_user,
 )
+from denv_iac.components.overlay import Overlay
 from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
 from denv_iac.components.secrets import (
     SecretValues,
@@ -41,6 +42,7 @@ from denv_iac.components.security import (
 )
 from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
 from denv_iac.node import NodeDeploySpec
+from denv_iac.overlay import plan_overlay
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.plan import deploy_problems
 from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, SiteSpec, StackSpec
@@ -153,6 +155,7 @@ class Cluster(pulumi.ComponentResource):
         self._placement = placement
         hosts = self._balancer_hosts()
         addresses = self._sites(placement, hosts, node_specs)
+        self._overlay(placement, hosts, addresses)
         pools = [self._pool(recipe, placement, addresses).replicas for recipe in stack.recipes]
         balancer_args: GlobalBalancerArgs = {
             "stack": stack,
@@ -270,6 +273,28 @@ class Cluster(pulumi.ComponentResource):
                 args,
                 pulumi.ResourceOptions(parent=nodes.component),
             )
+
+    def _overlay(
+        self,
+        placement: Placement,
+        hosts: dict[str, pulumi.Output[str]],
+        addresses: dict[str, pulumi.Output[dict[str, str]]],
+    ) -> Overlay | None:
+        """The WireGuard overlay's keys and configs, when it links anything (see docs/stacks.md)."""
+        plan = plan_overlay(self._stack, placement)
+        if not plan.on:
+            return None
+        public: dict[str, pulumi.Input[str]] = {}
+        for member in plan.members:
+            if member.public_address:
+                continue  # a listed machine: its address is in the stack
+            if member.node_name:
+                public[member.name] = addresses[member.site].apply(_node_address(member.node_name))
+            else:
+                public[member.name] = hosts[member.site]
+        return Overlay(
+            child_name(self._name, "overlay"), plan, public, pulumi.ResourceOptions(parent=self)
+        )
 
     def _pool(
         self,

@@ -28,6 +28,7 @@ NODE_CREATES = {
     "aws:ec2/eip:Eip",
     "denv:index:NodeSetup",
     "pulumi-python:dynamic/denv:NodeDeployment",
+    "pulumi-python:dynamic/denv:WireGuardKey",
 }
 
 
@@ -52,6 +53,7 @@ def test_multicloud_registers_each_component_once_with_its_children(preview: boo
             ("denv:index:BalancerHost", "prod-balancer-hetzner-fsn"),
             ("denv:index:BalancerHost", "prod-balancer-aws-use1"),
             ("denv:index:GlobalBalancer", "prod-balancer"),
+            ("denv:index:Overlay", "prod-overlay"),
             *[
                 ("denv:index:NodeSetup", f"prod-{machine}-setup")
                 for machine in (
@@ -152,6 +154,7 @@ def test_raising_min_warm_only_adds_the_new_node() -> None:
         "prod-aws-use1-node-3-eip",
         "prod-aws-use1-node-3-setup",
         "prod-aws-use1-node-3-setup-deploy",
+        "prod-overlay-aws-use1.node-3",  # its overlay key; no other key changes
     ]
     assert {urn.split("::")[-2].split("$")[-1] for urn in set(after) - set(before)} == NODE_CREATES
 

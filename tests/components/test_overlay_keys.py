@@ -2,13 +2,17 @@
 
 import base64
 import json
+import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pulumi
 import pytest
+from click.testing import CliRunner
 
+from denv_iac.cli import main
 from denv_iac.components.overlay import (
     Overlay,
     WireGuardKeyProvider,
@@ -28,6 +32,7 @@ from denv_iac.spec.reader import read_stack
 from tests.test_overlay import HUB, config
 
 KEY_TYPE = "pulumi-python:dynamic/denv:WireGuardKey"
+STACKS = Path(__file__).resolve().parents[2] / "stacks"
 
 
 def test_a_key_pair_is_two_base64_curve25519_keys_that_belong_together() -> None:
@@ -103,3 +108,21 @@ def test_the_configs_name_each_peer_by_its_public_key_and_hold_no_private_key() 
     # The balancer host made for the stack is dialled at the address it got once created.
     assert "Endpoint = 198.18.0.9:51820" in configs["office.rack-1"]
     assert json.dumps(configs).count("Endpoint") == 5 + 4  # the NAT'd node is never dialled
+
+
+def test_denv_plan_resources_shows_the_overlay_with_every_private_key_masked(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--stack", "voice-multicloud", "--stacks-dir", str(STACKS), "--resources"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)], terminal_width=300)
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    members = [m["name"] for m in document["overlay"]["members"]]
+    keys = [r for r in document["resources"] if r["type"] == KEY_TYPE]
+    assert sorted(k["inputs"]["member"] for k in keys) == sorted(members) and len(members) > 5
+    assert all(k["inputs"]["private_key"] == SECRET_SHOWN for k in keys)
+    assert all(k["parent"] == "voice-multicloud-overlay" for k in keys)
+    shown_on_screen = CliRunner().invoke(main, args, terminal_width=300).output
+    masked = re.findall(r"(?<!ssh_)private_key=\[secret\]", shown_on_screen)
+    assert len(masked) == len(members)
