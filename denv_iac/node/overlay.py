@@ -1,0 +1,78 @@
+"""The WireGuard overlay on a machine: wireguard-tools, its config (0600), wg-quick@denv0 up.
+
+The config comes whole from the overlay (`denv_iac.overlay.render_config`, its private key
+filled in by `with_private_key` only on its way here), so this area only makes the machine match
+it. A changed config is applied with `systemctl reload`, which runs `wg syncconf`: only the peers
+that differ change and every other session stays up. Only a changed address of the machine
+itself needs the interface restarted, which syncconf cannot do.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+
+from denv_iac.node.facts import NodeFacts
+from denv_iac.node.steps import (
+    PACKAGE_UNIT_DIR,
+    FileContent,
+    Step,
+    apt_install,
+    wants_link,
+)
+from denv_iac.overlay import CONFIG_PATH, INTERFACE
+
+PACKAGE = "wireguard-tools"  # wg and wg-quick, and the wg-quick@ unit; the kernel has WireGuard
+UNIT = f"wg-quick@{INTERFACE}.service"
+TEMPLATE = posixpath.join(PACKAGE_UNIT_DIR, "wg-quick@.service")
+AREA = "overlay"
+_ADDRESS = re.compile(r"^Address = (\S+)$", re.MULTILINE)
+
+
+def config_file(config: str) -> FileContent:
+    """The config as written: its private key makes it readable by root only."""
+    return FileContent(CONFIG_PATH, config.encode(), "0600")
+
+
+def plan(facts: NodeFacts, config: str | None) -> list[Step]:
+    """Steps that bring the machine's overlay interface to `config`; [] when it is there (or
+    when the machine is not on the overlay: None)."""
+    if config is None:
+        return []
+    steps = []
+    if PACKAGE not in facts.packages:
+        steps.append(Step(AREA, f"install {PACKAGE}", (apt_install(PACKAGE),), uses_apt=True))
+    file = config_file(config)
+    changed = facts.files.get(CONFIG_PATH) != file.sha256
+    if changed:
+        steps.append(Step(AREA, f"write the {INTERFACE} config", file=file))
+    enabled = wants_link(UNIT) in facts.links
+    if not facts.systemd:
+        # Without systemd running (a chroot, an image being built) enabling is all there is.
+        if not enabled:
+            link = f"mkdir -p {posixpath.dirname(wants_link(UNIT))} && "
+            link += f"ln -sfn {TEMPLATE} {wants_link(UNIT)}"
+            steps.append(Step(AREA, f"enable {UNIT} (not started: no systemd)", (link,)))
+        return steps
+    if UNIT not in facts.active_units:
+        steps.append(Step(AREA, f"bring {INTERFACE} up", (f"systemctl enable --now {UNIT}",)))
+    elif changed:
+        steps.append(Step(AREA, f"apply the changed peers to {INTERFACE}", _apply(config)))
+    elif not enabled:
+        steps.append(Step(AREA, f"enable {UNIT} at boot", (f"systemctl enable {UNIT}",)))
+    return steps
+
+
+def _apply(config: str) -> tuple[str, ...]:
+    """Reload (syncconf: only the changed peers); restart only when the address moved."""
+    found = _ADDRESS.search(config)
+    if found is None:
+        raise ValueError(f"the {INTERFACE} config has no Address line")
+    address = shlex.quote(f"inet {found.group(1)} ")
+    same_address = f"ip -4 -o address show dev {INTERFACE} | grep -qF {address}"
+    return (
+        f"systemctl enable {UNIT}",
+        f"systemctl reload {UNIT}",
+        f"{same_address} || systemctl restart {UNIT}",
+    )
