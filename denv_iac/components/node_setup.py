@@ -39,8 +39,7 @@ from denv_iac.node import (
 )
 from denv_iac.node.deploy import connect, quiet_progress
 from denv_iac.node.firewall import BalancerAccess
-from denv_iac.node.plan import fact_query
-from denv_iac.node.replicas import stale_steps as stale_replica_steps
+from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.placement import Placement
 from denv_iac.plan import imageless_problems
 from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, SiteSpec, StackSpec
@@ -173,10 +172,10 @@ def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
 
 
 def stop_replicas(target: Target, spec: NodeDeploySpec) -> list[Step]:
-    """Stop and remove every replica unit on the node; driver, runtime and agent stay."""
+    """Stop and remove every replica unit and the MIG boot unit; driver, runtime, agent stay."""
     with connect(target) as session:
         facts = session.facts(fact_query(spec))
-        steps = stale_replica_steps(facts, dataclasses.replace(spec, replicas=()))
+        steps = removal_steps(facts, spec)
         session.apply(steps, quiet_progress)
         return steps
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from denv_iac.node import agent, cache, driver, fabric, firewall, mig, replicas, runtime
 from denv_iac.node.driver import UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
@@ -71,4 +73,11 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     return steps
 
 
-__all__ = ["UnsupportedNode", "fact_query", "plan_node"]
+def removal_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+    """What leaving the stack removes: every replica unit, then the MIG boot unit they
+    Require; the driver, runtime and agent stay for whatever the machine does next."""
+    bare = dataclasses.replace(spec, replicas=(), mig=())
+    return replicas.stale_steps(facts, bare) + mig.boot_steps(facts, bare)
+
+
+__all__ = ["UnsupportedNode", "fact_query", "plan_node", "removal_steps"]

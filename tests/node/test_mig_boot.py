@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec, Step, mig, plan_node, replicas
+from denv_iac.node.plan import removal_steps
 from denv_iac.node.steps import unit_path, wants_link
 
 from .fixtures import DEBIAN_12, converged, node_facts
@@ -133,3 +134,32 @@ def test_restore_script_creates_missing_instances_once(tmp_path: Path) -> None:
         subprocess.run(argv, env=env, check=True)
     assert (tmp_path / "log").read_text() == "mig -i 1 -cgi 3g.40gb,3g.40gb,1g.10gb -C\n"
     assert (tmp_path / "gpus").read_text().count("  MIG ") == 3
+
+
+@pytest.mark.parametrize(
+    ("case", "spec", "titles"),
+    [
+        (
+            "MIG node",
+            MIG_SPEC,
+            [
+                f"{SLICED.id}: remove (no longer placed here)",
+                f"{WHOLE.id}: remove (no longer placed here)",
+                "remove the boot unit (no MIG layout)",
+            ],
+        ),
+        ("whole GPUs only", NO_MIG, [f"{WHOLE.id}: remove (no longer placed here)"]),
+    ],
+)
+def test_leaving_the_stack_removes_the_replicas_then_the_boot_unit(
+    case: str, spec: NodeDeploySpec, titles: list[str]
+) -> None:
+    facts = converged(node_facts(), spec, FRESH)
+    steps = removal_steps(facts, spec)
+    assert [s.title for s in steps] == titles, case
+    gone = dataclasses.replace(
+        facts,
+        replica_units=frozenset(),
+        files={k: v for k, v in facts.files.items() if k not in mig.PATHS},
+    )
+    assert removal_steps(gone, spec) == []
