@@ -52,8 +52,12 @@ def packages(driver_version: str, branch: str, kind: Board) -> tuple[str, ...]:
 
 
 def running_version(facts: NodeFacts) -> str:
-    """The running driver's version: the loaded module's, else what NVML reports; '' if none."""
-    return facts.module_version or (facts.driver_version if facts.smi_ok else "")
+    """The working driver's version (the loaded module's, else NVML's); '' while NVML fails:
+    the driver plan then reloads or replaces the modules in this run, and the version that
+    counts is the one loaded after that, read on the node by `install_command`."""
+    if not facts.smi_ok:
+        return ""
+    return facts.module_version or facts.driver_version
 
 
 def _upstream(version: str) -> str:

@@ -114,18 +114,6 @@ def fabric_steps(facts: object, spec: NodeDeploySpec) -> list[str]:
             "nvidia-fabricmanager-570=570.172.08-* libnvidia-nscq-570=570.172.08-*",
         ),
         (
-            "NVML down but the module loaded: the module's version counts",
-            IMAGE,
-            node_facts(
-                gpus=8,
-                nvswitches=4,
-                smi_error="Failed to initialize NVML: Unknown Error",
-                module_version="580.95.05",
-                packages={"nvidia-open": "580.95.05-1"},
-            ),
-            "nvidia-fabricmanager-580=580.95.05-* libnvidia-nscq-580=580.95.05-*",
-        ),
-        (
             "branch 590 on a B200 board",
             IMAGE,
             node_facts(gpus=8, driver="590.44.01", pci_gpu_ids=frozenset({"0x2901"})),
@@ -141,8 +129,22 @@ def test_fabric_manager_matches_the_running_driver(
     assert command.endswith(f"install --no-install-recommends {expected}"), case
 
 
-def test_fresh_driver_reads_the_version_on_the_node_when_installing() -> None:
-    command = fabric_steps(node_facts(gpus=8, pci_gpu_ids=frozenset({"0x2901"})), SPEC)[0]
+MISMATCH = node_facts(
+    gpus=8,
+    pci_gpu_ids=frozenset({"0x2901"}),
+    smi_error="Failed to initialize NVML: Driver/library version mismatch",
+    module_version="580.82.07",  # still loaded; the reload in this run loads 580.95.05
+    packages={"nvidia-open": "580.95.05-1"},
+)
+
+
+@pytest.mark.parametrize(
+    "facts",
+    [node_facts(gpus=8, pci_gpu_ids=frozenset({"0x2901"})), MISMATCH],
+    ids=["fresh", "mismatch"],
+)
+def test_a_driver_loaded_in_this_run_has_its_version_read_on_the_node(facts: object) -> None:
+    command = fabric_steps(facts, SPEC)[0]
     assert command.startswith(
         "v=$(cat /sys/module/nvidia/version 2>/dev/null || dpkg-query -W -f='${Version}' "
         "nvidia-open | sed -e 's/^[0-9]*://' -e 's/-[^-]*$//') && [ -n \"$v\" ] && "
