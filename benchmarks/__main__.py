@@ -12,6 +12,7 @@ MODULES = (
     "agent_bench",
     "dataplane_bench",
     "voice_bench",
+    "overlay_bench",
 )
 RESULTS = Path(__file__).parent / "results"
 

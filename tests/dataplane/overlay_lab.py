@@ -12,6 +12,7 @@ Used by the data-path test and the overlay benchmark.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -30,12 +32,15 @@ from denv_iac.local.netns import (
     NetnsCluster,
     NetnsLab,
     call_in,
+    free_port,
     owner_pid,
     running,
 )
+from denv_iac.local.netns import unavailable_reason as netns_unavailable
 from denv_iac.local.runner import Host
 from denv_iac.overlay import OverlayMember, OverlayPlan, allocate, render_config, with_private_key
 from denv_iac.spec.model import OverlaySpec, StackSpec
+from denv_iac.spec.reader import read_stack
 
 NETNS_ETC = Path("/etc/netns")
 WIREGUARD_RUN = Path("/var/run/wireguard")
@@ -44,7 +49,30 @@ ETH_P_ALL = 0x0003
 WG_QUICK_TIMEOUT_S = 20
 
 
+SITE = "office"
+# One simulated replica that answers at once: what the overlay adds is all there is to see.
+STACK = {
+    "denv:sites": [
+        {"name": SITE, "kind": "local", "nodes": [{"name": "n0", "gpu": "H100", "gpus": 1}]}
+    ],
+    "denv:recipes": [
+        {
+            "name": "voice",
+            "min_warm": 1,
+            "spare": 0,
+            "sites": [SITE],
+            "simulate": {"ttft_ms": 0, "itl_ms": 1, "tokens": 3},
+        }
+    ],
+    "denv:balancer": {"sites": [SITE]},
+}
+
+
 def unavailable_reason() -> str | None:
+    """Why the overlay lab cannot run here (no root, no netns, no WireGuard tools), or None."""
+    reason = netns_unavailable()
+    if reason is not None:
+        return reason
     for tool, package in (("wg-quick", "wireguard-tools"), ("wireguard-go", "wireguard-go")):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (apt-get install {package}; make setup does)"
@@ -246,3 +274,53 @@ class Client:
 
     def close(self) -> None:
         self._connection.close()
+
+
+@dataclass(frozen=True)
+class Lab:
+    lab: NetnsLab
+    overlay: OverlayLink
+    plain: NetnsCluster  # the replica on the link's address
+    tunnel: OverlayCluster  # the same stack, its replica on the overlay address
+
+
+@contextlib.contextmanager
+def plain_and_overlay(folder: Path) -> Iterator[Lab]:
+    """The data plane of STACK up twice on one lab: plain, and over the overlay."""
+    stack = read_stack("overlay", STACK)
+    with NetnsLab([SITE]) as lab, OverlayLink(lab, SITE) as overlay:
+        plain = NetnsCluster(stack, folder / "plain", lab, free_port())
+        tunnel = OverlayCluster(stack, folder / "overlay", overlay, free_port())
+        try:
+            plain.up()
+            tunnel.up()
+            yield Lab(lab, overlay, plain, tunnel)
+        finally:
+            tunnel.down()
+            plain.down()
+
+
+def measure_ttft(lab: Lab, pairs: int) -> dict[str, list[float]]:
+    """TTFT in seconds of `pairs` streams each way, plain and overlay interleaved so that drift
+    and noise hit both alike."""
+    address = lab.lab.balancer_host.address
+
+    def measure() -> dict[str, list[float]]:
+        clients = {
+            "plain": Client(address, lab.plain.port),
+            "overlay": Client(address, lab.tunnel.port),
+        }
+        times: dict[str, list[float]] = {"plain": [], "overlay": []}
+        try:
+            for n in range(pairs):
+                for path in ("plain", "overlay") if n % 2 else ("overlay", "plain"):
+                    answer = clients[path].stream("voice", "hello")
+                    if answer.status != 200:
+                        raise RuntimeError(f"a stream over the {path} path failed: {answer}")
+                    times[path].append(answer.ttft_s)
+        finally:
+            for client in clients.values():
+                client.close()
+        return times
+
+    return lab.lab.call(measure)

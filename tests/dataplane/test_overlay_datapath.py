@@ -13,65 +13,30 @@ from __future__ import annotations
 import secrets
 import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
-from denv_iac.local.netns import NetnsCluster, NetnsLab, free_port
-from denv_iac.local.netns import unavailable_reason as netns_unavailable
-from denv_iac.spec.reader import read_stack
+from denv_iac.local.netns import NetnsLab
 from tests.dataplane.overlay_lab import (
+    SITE,
     Capture,
     Client,
-    OverlayCluster,
-    OverlayLink,
+    Lab,
+    measure_ttft,
+    plain_and_overlay,
+    unavailable_reason,
 )
-from tests.dataplane.overlay_lab import unavailable_reason as wireguard_unavailable
 
-SITE = "office"
-STACK = {
-    "denv:sites": [
-        {"name": SITE, "kind": "local", "nodes": [{"name": "n0", "gpu": "H100", "gpus": 1}]}
-    ],
-    "denv:recipes": [
-        {
-            "name": "voice",
-            "min_warm": 1,
-            "spare": 0,
-            "sites": [SITE],
-            "simulate": {"ttft_ms": 0, "itl_ms": 1, "tokens": 3},
-        }
-    ],
-    "denv:balancer": {"sites": [SITE]},
-}
 TTFT_PAIRS = 100
-reason = netns_unavailable() or wireguard_unavailable()
+reason = unavailable_reason()
 pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
-
-
-@dataclass(frozen=True)
-class Lab:
-    lab: NetnsLab
-    overlay: OverlayLink
-    plain: NetnsCluster  # the replica on the link's address
-    tunnel: OverlayCluster  # the same stack, its replica on the overlay address
 
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """One lab for the module: the data plane up twice, plain and over the overlay."""
-    stack = read_stack("overlay", STACK)
-    folder = tmp_path_factory.mktemp("overlay")
-    with NetnsLab([SITE]) as lab, OverlayLink(lab, SITE) as overlay:
-        plain = NetnsCluster(stack, folder / "plain", lab, free_port())
-        tunnel = OverlayCluster(stack, folder / "overlay", overlay, free_port())
-        try:
-            plain.up()
-            tunnel.up()
-            yield Lab(lab, overlay, plain, tunnel)
-        finally:
-            tunnel.down()
-            plain.down()
+    with plain_and_overlay(tmp_path_factory.mktemp("overlay")) as lab:
+        yield lab
 
 
 def _capture_one(lab: NetnsLab, port: int, prompt: str) -> tuple[Capture, bytes]:
@@ -112,26 +77,7 @@ def test_a_reload_of_either_end_keeps_the_tunnel_serving(both: Lab) -> None:
 
 def test_ttft_added_by_the_overlay(both: Lab) -> None:
     """Interleaved streams over the plain link and over the overlay, in the same run."""
-    address = both.lab.balancer_host.address
-
-    def measure() -> dict[str, list[float]]:
-        clients = {
-            "plain": Client(address, both.plain.port),
-            "overlay": Client(address, both.tunnel.port),
-        }
-        times: dict[str, list[float]] = {"plain": [], "overlay": []}
-        try:
-            for n in range(TTFT_PAIRS):
-                for path in ("plain", "overlay") if n % 2 else ("overlay", "plain"):
-                    answer = clients[path].stream("voice", "hello")
-                    assert answer.status == 200, answer
-                    times[path].append(answer.ttft_s)
-        finally:
-            for client in clients.values():
-                client.close()
-        return times
-
-    times = both.lab.call(measure)
+    times = measure_ttft(both, TTFT_PAIRS)
     plain, overlay = statistics.median(times["plain"]), statistics.median(times["overlay"])
     added_ms = (overlay - plain) * 1000
     print(
