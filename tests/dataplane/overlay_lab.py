@@ -16,6 +16,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from types import TracebackType
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.local.netns import (
     PREFIX,
+    SITE_DEVICE,
     NetnsCluster,
     NetnsLab,
     call_in,
@@ -47,6 +49,18 @@ WIREGUARD_RUN = Path("/var/run/wireguard")
 HUB = "lab:balancer"
 ETH_P_ALL = 0x0003
 WG_QUICK_TIMEOUT_S = 20
+NAT_TABLE = "denv_nat"
+
+
+def nat_rules(port: int) -> str:
+    """A NAT's inbound rule for the WireGuard port: only datagrams answering a flow the site
+    started get in (the plain path, the baseline the overlay is measured against, stays open)."""
+    return (
+        f"table inet {NAT_TABLE} {{\n"
+        "  chain input { type filter hook input priority 0; "
+        f'iifname "{SITE_DEVICE}" udp dport {port} ct state new counter drop; }}\n'
+        "}\n"
+    )
 
 
 SITE = "office"
@@ -111,6 +125,9 @@ class OverlayLink:
 
     lab: NetnsLab
     site: str
+    # The site behaves as behind NAT: no WireGuard flow may start from the link, so only the
+    # node's own handshakes and keepalives (and their answers) pass.
+    behind_nat: bool = False
     plan: OverlayPlan = field(init=False)
     _up: list[tuple[str, str]] = field(default_factory=list)  # (namespace, interface)
 
@@ -123,7 +140,9 @@ class OverlayLink:
             spec,
             (
                 OverlayMember(HUB, "lab", addresses[HUB], link.balancer_end, True, False),
-                OverlayMember(node, self.site, addresses[node], link.address, False, True),
+                OverlayMember(
+                    node, self.site, addresses[node], link.address, False, True, self.behind_nat
+                ),
             ),
         )
         self.node = node
@@ -150,6 +169,13 @@ class OverlayLink:
         self.close()
 
     def _bring_up(self) -> None:
+        if self.behind_nat:
+            site = self.lab.links[self.site].namespace
+            command = ["ip", "netns", "exec", site, "nft", "-f", "-"]
+            rules = nat_rules(self.plan.spec.port)
+            done = subprocess.run(command, input=rules, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"nft in {self.site}: {done.stderr.strip()}")
         pairs = {m.name: new_key_pair() for m in self.plan.members}
         public = {name: pair[1] for name, pair in pairs.items()}
         where = {m.name: m.public_address for m in self.plan.members}
@@ -285,10 +311,10 @@ class Lab:
 
 
 @contextlib.contextmanager
-def plain_and_overlay(folder: Path) -> Iterator[Lab]:
+def plain_and_overlay(folder: Path, behind_nat: bool = False) -> Iterator[Lab]:
     """The data plane of STACK up twice on one lab: plain, and over the overlay."""
     stack = read_stack("overlay", STACK)
-    with NetnsLab([SITE]) as lab, OverlayLink(lab, SITE) as overlay:
+    with NetnsLab([SITE]) as lab, OverlayLink(lab, SITE, behind_nat) as overlay:
         plain = NetnsCluster(stack, folder / "plain", lab, free_port())
         tunnel = OverlayCluster(stack, folder / "overlay", overlay, free_port())
         try:
@@ -324,3 +350,32 @@ def measure_ttft(lab: Lab, pairs: int) -> dict[str, list[float]]:
         return times
 
     return lab.lab.call(measure)
+
+
+def wg_show(namespace: str, interface: str, what: str) -> str:
+    """`wg show INTERFACE WHAT` inside `namespace`."""
+    done = subprocess.run(
+        ["ip", "netns", "exec", namespace, "wg", "show", interface, what],
+        capture_output=True,
+        text=True,
+        timeout=WG_QUICK_TIMEOUT_S,
+        check=True,
+    )
+    return done.stdout
+
+
+def hub_interface() -> str:
+    return _interface("b")
+
+
+def nat_dropped(namespace: str) -> int:
+    """Packets the NAT rule has stopped so far."""
+    listed = subprocess.run(
+        ["ip", "netns", "exec", namespace, "nft", "list", "table", "inet", NAT_TABLE],
+        capture_output=True,
+        text=True,
+        timeout=WG_QUICK_TIMEOUT_S,
+        check=True,
+    )
+    found = re.search(r"counter packets (\d+)", listed.stdout)
+    return int(found.group(1)) if found else 0

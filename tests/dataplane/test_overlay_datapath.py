@@ -5,26 +5,33 @@ real HAProxy with the generated config) and a site's (a simulated replica and a 
 The same run starts the data plane twice, once with the replica on the link's address and once
 on its overlay address behind wireguard-go, and captures every frame on the link for each. A
 marker prompt shows in the plain capture and never in the overlay's, which carries WireGuard
-datagrams instead.
+datagrams instead. The site is behind NAT for WireGuard (no flow to its port may start from the
+link, and the balancer has no endpoint for it): the node dials out, and the overlay serves.
 """
 
 from __future__ import annotations
 
 import secrets
+import socket
 import statistics
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from denv_iac.local.netns import NetnsLab
 from tests.dataplane.overlay_lab import (
+    NETNS_ETC,
     SITE,
     Capture,
     Client,
     Lab,
+    hub_interface,
     measure_ttft,
+    nat_dropped,
     plain_and_overlay,
     unavailable_reason,
+    wg_show,
 )
 
 TTFT_PAIRS = 100
@@ -35,7 +42,8 @@ pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
 @pytest.fixture(scope="module")
 def both(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     """One lab for the module: the data plane up twice, plain and over the overlay."""
-    with plain_and_overlay(tmp_path_factory.mktemp("overlay")) as lab:
+    # The site is behind NAT: the node dials out, and the overlay serves as ever.
+    with plain_and_overlay(tmp_path_factory.mktemp("overlay"), behind_nat=True) as lab:
         yield lab
 
 
@@ -87,3 +95,29 @@ def test_ttft_added_by_the_overlay(both: Lab) -> None:
     # wireguard-go in userspace, two namespaces on one shared 2-core machine: a loose bound that
     # still catches a tunnel that stalls (a handshake per request, a lost keepalive).
     assert added_ms < 20
+
+
+def _knock(address: str, port: int) -> None:
+    """A datagram to the WireGuard port from outside, as a peer dialling in would send."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(b"\x01" + bytes(147), (address, port))
+
+
+def test_a_node_behind_nat_dials_out_and_serves(both: Lab) -> None:
+    """The balancer has no endpoint for the node and the site admits no WireGuard flow from
+    outside; the balancer learns the node's endpoint from the node's own handshake."""
+    lab, overlay = both.lab, both.overlay
+    hub_config = NETNS_ETC / lab.balancer_namespace / "wireguard" / f"{hub_interface()}.conf"
+    assert "[Peer]" in hub_config.read_text() and "Endpoint" not in hub_config.read_text()
+    capture, body = _capture_one(lab, both.tunnel.port, "from behind NAT")
+    assert capture.udp_payload_bytes(overlay.plan.spec.port) > len(body)
+    link, port = lab.links[SITE], overlay.plan.spec.port
+    endpoints = wg_show(lab.balancer_namespace, hub_interface(), "endpoints")
+    assert f"{link.address}:{port}" in endpoints  # learned, never given
+    site = link.namespace
+    before = nat_dropped(site)
+    lab.call(_knock, link.address, port)
+    deadline = time.monotonic() + 2
+    while nat_dropped(site) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert nat_dropped(site) == before + 1  # a flow from outside is stopped
