@@ -41,7 +41,6 @@ CONCURRENCY = 2
 PAIRS = 150  # per protocol: each one request through the balancer and one direct
 FAILOVER_TRIALS = 3
 FAILOVER_SESSIONS = 8
-KILL_AFTER_S = (REPLICA.ttft_ms + REPLICA.itl_ms / 2) / 1000  # mid-turn: one frame heard
 
 
 async def measure_added(plane: Dataplane, protocol: Protocol) -> LoadReport:
@@ -75,7 +74,6 @@ async def measure_failover(plane: Dataplane) -> FailoverReport:
         lambda replica: plane.replicas[replica].kill(),
         lambda: _seen(plane),
         sessions=FAILOVER_SESSIONS,
-        kill_after_s=KILL_AFTER_S,
     )
 
 

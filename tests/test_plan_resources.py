@@ -60,7 +60,7 @@ def test_local_plan_prints_the_tree_beside_the_placement() -> None:
     result = _plan("--stack", "local", "--stacks-dir", str(ROOT / "stacks"), "--resources")
     assert result.exit_code == 0, result.output
     assert "voice.local.node-a.0" in result.output  # the placement is still there
-    tree = result.output[result.output.index("Resources (6") :]
+    tree = result.output[result.output.index("Resources (8") :]  # a pool each: voice side tts stt
     assert "└── local denv:index:Cluster" in tree
     for child in ("local-local denv:index:LocalSite", "local-balancer denv:index:GlobalBalancer"):
         assert f"    ├── {child}" in tree or f"    └── {child}" in tree

@@ -17,19 +17,20 @@ def outcome(
     reconnect_ms: float | None = 12.0,
     replica: str = OTHER,
     after: str = "",
+    idle: bool = False,
 ) -> SessionOutcome:
     if not cut:
-        return SessionOutcome(name, f"id-{name}", OTHER, "", None, "", None, "", "")
+        return SessionOutcome(name, f"id-{name}", OTHER, "", None, False, "", None, "", "")
     new = "" if reconnect_error else replica
     return SessionOutcome(
-        name, f"id-{name}", VICTIM, cut, cut_at, reconnect_error, reconnect_ms, new, after
+        name, f"id-{name}", VICTIM, cut, cut_at, idle, reconnect_error, reconnect_ms, new, after
     )
 
 
 def test_a_clean_failover() -> None:
     outcomes = (
         outcome("s0", reconnect_ms=10.0),
-        outcome("s1", cut_at=10.05, reconnect_ms=30.0),
+        outcome("s1", cut_at=10.05, reconnect_ms=30.0, idle=True),
         outcome("s2", cut=""),
     )
     report = FailoverReport(VICTIM, 10.0, outcomes, 0)
@@ -37,6 +38,7 @@ def test_a_clean_failover() -> None:
         "sessions": 3,
         "cut": 2,
         "cut_as": {"aborted": 2},
+        "cut_idle": 1,
         "stalled": 0,
         "replayed": 0,
         "failed_reconnects": 0,

@@ -101,6 +101,7 @@ class LoadReport:
     results: list[StreamResult] = field(default_factory=list)
     wall_s: float = 0.0
     protocol: Protocol = "chat"
+    pool: str = ""
 
     def errors(self, via: Via = "endpoint") -> Counter[str]:
         return Counter(r.error for r in self.results if r.error and r.via == via)
@@ -595,8 +596,11 @@ class RealtimeSession:
                 if isinstance(event, dict):
                     return event
 
-    async def turn(self, session: str | None, t0: float, via: Via) -> StreamResult:
-        """One turn: `response.create` to `response.done`; its figure is the first audio."""
+    async def turn(
+        self, session: str | None, t0: float, via: Via, heard: asyncio.Event | None = None
+    ) -> StreamResult:
+        """One turn: `response.create` to `response.done`; its figure is the first audio, and
+        `heard` is set when it comes."""
         timing = _Timing(time.perf_counter())
         if not self.is_open and (error := await self.open(session)):
             return timing.result(self.request_id, t0, self.status, error, self.replica, via)
@@ -609,6 +613,8 @@ class RealtimeSession:
                 kind = event.get("type")
                 if kind == "response.audio.delta":
                     timing.unit()
+                    if heard is not None:
+                        heard.set()
                 elif kind == "response.done":
                     timing.ended, outcome = time.perf_counter(), ""
                     break
@@ -624,6 +630,20 @@ class RealtimeSession:
         if outcome:
             self.connection.close()
         return timing.result(self.request_id, t0, self.status, outcome, self.replica, via)
+
+    async def until_closed(self) -> str:
+        """Wait, idle, for the session to end: `closed` (a close frame came), `aborted` (the
+        socket went without one) or `timeout` (still open after the connection's timeout)."""
+        try:
+            while await self._event() is not None:
+                pass
+            outcome = "closed"
+        except TimeoutError:
+            outcome = "timeout"
+        except _Closed:
+            outcome = "aborted"
+        self.connection.close()
+        return outcome
 
     async def close(self) -> None:
         """A clean close: the close frame (1000), then the socket."""
@@ -698,7 +718,7 @@ async def run_load(
     """
     if duration_s is None and requests is None:
         raise ValueError("give duration_s or requests")
-    report = LoadReport(protocol=protocol)
+    report = LoadReport(protocol=protocol, pool=pool)
     endpoints = [Endpoint(u) for u in (url, *fallback_urls)]
     directs = [Endpoint(u) for u in direct_urls]
     t0 = time.perf_counter()

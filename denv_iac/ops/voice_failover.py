@@ -1,12 +1,13 @@
 """Realtime session failover, measured from the client's side: open sessions, kill the replica
-that serves the most of them mid-turn, and reconnect each cut session at once.
+that serves the most of them mid-turn, and reconnect each session it cut at once.
 
 The contract (docs/balancer.md): a session stays on one replica for its life and is never moved
 or replayed; when its replica dies the client sees the socket close, and a reconnect with the
 same `X-Denv-Session` is served by a healthy replica. Counted here:
 
-- cut: sessions whose turn was broken off by the kill, and how the client saw it (`aborted`: the
-  socket went without a close frame, 1006; `closed`: a close frame came);
+- cut: the dead replica's sessions, and how the client saw it (`aborted`: the socket went
+  without a close frame, 1006; `closed`: a close frame came); `cut_idle` of them between turns,
+  where a busy client had read the whole turn before the kill landed;
 - stalled: sessions cut without any close, found only by the client's own timeout: the failure
   the contract rules out;
 - replayed: cut sessions whose opening request (its `X-Request-Id`) reached any replica other
@@ -41,6 +42,7 @@ class SessionOutcome:
     replica: str
     cut: str  # "" when the turn at the kill completed; else the error the client saw
     cut_at: float | None  # perf_counter() when the client saw it
+    idle: bool  # cut between turns: its last turn had ended before the kill landed
     reconnect_error: str  # "" when the reconnect was served
     reconnect_ms: float | None
     reconnect_replica: str
@@ -60,10 +62,12 @@ class FailoverReport:
         closes = [(o.cut_at - self.killed_at) * 1000 for o in cut if o.cut_at is not None]
         worst_close = max(closes, default=None)
         worst = max(reconnects, default=None)
+        p50 = percentile(reconnects, 50)
         return {
             "sessions": len(self.outcomes),
             "cut": len(cut),
             "cut_as": dict(sorted(Counter(o.cut for o in cut).items())),
+            "cut_idle": sum(1 for o in cut if o.idle),
             "stalled": sum(1 for o in cut if o.cut == "timeout"),
             "replayed": self.replayed,
             "failed_reconnects": sum(1 for o in cut if o.reconnect_error or o.turn_after_error),
@@ -71,7 +75,7 @@ class FailoverReport:
                 1 for o in cut if o.reconnect_replica and o.reconnect_replica != self.victim
             ),
             "close_after_kill_max_ms": None if worst_close is None else round(worst_close, 2),
-            "reconnect_p50_ms": percentile(reconnects, 50),
+            "reconnect_p50_ms": None if p50 is None else round(p50, 2),
             "reconnect_max_ms": None if worst is None else round(worst, 2),
         }
 
@@ -93,12 +97,12 @@ async def realtime_failover(
     seen: Seen,
     *,
     sessions: int = 8,
-    kill_after_s: float = 0.1,
     timeout_s: float = 5.0,
     api_key: str | None = None,
 ) -> FailoverReport:
-    """`sessions` sessions through `url`, each one turn warm; then a turn on all of them while
-    `kill(replica)` ends the replica serving the most, `kill_after_s` into the turns."""
+    """`sessions` sessions through `url`, each one turn warm; then a turn on all of them, and
+    `kill(replica)` ends the replica serving the most once each of its sessions heard audio:
+    mid-turn, whatever the pace of the replica."""
     endpoint = Endpoint(url)
     run = time.monotonic_ns()
     clients = {
@@ -111,19 +115,26 @@ async def realtime_failover(
     if failed := [r.error for r in warm if r.error]:
         raise RuntimeError(f"sessions failed to open before the kill: {Counter(failed)}")
     victim = Counter(c.replica for c in clients.values()).most_common(1)[0][0]
+    heard = {name: asyncio.Event() for name in clients}
     killed_at: list[float] = []
 
     async def kill_victim() -> None:
-        await asyncio.sleep(kill_after_s)
+        on_victim = [heard[n] for n, c in clients.items() if c.replica == victim]
+        await asyncio.wait([asyncio.create_task(e.wait()) for e in on_victim], timeout=timeout_s)
         killed_at.append(time.perf_counter())
         await asyncio.to_thread(kill, victim)
 
     async def turn_and_reconnect(client: RealtimeSession, name: str) -> SessionOutcome:
         request_id, replica = client.request_id, client.replica
-        result = await client.turn(name, 0.0, "endpoint")
-        if not result.error:
+        result = await client.turn(name, 0.0, "endpoint", heard[name])
+        cut, idle = result.error, False
+        if not cut and replica == victim:
+            # The turn ended before the kill landed (a busy client reads late): the session
+            # is idle on a dead replica, and must see its socket close all the same.
+            cut, idle = await client.until_closed(), True
+        if not cut:
             await client.close()
-            return SessionOutcome(name, request_id, replica, "", None, "", None, "", "")
+            return SessionOutcome(name, request_id, replica, "", None, False, "", None, "", "")
         seen_at = time.perf_counter()
         error = await client.open(name)
         reconnect_ms = (time.perf_counter() - seen_at) * 1000 if not error else None
@@ -131,15 +142,7 @@ async def realtime_failover(
         new_replica = client.replica
         await client.close()
         return SessionOutcome(
-            name,
-            request_id,
-            replica,
-            result.error,
-            seen_at,
-            error,
-            reconnect_ms,
-            new_replica,
-            after,
+            name, request_id, replica, cut, seen_at, idle, error, reconnect_ms, new_replica, after
         )
 
     killer = asyncio.create_task(kill_victim())

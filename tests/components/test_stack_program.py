@@ -99,4 +99,8 @@ def test_program_runs_the_shipped_local_stack(stack_config: Any) -> None:
         "voice.local.node-b.0",
         "side.local.node-a.1.0",
         "side.local.node-b.1.0",
+        "tts.local.node-a.1.1",
+        "tts.local.node-b.1.1",
+        "stt.local.node-a.1.2",
+        "stt.local.node-b.1.2",
     ]

@@ -123,6 +123,9 @@ def test_demo_loses_nothing_and_replays_nothing(cluster: LocalCluster) -> None:
     assert result.requests > 100
     assert result.lost == 0 and result.replayed == 0, lines
     assert any("XID 79" in line for line in lines)
+    # The realtime sessions on the dead replica saw their socket close and were served again.
+    assert result.realtime_cut >= 1 and result.realtime_reconnect_max_ms is not None, lines
+    assert any(line.startswith("pool voice (realtime): ") for line in lines)
 
 
 def test_status_command_reads_a_running_stack(
