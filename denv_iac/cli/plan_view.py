@@ -98,8 +98,14 @@ def render_overlay(plan: Plan, console: Console) -> None:
         return
     spec = overlay.spec
     console.print(
-        f"Overlay: on, WireGuard {spec.cidr} on udp/{spec.port}, {len(overlay.members)} machines, "
-        f"{len(overlay.links())} links"
+        f"Overlay: planned, WireGuard {spec.cidr} on udp/{spec.port}, "
+        f"{len(overlay.members)} machines, {len(overlay.links())} links"
+    )
+    # `pulumi up` makes the keys and configs, but no deploy brings the tunnel up yet: saying
+    # "on" would tell the user their traffic is encrypted when it is not.
+    console.print(
+        "[yellow]warning:[/yellow] the deploy does not bring the overlay up yet; "
+        "traffic between the balancer and the nodes is still plain HTTP"
     )
     table = Table(title="Overlay", title_justify="left")
     for column in ("machine", "address", "role", "reached"):
