@@ -36,8 +36,11 @@ bench: setup
 	$(BIN)/python -m benchmarks
 
 # Fault scenarios under load (concurrency 64, 20 s each); writes benchmarks/results/reliability.json.
+# Then realtime sessions through a replica killed or frozen mid-session and a balancer reload
+# with 50 open sessions; writes benchmarks/results/realtime_reliability.json.
 reliability: setup
 	$(BIN)/python -m benchmarks.reliability
+	$(BIN)/python -m benchmarks.realtime_reliability
 
 # Ten minutes of load with a fault cycle every 20 s; agent and balancer memory must stay flat.
 soak: setup

@@ -99,10 +99,12 @@ async def realtime_failover(
     sessions: int = 8,
     timeout_s: float = 5.0,
     api_key: str | None = None,
+    ends_sessions: bool = True,
 ) -> FailoverReport:
     """`sessions` sessions through `url`, each one turn warm; then a turn on all of them, and
     `kill(replica)` ends the replica serving the most once each of its sessions heard audio:
-    mid-turn, whatever the pace of the replica."""
+    mid-turn, whatever the pace of the replica. A fault that must not end any session (a
+    balancer reload) passes `ends_sessions=False`: then a session is cut only if its turn is."""
     endpoint = Endpoint(url)
     run = time.monotonic_ns()
     clients = {
@@ -128,7 +130,7 @@ async def realtime_failover(
         request_id, replica = client.request_id, client.replica
         result = await client.turn(name, 0.0, "endpoint", heard[name])
         cut, idle = result.error, False
-        if not cut and replica == victim:
+        if not cut and replica == victim and ends_sessions:
             # The turn ended before the kill landed (a busy client reads late): the session
             # is idle on a dead replica, and must see its socket close all the same.
             cut, idle = await client.until_closed(), True
