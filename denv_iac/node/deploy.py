@@ -6,6 +6,7 @@ import logging
 import posixpath
 import shlex
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -153,14 +154,27 @@ def apply_step(step: Step) -> Generator[Any, Any, None]:
         path = shlex.quote(step.file.path)
         yield f"mkdir -p {shlex.quote(posixpath.dirname(step.file.path))}"
         if step.file.private:
-            # An upload keeps the mode of the file it overwrites but creates a new one
-            # world-readable: an empty private file first, so the content never is.
-            yield f"install -m {step.file.mode} /dev/null {path}"
-        yield FileUploadCommand(BytesIO(step.file.content), step.file.path)
+            yield from _private_upload(step.file.content, step.file.path, step.file.mode)
+        else:
+            yield FileUploadCommand(BytesIO(step.file.content), step.file.path)
         yield f"chmod {step.file.mode} {path}"
     yield from step.commands
     if step.reboot:
         yield from server.reboot._inner(delay=20, interval=5, reboot_timeout=900)
+
+
+def _private_upload(content: bytes, path: str, mode: str) -> Iterator[Any]:
+    """Upload a file no one but its owner may read, without it ever being readable by others.
+
+    An upload keeps the mode of a file it overwrites but creates a new one world-readable: an
+    empty file of `mode` comes first. Through sudo the content lands first in a file of the SSH
+    user's, then is copied: that file is put in a 0700 folder of the user's own, removed after.
+    """
+    folder = f"/tmp/denv-upload-{uuid.uuid4().hex}"  # mkdir fails on one made beforehand
+    yield f"install -m {mode} /dev/null {shlex.quote(path)}"
+    yield StringCommand("mkdir", "-m", "0700", folder, _sudo=False)
+    yield FileUploadCommand(BytesIO(content), path, remote_temp_filename=f"{folder}/upload")
+    yield StringCommand("rm", "-rf", folder, _sudo=False)
 
 
 class NodeSession:

@@ -8,7 +8,7 @@ import posixpath
 import re
 
 import pytest
-from pyinfra.api.command import FileUploadCommand
+from pyinfra.api.command import FileUploadCommand, StringCommand
 
 from denv_iac.balancer import (
     BalancerPool,
@@ -189,12 +189,23 @@ def test_the_facts_read_every_file_the_plan_compares() -> None:
     assert set(_hashes(TLS, PEM)) <= set(fact_query(TLS).files)
 
 
-def test_a_private_file_is_made_empty_and_0600_before_its_content_is_uploaded() -> None:
-    # An upload creates a new file world-readable (the login's umask) until the chmod after it.
+def test_a_private_file_is_never_readable_by_others_on_its_way_even_through_sudo() -> None:
     (staged,) = [s for s in plan_balancer(NodeFacts(), TLS, PEM) if s.title.endswith("certificate")]
     assert staged.file is not None
-    commands = list(apply_step._inner(staged))
-    upload = next(i for i, c in enumerate(commands) if isinstance(c, FileUploadCommand))
-    assert commands[upload - 1] == f"install -m 0600 /dev/null {staged.file.path}"
+    path = staged.file.path
+    made, folder, upload, removed, chmod = list(apply_step._inner(staged))[1:]
+    # An upload creates a new file world-readable (the login's umask) until the chmod after it.
+    assert made == f"install -m 0600 /dev/null {path}"
+    # Through sudo it lands first as the SSH user's file, then is copied: in a folder of its own.
+    assert isinstance(folder, StringCommand) and folder.connector_arguments == {"_sudo": False}
+    mkdir = folder.get_raw_value()
+    assert mkdir.startswith("mkdir -m 0700 /tmp/denv-upload-")
+    assert isinstance(upload, FileUploadCommand) and upload.dest == path
+    assert upload.remote_temp_filename == mkdir.split()[-1] + "/upload"
+    assert isinstance(removed, StringCommand) and removed.connector_arguments == {"_sudo": False}
+    assert removed.get_raw_value() == f"rm -rf {mkdir.split()[-1]}"
+    assert chmod == f"chmod 0600 {path}"
     plain = Step("balancer", "stage haproxy.cfg", file=text_file(CONFIG, "global\n"))
-    assert not any("/dev/null" in str(c) for c in apply_step._inner(plain))
+    commands = list(apply_step._inner(plain))
+    assert len(commands) == 3 and isinstance(commands[1], FileUploadCommand)
+    assert commands[1].remote_temp_filename is None

@@ -38,10 +38,10 @@ from denv_iac.balancer import (
 from denv_iac.balancer.model import STATS_SOCKET
 from denv_iac.local.replica_sim import READY_PREFIX
 from denv_iac.node.balancer_host import CONFIG, CONFIG_DIR, TLS_CERT_PATH
-from tests.vm.bed import HOST, Bed, Vm
+from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
 from tests.vm.debian_repo import offer_packages
-from tests.vm.test_join import provider
+from tests.vm.test_join import STATS_PORT, provider, reach
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLICA = "voice.joined.node1.0"
@@ -175,7 +175,8 @@ def stats_socket(vm: Vm, command: str) -> str:
 
 
 def props(bed: Bed, vm: Vm, rendered: RenderedConfig, tls: Tls) -> dict[str, Any]:
-    """What NodeSetup registers for a balancer host with a tls_certificate."""
+    """What NodeSetup registers for a balancer host with a tls_certificate, on a site whose
+    admin_cidrs hold the test's address."""
     return {
         "host": vm.address,
         "ssh_user": "root",
@@ -186,6 +187,7 @@ def props(bed: Bed, vm: Vm, rendered: RenderedConfig, tls: Tls) -> dict[str, Any
             "map_dir": rendered.map_dir,
         },
         "tls_certificate": tls.pem,
+        "balancer_firewall": {"admin_cidrs": [f"{HOST}/32"], "stats_port": STATS_PORT},
         "applied": None,
     }
 
@@ -200,7 +202,9 @@ def test_a_fresh_host_serves_the_generated_config_over_tls_and_a_second_run_chan
     created = provider(bed, "create", inputs)
     TIMINGS["balancer host (provider create)"] = time.monotonic() - start
     applied = created["outs"]["applied"]
-    assert applied[0] == "balancer: install haproxy"
+    # The firewall first: HAProxy's stats port never listens unguarded.
+    assert applied[0] == "firewall: write /etc/denv/balancer-firewall.nft"
+    assert "balancer: install haproxy" in applied
     assert (
         applied[-1]
         == "balancer: restart HAProxy with its runtime directory and the config put live"
@@ -236,6 +240,15 @@ def test_a_fresh_host_serves_the_generated_config_over_tls_and_a_second_run_chan
     chunks = [line for line in stream.splitlines() if line.startswith("data: {")]
     assert len(chunks) >= 8 and stream.rstrip().endswith("data: [DONE]"), stream
 
+    # From outside: the endpoint answers, SSH and the stats port do not; the admin gets stats.
+    tries = [(OUTSIDE, ENDPOINT_PORT), (OUTSIDE, STATS_PORT), (OUTSIDE, 22), (HOST, STATS_PORT)]
+    assert reach(bed, balancer, tries) == {
+        (OUTSIDE, ENDPOINT_PORT): "open",
+        (OUTSIDE, STATS_PORT): "timeout",
+        (OUTSIDE, 22): "timeout",
+        (HOST, STATS_PORT): "open",
+    }
+
     olds = created["outs"]
     assert "tls_certificate" in olds  # the state keeps it: the engine marks it secret
     assert provider(bed, "diff", created["id"], olds, inputs) == {"changes": False, "replaces": []}
@@ -256,9 +269,22 @@ def serving_again(bed: Bed, vm: Vm, tls: Tls, since: float) -> float:
 def test_haproxy_comes_back_serving_after_its_worker_is_killed_and_after_a_reboot(
     bed: Bed, balancer: Vm, replica: subprocess.Popen[str]
 ) -> None:
-    tls = make_tls(bed.workdir, balancer.address)
-    created = provider(bed, "create", props(bed, balancer, rendered_config(), tls))
-    assert created["outs"]["applied"], "a new certificate is put live"
+    # A login that sudoes, as on AWS: the upload goes through a file of that user's first.
+    offer_packages(balancer, bed.workdir, "sudo")
+    balancer.ssh(
+        "apt-get -q update >/dev/null && apt-get install -y -q sudo >/dev/null"
+        " && useradd -m -s /bin/sh deployer && install -d -m 0700 -o deployer /home/deployer/.ssh"
+        " && install -m 0600 -o deployer /root/.ssh/authorized_keys /home/deployer/.ssh/"
+        " && echo 'deployer ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/deployer",
+        timeout=300,
+    )
+    tls = make_tls(bed.workdir, balancer.address)  # a renewed certificate, from a new CA
+    inputs = {**props(bed, balancer, rendered_config(), tls), "ssh_user": "deployer"}
+    created = provider(bed, "create", inputs)
+    assert created["outs"]["applied"][-1] == "balancer: reload HAProxy (hitless)"
+    assert balancer.ssh(f"stat -c '%a %U %G' {TLS_CERT_PATH}").strip() == "600 root root"
+    left = balancer.ssh("ls -d /tmp/denv-upload-* /tmp/pyinfra-* 2>/dev/null || true")
+    assert left.split() == [], "no upload left behind"
     stream_through(bed, balancer, tls)
 
     # A worker dying takes its master with it; systemd starts the unit again, and with it the
