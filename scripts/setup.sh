@@ -6,13 +6,14 @@
 # unit-tests the generated alerting rules; gcc and libc6-dev build the stand-in libnvidia-ml.so.1
 # that the agent's real NVML binding loads in the tests; wireguard-tools and wireguard-go for the
 # overlay's data-path test: wg-quick brings the tunnel up, in userspace where the kernel has no
-# WireGuard module).
+# WireGuard module; espeak-ng, a speech engine that runs on a CPU, for the optional replica whose
+# /v1/audio/speech carries real synthesized audio end to end).
 # Safe to re-run: every step checks first and does nothing when nothing is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(haproxy debootstrap dpkg-dev nftables prometheus qemu-system-x86 e2fsprogs openssh-client gcc libc6-dev
-  wireguard-tools wireguard-go)
+  wireguard-tools wireguard-go espeak-ng)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -79,6 +79,12 @@ class ReplicaSimConfig:
     ttft_ms: float = 50.0
     itl_ms: float = 10.0
     tokens: int = 20
+    # "espeak-ng": /v1/audio/speech is synthesized by espeak-ng on the CPU (WAV, 22.05 kHz mono
+    # PCM16, streamed as it is made); "": the simulated tone, paced like tokens.
+    speech_engine: str = ""
+
+
+SPEECH_ENGINES = ("", "espeak-ng")
 
 
 @dataclass
@@ -308,6 +314,9 @@ class ReplicaSim:
         except (ValueError, TypeError) as error:
             await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
             return
+        if self.config.speech_engine == "espeak-ng":
+            await self._espeak(request, writer, str(body["input"]), body.get("response_format"))
+            return
         self._count(request.headers.get("x-request-id"))
         await self._hang_if_asked()
         pcm = body.get("response_format") == "pcm"
@@ -327,6 +336,43 @@ class ReplicaSim:
             await writer.drain()
         writer.write(b"0\r\n\r\n")
         await writer.drain()
+        self.stats.streams_completed += 1
+
+    async def _espeak(
+        self, request: _Request, writer: asyncio.StreamWriter, text: str, response_format: object
+    ) -> None:
+        """Real speech: espeak-ng's WAV, each piece sent as soon as espeak-ng writes it."""
+        if response_format not in (None, "wav"):
+            message = (
+                "this replica's speech is espeak-ng's WAV (22.05 kHz): send response_format=wav"
+            )
+            await self._respond(writer, 400, {"error": message}, request)
+            return
+        self._count(request.headers.get("x-request-id"))
+        await self._hang_if_asked()
+        # The text goes after `--` as one argument: never read as an option, no shell.
+        engine = await asyncio.create_subprocess_exec(
+            "espeak-ng",
+            "--stdout",
+            "--",
+            text,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert engine.stdout is not None
+        try:
+            writer.write(_head(200, "audio/wav", self.config, request.keep_alive, chunked=True))
+            writer.write(b"\r\n")
+            while piece := await engine.stdout.read(65536):
+                writer.write(_chunk(piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        finally:
+            if engine.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    engine.kill()
+            await engine.wait()
         self.stats.streams_completed += 1
 
     async def _transcription(self, request: _Request, writer: asyncio.StreamWriter) -> None:
@@ -671,6 +717,7 @@ class ReplicaProcess:
             f"--ttft-ms={config.ttft_ms}",
             f"--itl-ms={config.itl_ms}",
             f"--tokens={config.tokens}",
+            f"--speech-engine={config.speech_engine}",
         ]
 
 
@@ -685,6 +732,12 @@ def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
     parser.add_argument("--ttft-ms", type=float, default=50.0, help="time to first token")
     parser.add_argument("--itl-ms", type=float, default=10.0, help="gap between tokens")
     parser.add_argument("--tokens", type=int, default=20, help="tokens per completion")
+    parser.add_argument(
+        "--speech-engine",
+        choices=SPEECH_ENGINES,
+        default="",
+        help="espeak-ng: real synthesized speech for /v1/audio/speech",
+    )
     args = parser.parse_args(argv)
     return ReplicaSimConfig(
         replica_id=args.replica_id,
@@ -693,6 +746,7 @@ def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
         ttft_ms=args.ttft_ms,
         itl_ms=args.itl_ms,
         tokens=args.tokens,
+        speech_engine=args.speech_engine,
     )
 
 

@@ -1,0 +1,55 @@
+"""Real synthesized speech end to end: replicas whose /v1/audio/speech is espeak-ng, through a
+real HAProxy, called with the official SDK."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import struct
+import wave
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+
+from denv_iac.local.replica_sim import ReplicaSimConfig
+
+from .dataplane_harness import Dataplane
+
+if shutil.which("espeak-ng") is None:
+    pytest.skip("espeak-ng is not installed (make setup installs it)", allow_module_level=True)
+
+ESPEAK = ReplicaSimConfig("template", ttft_ms=20, itl_ms=5, tokens=8, speech_engine="espeak-ng")
+
+
+@pytest.fixture
+def sdk(start_dataplane: Callable[..., Dataplane]) -> Iterator[openai.OpenAI]:
+    plane = start_dataplane(sim=ESPEAK)
+    client = openai.OpenAI(base_url=f"{plane.url}/v1", api_key="unused", max_retries=0)
+    yield client
+    client.close()
+
+
+def test_speech_is_espeak_ng_s_wav_streamed_through_the_balancer(sdk: openai.OpenAI) -> None:
+    text = "The balancer carries real speech."
+    with sdk.audio.speech.with_streaming_response.create(
+        model="voice", voice="alloy", input=text, response_format="wav"
+    ) as response:
+        assert response.headers["x-denv-replica"].startswith("voice.")
+        assert response.headers["content-type"] == "audio/wav"
+        audio = b"".join(response.iter_bytes())
+    # espeak-ng streams: the header's sizes say "unknown"; its format is what counts.
+    with wave.open(io.BytesIO(audio)) as header:
+        audio_format = (header.getframerate(), header.getnchannels(), header.getsampwidth())
+    assert audio_format == (22050, 1, 2)
+    pcm = audio[44 : len(audio) // 2 * 2]
+    samples = struct.unpack(f"<{len(pcm) // 2}h", pcm)
+    seconds = len(samples) / 22050
+    assert 1.0 < seconds < 6.0, seconds  # six words of speech
+    assert max(abs(s) for s in samples) > 3000  # a voice, not silence
+
+
+def test_a_format_other_than_wav_is_refused_in_one_line(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.audio.speech.create(model="voice", voice="alloy", input="hi", response_format="pcm")
+    assert "send response_format=wav" in refused.value.response.json()["error"]
