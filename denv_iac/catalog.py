@@ -28,6 +28,9 @@ class Offering:
     gpu_count: int
     usd_per_gpu_hour: float
     price_read: str  # ISO date the list price was read
+    source: (
+        str  # where it was read: the provider's price page or document, named so it can be re-read
+    )
 
     @property
     def usd_per_hour(self) -> float:
@@ -108,9 +111,26 @@ def parse_catalog(raw: dict[str, Any]) -> Catalog:
                 o["gpu"],
                 int(o["count"]),
                 float(o["usd_per_gpu_hour"]),
-                o["price_read"],
+                _required(o, "price_read", provider, name),
+                _required(o, "source", provider, name),
             )
     return Catalog(gpus, offerings, parse_server_types(raw.get("hcloud_server_types", {})))
+
+
+def _required(entry: dict[str, Any], field: str, provider: str, name: str) -> str:
+    """A list price is only as good as when and where it was read: both are required."""
+    value = entry.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"catalog: offering {provider}/{name} has no {field}; give {_REQUIRED_HINTS[field]}"
+        )
+    return value
+
+
+_REQUIRED_HINTS = {
+    "price_read": "the ISO date its list price was read",
+    "source": "the page or document its list price was read from",
+}
 
 
 def parse_server_types(raw: dict[str, Any]) -> ServerTypes:

@@ -19,10 +19,21 @@ class NodeCost:
     node: PlacedNode
     usd_per_gpu_hour: float
     price_read: str  # "" when the price is the site's own override or unknown
+    price_source: str  # where the catalog's list price was read; "" as price_read
 
     @property
     def usd_per_hour(self) -> float:
         return self.usd_per_gpu_hour * self.node.gpu_count
+
+
+@dataclass(frozen=True)
+class PriceBasis:
+    """One catalog list price a plan's cost rests on: what it prices, when and where it was read."""
+
+    offering: str
+    usd_per_gpu_hour: float
+    read: str
+    source: str
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,15 @@ class Plan:
     @property
     def usd_per_hour(self) -> float:
         return sum(c.usd_per_hour for c in self.costs)
+
+    def price_basis(self) -> list[PriceBasis]:
+        """Each distinct catalog list price the cost uses, so a reader can judge how fresh it is."""
+        found = {
+            PriceBasis(c.node.offering, c.usd_per_gpu_hour, c.price_read, c.price_source)
+            for c in self.costs
+            if c.price_read
+        }
+        return sorted(found, key=lambda b: (b.offering, b.read))
 
     def to_json(self) -> dict[str, Any]:
         by_site: dict[str, float] = {}
@@ -71,17 +91,20 @@ class Plan:
                 "usd_per_month": round(self.usd_per_hour * HOURS_PER_MONTH, 2),
                 "by_site_usd_per_hour": by_site,
                 "prices_read": sorted({c.price_read for c in self.costs if c.price_read}),
+                "list_prices": [asdict(b) for b in self.price_basis()],
             },
         }
 
 
-def node_price(site: SiteSpec, node: PlacedNode, catalog: Catalog) -> tuple[float, str]:
+def node_price(site: SiteSpec, node: PlacedNode, catalog: Catalog) -> tuple[float, str, str]:
+    """The node's price per GPU-hour, the date its list price was read and where ("" for both
+    when the price is the site's own)."""
     if site.price_per_gpu_hour is not None:
-        return site.price_per_gpu_hour, ""
+        return site.price_per_gpu_hour, "", ""
     offering = catalog.offering(site.kind, node.offering) if node.offering else None
     if offering is None:
-        return 0.0, ""  # local, joined and Kubernetes capacity has no list price of ours
-    return offering.usd_per_gpu_hour, offering.price_read
+        return 0.0, "", ""  # local, joined and Kubernetes capacity has no list price of ours
+    return offering.usd_per_gpu_hour, offering.price_read, offering.source
 
 
 def deploy_problems(stack: StackSpec, placement: Placement) -> list[str]:
@@ -120,6 +143,5 @@ def make_plan(stack: StackSpec, previous: list[str] | None = None) -> Plan:
     for node in placement.nodes:
         if node.replicas == 0 and not node.create:
             continue  # an idle joined machine is not warm capacity of this stack
-        price, read = node_price(stack.site(node.site), node, catalog)
-        costs.append(NodeCost(node, price, read))
+        costs.append(NodeCost(node, *node_price(stack.site(node.site), node, catalog)))
     return Plan(stack, placement, tuple(costs), plan_overlay(stack, placement))

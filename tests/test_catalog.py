@@ -3,6 +3,7 @@ Cloud server type one the API still offers where it is named."""
 
 import gzip
 import json
+from datetime import date
 from pathlib import Path
 
 import botocore
@@ -38,7 +39,8 @@ def test_offerings_are_priced_dated_and_name_known_gpus() -> None:
         for offering in offerings.values():
             assert offering.gpu in catalog.gpus, (provider, offering.name)
             assert offering.gpu_count >= 1 and offering.usd_per_gpu_hour > 0
-            assert len(offering.price_read) == 10 and offering.price_read[4] == "-"
+            date.fromisoformat(offering.price_read)
+            assert offering.source.strip(), (provider, offering.name)
 
 
 @pytest.mark.parametrize(
@@ -65,10 +67,41 @@ def test_an_offering_naming_an_unknown_gpu_is_rejected() -> None:
     raw = {
         "gpus": {},
         "offerings": {
-            "aws": {"x.large": {"gpu": "Z1", "count": 1, "usd_per_gpu_hour": 1, "price_read": "d"}}
+            "aws": {
+                "x.large": {
+                    "gpu": "Z1",
+                    "count": 1,
+                    "usd_per_gpu_hour": 1,
+                    "price_read": "2026-01-01",
+                    "source": "https://example.test/prices",
+                }
+            }
         },
     }
     with pytest.raises(ValueError, match="unknown GPU Z1"):
+        parse_catalog(raw)
+
+
+PRICED = {"gpu": "L4", "count": 1, "usd_per_gpu_hour": 0.8}
+
+
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        (
+            {**PRICED, "source": "https://example.test"},
+            "aws/g6.xlarge has no price_read; give the ISO",
+        ),
+        ({**PRICED, "price_read": "2026-01-01"}, "aws/g6.xlarge has no source; give the page"),
+        ({**PRICED, "price_read": "2026-01-01", "source": " "}, "aws/g6.xlarge has no source"),
+        ({**PRICED, "price_read": "", "source": "https://example.test"}, "has no price_read"),
+    ],
+)
+def test_an_offering_without_its_price_date_or_source_is_rejected_by_name(
+    entry: dict[str, object], error: str
+) -> None:
+    raw = {"gpus": {"L4": {"memory_gb": 24, "mig": {}}}, "offerings": {"aws": {"g6.xlarge": entry}}}
+    with pytest.raises(ValueError, match=error):
         parse_catalog(raw)
 
 

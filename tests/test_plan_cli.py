@@ -9,6 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from denv_iac.catalog import load_catalog
 from denv_iac.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,3 +171,26 @@ def test_key_digest() -> None:
     assert result.output.strip() == (
         "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     )
+
+
+def test_plan_names_when_and_where_each_list_price_was_read(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--stack", "voice-multicloud", "--stacks-dir", str(STACKS)]
+    shown = CliRunner().invoke(main, args)
+    assert shown.exit_code == 0, shown.output
+    assert CliRunner().invoke(main, [*args, "--json", str(out)]).exit_code == 0
+    prices = json.loads(out.read_text())["cost"]["list_prices"]
+    # The stack creates nodes on AWS, Lambda, Nebius and Hetzner: each rests on a list price.
+    assert len(prices) == 4
+    catalog = load_catalog()
+    for price in prices:
+        offering = next(
+            o
+            for by_name in catalog.offerings.values()
+            for o in by_name.values()
+            if o.name == price["offering"]
+        )
+        assert (price["read"], price["source"]) == (offering.price_read, offering.source)
+        price_line = f"{offering.name}: ${offering.usd_per_gpu_hour:,.2f}/GPU-hour"
+        assert f"{price_line}, read {offering.price_read}, source: " in shown.output
+        assert offering.source in " ".join(shown.output.split())

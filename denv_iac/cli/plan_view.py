@@ -82,6 +82,12 @@ def render_plan(plan: Plan, console: Console) -> None:
     console.print(
         f"Warm capacity: ${hourly:,.2f}/hour, ${hourly * HOURS_PER_MONTH:,.0f}/month{basis}"
     )
+    for price in plan.price_basis():
+        console.print(
+            f"  {price.offering}: ${price.usd_per_gpu_hour:,.2f}/GPU-hour, read {price.read}, "
+            f"source: {escape(price.source)}",
+            soft_wrap=True,
+        )
 
 
 def render_overlay(plan: Plan, console: Console) -> None:
