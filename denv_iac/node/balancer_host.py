@@ -101,6 +101,8 @@ def _put_live(rendered: RenderedConfig, certificate: str | None) -> list[Step]:
         Step("balancer", f"stage map {name}", file=text_file(f"{STAGING}/{name}", text))
         for name, text in sorted(staged.files.items())
     ]
+    config_path = posixpath.join(STAGING, CONFIG_FILE_NAME)
+    check = f"haproxy -c -q -f {config_path}"
     install = [
         f"install -D -m 0644 {STAGING}/{name} {posixpath.join(rendered.map_dir, name)}"
         for name in sorted(rendered.files)
@@ -116,11 +118,12 @@ def _put_live(rendered: RenderedConfig, certificate: str | None) -> list[Step]:
                 file=_certificate_file(staged_cert, certificate),
             )
         )
+        # One copy of the key on the host, whether the config is put live or rejected.
+        check += f" || {{ rm -f {staged_cert}; false; }}"
         install += [
             f"install -D -m 0600 -o root -g root {staged_cert} {TLS_CERT_PATH}",
-            f"rm -f {staged_cert}",  # one copy of the key on the host
+            f"rm -f {staged_cert}",
         ]
-    config_path = posixpath.join(STAGING, CONFIG_FILE_NAME)
     steps.append(Step("balancer", "stage haproxy.cfg", file=text_file(config_path, staged_config)))
     # The live config refers to the live paths; only its staged twin was checked.
     config_file = text_file(f"{STAGING}/live.cfg", rendered.haproxy_cfg)
@@ -129,7 +132,7 @@ def _put_live(rendered: RenderedConfig, certificate: str | None) -> list[Step]:
             "balancer",
             "check the staged config (haproxy -c), then put it live",
             (
-                f"haproxy -c -q -f {config_path}",
+                check,
                 *install,
                 f"install -m 0644 {config_file.path} {CONFIG}",
             ),

@@ -84,7 +84,11 @@ def test_the_certificate_lands_0600_where_the_config_reads_it_before_the_check()
     installed = [c for c in check.commands if c.endswith(f" {TLS_CERT_PATH}")]
     assert installed == [f"install -D -m 0600 -o root -g root {staged.file.path} {TLS_CERT_PATH}"]
     assert check.commands.index(installed[0]) < check.commands.index(check.commands[-1])
-    assert check.commands[0].startswith("haproxy -c")
+    # Rejected or put live, the staged copy goes: one copy of the key on the host.
+    assert check.commands[0] == (
+        f"haproxy -c -q -f {STAGING}/haproxy.cfg || {{ rm -f {staged.file.path}; false; }}"
+    )
+    assert check.commands[check.commands.index(installed[0]) + 1] == f"rm -f {staged.file.path}"
 
 
 def test_the_certificate_never_shows_in_a_title_a_description_or_a_repr() -> None:
