@@ -9,10 +9,12 @@ Debian sources are removed: nothing is fetched from outside.
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+from tests import nvml_standin
 from tests.node import standin
 from tests.vm.bed import Vm
 
@@ -99,3 +101,12 @@ def make_gpu_machine(vm: Vm, workdir: Path, gpus: int = 2, nvswitches: int = 0) 
         f" && cat > /etc/systemd/system/standin-pci.service <<'EOF'\n{unit}EOF\n"
         " systemctl daemon-reload && systemctl enable --now standin-pci.service"
     )
+
+
+def set_nvml_faults(vm: Vm, *lines: str) -> None:
+    """Script the stand-in NVML library in the VM: replace its fault file with these lines
+    (the format is in tests/nvml_standin/nvml_standin.c; none: healthy GPUs)."""
+    path = f"/{nvml_standin.FAULTS}"
+    text = shlex.quote("".join(f"{line}\n" for line in lines))
+    # Renamed into place, so a call never reads half a file.
+    vm.ssh(f"printf %s {text} > {path}.partial && mv {path}.partial {path}")

@@ -11,6 +11,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from denv_iac.node.facts import AGENT_VENV
 from tests.node import standin
 from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
-from tests.vm.standin_vm import make_gpu_machine
+from tests.vm.standin_vm import make_gpu_machine, set_nvml_faults
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,15 +103,18 @@ _HEALTHZ = (
 )
 
 
-def agent_healthz(node: Vm) -> dict[str, Any]:
+def agent_healthz(
+    node: Vm, until: Callable[[dict[str, Any]], bool] = lambda doc: True
+) -> dict[str, Any]:
     """What the joined node's agent reads through pynvml and the stand-in NVML library, once NVML
-    has started (the agent may have been started a moment ago)."""
+    has started (the agent may have been started a moment ago) and `until` holds, or after 60 s."""
     deadline = time.monotonic() + 60
     while True:
         doc: dict[str, Any] = json.loads(
             node.ssh(f"{AGENT_VENV}/bin/python -c {shlex.quote(_HEALTHZ)}")
         )
-        if doc["nvml"]["state"] != "initializing" or time.monotonic() > deadline:
+        started = doc["nvml"]["state"] != "initializing"
+        if (started and until(doc)) or time.monotonic() > deadline:
             return doc
         time.sleep(1)
 
@@ -143,6 +147,7 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     assert len(replicas) == 2, units(node)
     assert node.ssh("systemctl is-active denv-agent.service", check=False).strip() == "active"
     assert node.ssh("nvidia-smi --query-gpu=index --format=csv,noheader").split() == ["0", "1"]
+    start = time.monotonic()
     health = agent_healthz(node)
     assert health["nvml"] == {
         "state": "ok",
@@ -153,6 +158,15 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     smi = node.ssh("nvidia-smi --query-gpu=uuid --format=csv,noheader").split()
     assert [g["uuid"] for g in health["gpus"]] == smi
     assert [g["xid_events"] for g in health["gpus"]] == ["registered", "registered"]
+    # A fault scripted in the VM's NVML reaches the agent; the operator's command clears it.
+    set_nvml_faults(node, "xid 1 48")
+    faulted = agent_healthz(node, lambda doc: doc["gpus"][1]["xids"] == {"48": 1})
+    assert faulted["gpus"][1]["reasons"] == ["xid 48 double-bit ecc error"], faulted["gpus"]
+    set_nvml_faults(node)
+    node.ssh("denv-agent clear-faults")
+    cleared = agent_healthz(node, lambda doc: doc["gpus"][1]["reasons"] == [])
+    assert [g["reasons"] for g in cleared["gpus"]] == [[], []]
+    TIMINGS["agent over the stand-in NVML (read, fault, clear)"] = time.monotonic() - start
 
     start = time.monotonic()
     check_firewalls(bed, node)
