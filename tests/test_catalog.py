@@ -3,6 +3,7 @@ Cloud server type one the API still offers where it is named."""
 
 import gzip
 import json
+import re
 from datetime import date
 from pathlib import Path
 
@@ -52,10 +53,26 @@ def test_offerings_are_priced_dated_and_name_known_gpus() -> None:
         ("H200", "3g.71gb", 2),
         ("A30", "2g.12gb", 2),
         ("B200", "1g.45gb", 4),
+        ("H200-NVL", "1g.18gb", 7),
+        ("H200-NVL", "3g.71gb", 2),
+        ("B300", "1g.34gb", 7),
+        ("B300", "2g.67gb", 3),
+        ("B300", "7g.269gb", 1),
     ],
 )
 def test_mig_profiles(gpu: str, profile: str, count: int) -> None:
     assert load_catalog().gpus[gpu].mig_profiles[profile] == count
+
+
+def test_every_mig_profile_fits_its_gpu() -> None:
+    """A profile `<c>g.<m>gb` takes c of 7 compute slices and m GB: neither can exceed the GPU,
+    and as many instances as the count says must fit its 7 slices."""
+    for gpu in load_catalog().gpus.values():
+        for profile, count in gpu.mig_profiles.items():
+            match = re.fullmatch(r"(\d)g\.(\d+)gb", profile)
+            assert match, (gpu.name, profile)
+            compute, memory = int(match[1]), int(match[2])
+            assert memory <= gpu.memory_gb and compute * count <= 7, (gpu.name, profile)
 
 
 @pytest.mark.parametrize("gpu", ["L4", "L40S", "A10G", "RTX-4000-SFF-ADA", "RTX-6000-ADA"])
