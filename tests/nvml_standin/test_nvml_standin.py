@@ -240,7 +240,7 @@ def test_a_hung_nvml_call_is_reported_and_never_blocks_replies_or_stopping(
     wait_for(reasons, lambda found: all(r and "nvml poll stalled" in r[0] for r in found))
     started = time.monotonic()
     assert replies(agent) == (UP, UP)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 2  # the call hangs for good: any bound shows it
     nvml_standin.set_faults(root)
     wait_for(reasons, [[], []])
     nvml_standin.set_faults(root, "hang *")
