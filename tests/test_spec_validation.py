@@ -68,7 +68,8 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "unknown gpu",
         lambda c: site(c, 0)["nodes"][0].update(gpu="H1000"),
         'sites[0].nodes[0].gpu: GPU model "H1000" is unknown; use one of A10, A100-40GB, '
-        "A100-80GB, A10G, A30, B200, H100, H200, L4, L40S, RTX-4000-SFF-ADA, RTX-6000-ADA",
+        "A100-80GB, A10G, A30, B200, B300, H100, H200, H200-NVL, L4, L40S, RTX-4000-SFF-ADA, "
+        "RTX-6000-ADA",
     ),
     (
         "gpus zero",
@@ -228,7 +229,8 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "gpu_models unknown",
         lambda c: recipe(c, 0).update(gpu_models=["H101"]),
         'recipes[0].gpu_models: GPU model "H101" is unknown; use one of A10, A100-40GB, '
-        "A100-80GB, A10G, A30, B200, H100, H200, L4, L40S, RTX-4000-SFF-ADA, RTX-6000-ADA",
+        "A100-80GB, A10G, A30, B200, B300, H100, H200, H200-NVL, L4, L40S, RTX-4000-SFF-ADA, "
+        "RTX-6000-ADA",
     ),
     (
         "gpu_models exclude site",
