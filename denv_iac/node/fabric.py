@@ -16,15 +16,17 @@ from denv_iac.node.steps import Step, apt_install
 UNSUFFIXED_FROM = 590
 # NVLink 5 boards: their switches are managed through ConnectX bridge functions (vendor
 # 0x15b3), so no NVIDIA bridge (class 0x0680) shows on the PCI bus; the GPUs name the board.
-NVLINK5_NAMES = frozenset({"NVIDIA B200", "NVIDIA B100"})
-NVLINK5_PCI_IDS = frozenset({"0x2901", "0x29bc"})  # GB100 [B200], GB102 [B100]
+# HGX B300 is an NVLink 5 baseboard too: NVML names it "NVIDIA B300 SXM6 AC" (the product label
+# NVIDIA-B300-SXM6-AC), PCI device 0x3182 (NVIDIA's mig-parted config filters it as 0x318210DE).
+NVLINK5_NAMES = frozenset({"NVIDIA B200", "NVIDIA B100", "NVIDIA B300 SXM6 AC"})
+NVLINK5_PCI_IDS = frozenset({"0x2901", "0x29bc", "0x3182"})  # GB100 [B200], GB102 [B100], B300
 NVLSM = "nvlsm"  # NVIDIA's NVLink subnet manager; fabric manager starts it on NVLink 5 boards
 
 
 class Board(StrEnum):
     PLAIN = "plain"  # PCIe cards, NVLink bridges: no fabric to bring up
     NVSWITCH = "nvswitch"  # HGX A100 / H100 / H200: fabric manager and NSCQ
-    NVLINK5 = "nvlink5"  # HGX B200: fabric manager, NSCQ and the NVLink subnet manager
+    NVLINK5 = "nvlink5"  # HGX B200 / B300: fabric manager, NSCQ and the NVLink subnet manager
 
 
 def board(facts: NodeFacts) -> Board:

@@ -70,18 +70,20 @@ B200 = "NVIDIA B200"
         ("HGX H100: NVSwitch bridges on the PCI bus", {"nvswitches": 4}, Board.NVSWITCH),
         # HGX B200: no NVIDIA bridge on the bus; the GPUs' PCI IDs say it, with no driver yet.
         ("HGX B200 before any driver", {"pci_gpu_ids": frozenset({"0x2901"})}, Board.NVLINK5),
+        ("HGX B300 before any driver", {"pci_gpu_ids": frozenset({"0x3182"})}, Board.NVLINK5),
     ],
 )
 def test_board_from_facts(case: str, fields: dict[str, object], expected: Board) -> None:
     assert board(node_facts(gpus=8, **fields)) is expected, case
 
 
-def test_board_from_the_gpu_names_nvml_reports() -> None:
+@pytest.mark.parametrize("name", [B200, "NVIDIA B300 SXM6 AC"])
+def test_board_from_the_gpu_names_nvml_reports(name: str) -> None:
     facts = node_facts(gpus=8, driver="580.95.05")
-    b200 = dataclasses.replace(
-        facts, gpus=tuple(dataclasses.replace(g, name=B200) for g in facts.gpus)
+    hgx = dataclasses.replace(
+        facts, gpus=tuple(dataclasses.replace(g, name=name) for g in facts.gpus)
     )
-    assert board(b200) is Board.NVLINK5
+    assert board(hgx) is Board.NVLINK5
 
 
 SPEC = NodeDeploySpec(node_id="n1")
