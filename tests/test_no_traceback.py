@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from denv_iac.cli import main
@@ -170,6 +170,7 @@ def test_bench_with_any_arguments_refuses_before_any_load(
 
 @settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
 @given(ARGUMENTS, ARGUMENTS)
+@example(host=":@:", user="")  # a ':' in the user part once read as an empty port
 def test_node_join_with_any_host_refuses_before_connecting(
     project: Path, host: str, user: str
 ) -> None:

@@ -68,9 +68,9 @@ class Target:
         if "@" in name:
             user, name = name.split("@", 1)
         port = self.port
-        if ":" in name and name.count(":") == 1:
+        if name.count(":") == 1:
             name, port_text = name.split(":")
-            port = int(port_text)
+            port = int(port_text) if port_text.isdigit() else port
         data: dict[str, Any] = {"ssh_hostname": name}
         if user:
             data["ssh_user"] = user
@@ -120,7 +120,9 @@ def _ssh_target_problems(target: Target) -> list[str]:
 
 
 def _port_ok(host: str) -> bool:
-    return host.count(":") != 1 or host.rsplit(":", 1)[1].isdigit()
+    # The port follows the host name, which follows any `user@`: a ':' in the user is no port.
+    name = host.split("@", 1)[-1]
+    return name.count(":") != 1 or name.rsplit(":", 1)[1].isdigit()
 
 
 class _Reporter(BaseStateCallback):
