@@ -86,6 +86,8 @@ GPU_PRODUCTS = {
     "L40S": ("NVIDIA-L40S",),
     "RTX-4000-SFF-ADA": ("NVIDIA-RTX-4000-SFF-Ada-Generation",),
     "RTX-6000-ADA": ("NVIDIA-RTX-6000-Ada-Generation",),
+    "RTX-PRO-4000-SFF-BLACKWELL": ("NVIDIA-RTX-PRO-4000-Blackwell-SFF-Edition",),
+    "RTX-PRO-6000-BLACKWELL-MAXQ": ("NVIDIA-RTX-PRO-6000-Blackwell-Max-Q-Workstation-Edition",),
 }
 
 

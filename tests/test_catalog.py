@@ -75,7 +75,18 @@ def test_every_mig_profile_fits_its_gpu() -> None:
             assert memory <= gpu.memory_gb and compute * count <= 7, (gpu.name, profile)
 
 
-@pytest.mark.parametrize("gpu", ["L4", "L40S", "A10G", "RTX-4000-SFF-ADA", "RTX-6000-ADA"])
+@pytest.mark.parametrize(
+    "gpu",
+    [
+        "L4",
+        "L40S",
+        "A10G",
+        "RTX-4000-SFF-ADA",
+        "RTX-6000-ADA",
+        "RTX-PRO-4000-SFF-BLACKWELL",
+        "RTX-PRO-6000-BLACKWELL-MAXQ",
+    ],
+)
 def test_gpus_without_mig(gpu: str) -> None:
     assert not load_catalog().gpus[gpu].has_mig
 

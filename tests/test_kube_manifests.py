@@ -339,6 +339,12 @@ def test_every_catalog_gpu_has_its_own_product_labels() -> None:
         ("H200-NVL", "NVIDIA-H200", False),
         ("B300", "NVIDIA-B300-SXM6-AC", True),
         ("B200", "NVIDIA-B300-SXM6-AC", False),
+        (
+            "RTX-PRO-6000-BLACKWELL-MAXQ",
+            "NVIDIA-RTX-PRO-6000-Blackwell-Max-Q-Workstation-Edition",
+            True,
+        ),
+        ("RTX-PRO-6000-BLACKWELL-MAXQ", "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition", False),
         ("A100-80GB", "NVIDIA-A100-SXM4-80GB", True),
         ("A100-80GB", "NVIDIA-A100-SXM4-40GB", False),
         ("L40S", "NVIDIA-L40", False),

@@ -69,7 +69,7 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         lambda c: site(c, 0)["nodes"][0].update(gpu="H1000"),
         'sites[0].nodes[0].gpu: GPU model "H1000" is unknown; use one of A10, A100-40GB, '
         "A100-80GB, A10G, A30, B200, B300, H100, H200, H200-NVL, L4, L40S, RTX-4000-SFF-ADA, "
-        "RTX-6000-ADA",
+        "RTX-6000-ADA, RTX-PRO-4000-SFF-BLACKWELL, RTX-PRO-6000-BLACKWELL-MAXQ",
     ),
     (
         "gpus zero",
@@ -133,7 +133,8 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
     (
         "hetzner model",
         lambda c: site(c, 4)["nodes"][0].update(server_model="GEX9"),
-        'sites[4].nodes[0].server_model: "GEX9" is unknown; use one of GEX130, GEX44',
+        'sites[4].nodes[0].server_model: "GEX9" is unknown; use one of GEX130, GEX131, GEX44, '
+        "GEX45, GEX63",
     ),
     (
         "joined address missing",
@@ -230,7 +231,7 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         lambda c: recipe(c, 0).update(gpu_models=["H101"]),
         'recipes[0].gpu_models: GPU model "H101" is unknown; use one of A10, A100-40GB, '
         "A100-80GB, A10G, A30, B200, B300, H100, H200, H200-NVL, L4, L40S, RTX-4000-SFF-ADA, "
-        "RTX-6000-ADA",
+        "RTX-6000-ADA, RTX-PRO-4000-SFF-BLACKWELL, RTX-PRO-6000-BLACKWELL-MAXQ",
     ),
     (
         "gpu_models exclude site",
