@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from denv_iac.local.voice_sim import FRAME_BYTES, audio_frame
@@ -169,3 +169,40 @@ def test_open_sessions_survive_a_balancer_reload(dataplane: Dataplane) -> None:
             ws.close()
     turns = sum(r.stats()["realtime_turns_completed"] for r in dataplane.replicas.values())
     assert turns == 6
+
+
+def test_a_reconnect_fails_over_only_to_the_sites_the_recipe_allows(dataplane: Dataplane) -> None:
+    # voice prefers home-a and home-b, may fail over to fallback, and may never use llm's site.
+    home = ["voice.home-a.n0.0", "voice.home-b.n1.0"]
+    ws = _open(dataplane, "call-sites")
+    assert ws.response is not None
+    assert ws.response.headers["X-Denv-Replica"] in home
+    _event(ws)
+    try:
+        for replica_id in home:
+            dataplane.agent.set_reply(replica_id, "down #xid 79")
+        _closed_after(ws, 5.0)
+        dataplane.wait_until(
+            lambda: all(dataplane.status()[r] != "UP" for r in home), 3, "both home sites down"
+        )
+        with _open(dataplane, "call-sites") as again:
+            assert again.response is not None
+            assert again.response.headers["X-Denv-Replica"] == "voice.fallback.n2.0"
+            _event(again)
+            assert _turn(again)[-1]["response"]["status"] == "completed"
+        dataplane.agent.set_reply("voice.fallback.n2.0", "down #xid 79")
+        dataplane.wait_until(
+            lambda: dataplane.status()["voice.fallback.n2.0"] != "UP", 3, "fallback down"
+        )
+        with pytest.raises(InvalidStatus) as refused:
+            _open(dataplane, "call-sites")
+        # No allowed site is left: refused, not served by llm's replica on another site.
+        assert refused.value.response.status_code == 503
+        assert dataplane.replicas["llm.elsewhere.n3.0"].stats()["realtime_turns_completed"] == 0
+    finally:
+        for replica_id in [*home, "voice.fallback.n2.0"]:
+            dataplane.agent.set_reply(replica_id, "up ready 100%")
+    dataplane.wait_until(dataplane.all_up, 5, "every replica back up")
+    with _open(dataplane, "call-sites") as back:
+        assert back.response is not None
+        assert back.response.headers["X-Denv-Replica"] in home
