@@ -265,6 +265,11 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         'recipes[0].simulate.ttft: unknown key; did you mean "ttft_ms"?',
     ),
     (
+        "simulated speech engine unknown",
+        lambda c: recipe(c, 0).update(simulate={"speech": "festival"}),
+        'recipes[0].simulate.speech: "festival" is not one of tone, espeak-ng',
+    ),
+    (
         "affinity not bool",
         lambda c: recipe(c, 0).update(session_affinity="yes"),
         "recipes[0].session_affinity: expected true or false, got a string",
@@ -489,3 +494,11 @@ def test_names_a_provider_would_cut_or_refuse() -> None:
         "label value is at most 63 letters, digits, '-', '_' and '.'; use a shorter stack name",
     ]
     read_stack("s" * 40, valid_config())  # 40 + "-lambda-use1-node-1" fits in 60
+
+
+def test_a_recipe_picks_espeak_ng_for_its_simulated_speech() -> None:
+    config = valid_config()
+    recipe(config, 0).update(simulate={"speech": "espeak-ng"})
+    speech = [r.simulate.speech for r in read_stack("t", config).recipes]
+    assert speech[0] == "espeak-ng"
+    assert set(speech[1:]) <= {"tone"}

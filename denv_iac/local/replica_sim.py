@@ -34,6 +34,7 @@ from typing import Any
 
 from denv_iac.local import voice_sim
 from denv_iac.local.voice_sim import OpCode
+from denv_iac.spec.model import SIMULATED_SPEECH
 
 READY_PREFIX = "replica_sim ready"
 SELF_HEADER = "X-Denv-Replica-Self"
@@ -80,11 +81,8 @@ class ReplicaSimConfig:
     itl_ms: float = 10.0
     tokens: int = 20
     # "espeak-ng": /v1/audio/speech is synthesized by espeak-ng on the CPU (WAV, 22.05 kHz mono
-    # PCM16, streamed as it is made); "": the simulated tone, paced like tokens.
-    speech_engine: str = ""
-
-
-SPEECH_ENGINES = ("", "espeak-ng")
+    # PCM16, streamed as it is made); "tone": the simulated tone, paced like tokens.
+    speech_engine: str = SIMULATED_SPEECH[0]
 
 
 @dataclass
@@ -734,8 +732,8 @@ def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
     parser.add_argument("--tokens", type=int, default=20, help="tokens per completion")
     parser.add_argument(
         "--speech-engine",
-        choices=SPEECH_ENGINES,
-        default="",
+        choices=SIMULATED_SPEECH,
+        default=SIMULATED_SPEECH[0],
         help="espeak-ng: real synthesized speech for /v1/audio/speech",
     )
     args = parser.parse_args(argv)

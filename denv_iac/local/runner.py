@@ -327,7 +327,7 @@ class LocalCluster:
             sim = recipes[replica.pool].simulate
             host = self.host_of(replica.site)
             config = ReplicaSimConfig(
-                replica.id, host.address, 0, sim.ttft_ms, sim.itl_ms, sim.tokens
+                replica.id, host.address, 0, sim.ttft_ms, sim.itl_ms, sim.tokens, sim.speech
             )
             log = self.directory / "logs" / f"{replica.id}.log"
             process = ReplicaProcess(config, log, host.prefix)

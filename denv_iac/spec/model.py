@@ -82,6 +82,11 @@ class SiteSpec:
         return self.kind in ("aws", "lambda", "nebius", "kubernetes")
 
 
+# What answers /v1/audio/speech on a simulated replica: a tone paced like tokens, or espeak-ng's
+# real synthesized speech (Debian's espeak-ng, on the CPU).
+SIMULATED_SPEECH = ("tone", "espeak-ng")
+
+
 @dataclass(frozen=True)
 class SimulatedServer:
     """How the local runner's simulated replica behaves for a recipe."""
@@ -89,6 +94,7 @@ class SimulatedServer:
     ttft_ms: int = 40
     itl_ms: int = 10
     tokens: int = 16
+    speech: str = SIMULATED_SPEECH[0]
 
 
 @dataclass(frozen=True)

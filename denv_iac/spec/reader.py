@@ -11,6 +11,7 @@ from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
     BALANCER_HOST_KINDS,
     FIRST_TOKEN_TIMEOUT_MS,
+    SIMULATED_SPEECH,
     SITE_KINDS,
     STALL_TIMEOUT_MS,
     WHOLE_GPU,
@@ -282,6 +283,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
             sim.integer("ttft_ms", 40, 0, 600_000),
             sim.integer("itl_ms", 10, 0, 60_000),
             sim.integer("tokens", 16, 1, 100_000),
+            sim.choice("speech", SIMULATED_SPEECH, SIMULATED_SPEECH[0]),
         )
         sim.finish()
     health_path = f.text("health_path", "/health")
