@@ -156,10 +156,14 @@ def prerequisite_steps(facts: NodeFacts) -> list[Step]:
     if facts.files.get(blacklist.path) != blacklist.sha256:
         # Written by a command, not as a step's file: the repair runs these steps' commands.
         # The initramfs loads modules before the root file system is there: it learns the
-        # blacklist only when rebuilt (a machine without initramfs-tools has none to rebuild).
+        # blacklist only when rebuilt. Not rebuilt where no installed kernel has nouveau (cloud
+        # kernels) or no initramfs-tools: there is nothing it could load early.
         folder = posixpath.dirname(blacklist.path)
         write = f"mkdir -p {folder} && printf %s {shlex.quote(_NOUVEAU_TEXT)} > {blacklist.path}"
-        initramfs = "if command -v update-initramfs >/dev/null; then update-initramfs -u; fi"
+        initramfs = (
+            "if command -v update-initramfs >/dev/null"
+            " && find /lib/modules -name 'nouveau.ko*' | grep -q .; then update-initramfs -u; fi"
+        )
         steps.append(Step("driver", f"blacklist nouveau ({blacklist.path})", (write, initramfs)))
     headers = f"linux-headers-{facts.kernel}"
     # Only a booted kernel of the node's own: in a chroot `uname -r` is the build host's.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,27 @@ def test_what_the_blacklist_step_writes_is_what_the_next_run_compares() -> None:
     out = subprocess.run(["sh", "-c", printed], capture_output=True, check=True).stdout
     assert out == nouveau_blacklist().content == b"blacklist nouveau\noptions nouveau modeset=0\n"
     assert "update-initramfs -u" in initramfs
+
+
+@pytest.mark.parametrize(
+    ("modules", "rebuilt"),
+    [(["6.8.0-45-generic/kernel/drivers/gpu/drm/nouveau/nouveau.ko.zst"], True), ([], False)],
+    ids=["a kernel with nouveau", "cloud kernel without it"],
+)
+def test_the_initramfs_is_rebuilt_only_where_a_kernel_has_nouveau(
+    tmp_path: Path, modules: list[str], rebuilt: bool
+) -> None:
+    blacklist = next(s for s in plan_node(node_facts(), SPEC) if s.title == BLACKLIST)
+    # The command as the node runs it, against a stand-in /lib/modules and update-initramfs.
+    command = blacklist.commands[1].replace("/lib/modules", str(tmp_path / "modules"))
+    (tmp_path / "modules").mkdir()
+    for module in modules:
+        (tmp_path / "modules" / module).parent.mkdir(parents=True)
+        (tmp_path / "modules" / module).touch()
+    tool = tmp_path / "bin" / "update-initramfs"
+    tool.parent.mkdir()
+    tool.write_text(f'#!/bin/sh\necho "$*" > {tmp_path}/called\n')
+    tool.chmod(0o755)
+    env = {"PATH": f"{tmp_path}/bin:/usr/bin:/bin"}
+    subprocess.run(["sh", "-c", command], env=env, check=True)
+    assert (tmp_path / "called").exists() is rebuilt
