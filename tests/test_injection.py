@@ -275,7 +275,8 @@ def test_the_rule_set_takes_no_hostile_address_or_node_id(value: str) -> None:
         NodeDeploySpec(value)
     assert raised.value.problems == [f"node_id {value!r}: use letters, digits, '.', '_' or '-'"]
     plain = firewall.rules(_node()).content.decode()
-    assert "\t\ttcp dport { 8000, 9100 } ip saddr @balancers_v4 accept" in plain
+    assert "\t\ttcp dport { 8000, 9100 } ip saddr @balancer_v4 accept" in plain
+    assert "\t\telements = { 192.0.2.1/32 }" in plain
 
 
 @pytest.mark.parametrize(("kind", "value"), VALUES, ids=IDS)
