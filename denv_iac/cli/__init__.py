@@ -25,7 +25,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "denv_iac.cli.bench:bench",
-        "Streamed completions against URL; TTFT p50/p90/p99, inter-token gap, errors by kind.",
+        "Load URL with one protocol; its latency p50/p90/p99, gaps, errors by kind.",
     ),
     "doctor": (
         "denv_iac.cli.doctor:doctor",
