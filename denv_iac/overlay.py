@@ -25,8 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from denv_iac.placement import Placement
-from denv_iac.spec.model import SSH_SITE_KINDS, OverlaySpec, StackSpec
-from denv_iac.spec.overlay import MADE_HOST_KINDS
+from denv_iac.spec.model import MADE_BALANCER_HOST_KINDS, SSH_SITE_KINDS, OverlaySpec, StackSpec
 
 INTERFACE = "denv0"
 CONFIG_PATH = f"/etc/wireguard/{INTERFACE}.conf"
@@ -104,7 +103,7 @@ def node_member(site: str, node: str) -> str:
 def host_member(stack: StackSpec, site_name: str) -> str | None:
     """The overlay member that runs the balancer on a site; None when none joins the overlay."""
     site = stack.site(site_name)
-    if site.kind in MADE_HOST_KINDS:
+    if site.kind in MADE_BALANCER_HOST_KINDS:
         return f"{site.name}{HOST_SUFFIX}"
     if site.kind == "joined" and site.nodes:
         return node_member(site.name, site.nodes[0].name)

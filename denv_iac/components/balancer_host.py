@@ -27,7 +27,6 @@ AWS_AMI_PARAMETER = (
 # catalog says which location offers which type (cpx21 left the API at the end of 2025).
 HCLOUD_SERVER_TYPES = ("cpx22", "ccx13")
 HCLOUD_IMAGE = "ubuntu-24.04"
-MACHINE_HOST_KINDS = ("aws", "hetzner")  # a host is created there, reached with the site's key
 
 
 class BalancerHostArgs(TypedDict):

@@ -7,11 +7,7 @@ import pulumi
 
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
 from denv_iac.components.balancer import GlobalBalancer, GlobalBalancerArgs
-from denv_iac.components.balancer_host import (
-    MACHINE_HOST_KINDS,
-    BalancerHost,
-    BalancerHostArgs,
-)
+from denv_iac.components.balancer_host import BalancerHost, BalancerHostArgs
 from denv_iac.components.hetzner_robot import hetzner_site
 from denv_iac.components.joined import JoinedSite, LocalSite
 from denv_iac.components.kubernetes import kubernetes_site
@@ -45,7 +41,13 @@ from denv_iac.node import NodeDeploySpec
 from denv_iac.overlay import plan_overlay
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.plan import deploy_problems
-from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, SiteSpec, StackSpec
+from denv_iac.spec.model import (
+    MADE_BALANCER_HOST_KINDS,
+    SSH_SITE_KINDS,
+    RecipeSpec,
+    SiteSpec,
+    StackSpec,
+)
 from denv_iac.spec.reader import StackError, read_stack
 
 _EXISTING_NODE_SITES = {"joined": JoinedSite, "local": LocalSite}
@@ -119,7 +121,7 @@ def _key_problems(raw_sites: Sequence[Mapping[str, Any]], stack: StackSpec) -> l
 
     A key given as an Output (the stack program's) is only known later, when it is used.
     """
-    hosts = {s for s in stack.balancer.sites if stack.site(s).kind in MACHINE_HOST_KINDS}
+    hosts = {s for s in stack.balancer.sites if stack.site(s).kind in MADE_BALANCER_HOST_KINDS}
     # Sites that create machines with the site's key: a bad one is refused before any exists.
     need_key = hosts | {site.name for site in stack.sites if site.kind in CLOUD_SITE_KINDS}
     problems = []
@@ -199,7 +201,7 @@ class Cluster(pulumi.ComponentResource):
                 "site": site,
                 "balancer": self._stack.balancer,
             }
-            if site.kind in MACHINE_HOST_KINDS:
+            if site.kind in MADE_BALANCER_HOST_KINDS:
                 args["public_key"] = public_key_output(
                     self._secrets[(site_name, "ssh_private_key")]
                 )

@@ -16,6 +16,8 @@ SITE_KINDS = (
 SSH_SITE_KINDS = ("aws", "hetzner", "joined", "lambda", "nebius")
 # Where a balancer can run: a machine made for it (aws, hetzner) or a listed node (joined, local).
 BALANCER_HOST_KINDS = ("aws", "hetzner", "joined", "local")
+# Where the balancer runs on a machine made for it, reached with the site's key.
+MADE_BALANCER_HOST_KINDS = ("aws", "hetzner")
 Survive = Literal["node", "site"]
 WHOLE_GPU = "whole"
 # Silence budgets that fit voice: a turn whose replica has said nothing for a second is better

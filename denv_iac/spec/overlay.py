@@ -3,7 +3,13 @@
 import ipaddress
 
 from denv_iac.spec.fields import Fields, Problems
-from denv_iac.spec.model import OVERLAY_CIDR, SSH_SITE_KINDS, OverlaySpec, StackSpec
+from denv_iac.spec.model import (
+    MADE_BALANCER_HOST_KINDS,
+    OVERLAY_CIDR,
+    SSH_SITE_KINDS,
+    OverlaySpec,
+    StackSpec,
+)
 
 # RFC 1918: an overlay range elsewhere could shadow a real address some machine must reach.
 PRIVATE_RANGES = tuple(
@@ -13,10 +19,9 @@ PRIVATE_RANGES = tuple(
 # collide, so adding a machine rarely moves another (see denv_iac.overlay).
 MAX_PREFIX = 24
 ADDRESSES_PER_MACHINE = 4
-# Sites where the balancer runs on a machine made for it, which joins the overlay too.
-MADE_HOST_KINDS = ("aws", "hetzner")
-# ... and every kind whose balancer host joins it: a joined site's first node does.
-BALANCER_OVERLAY_KINDS = (*MADE_HOST_KINDS, "joined")
+# Every kind whose balancer host joins the overlay: a machine made for it, and a joined
+# site's first node.
+BALANCER_OVERLAY_KINDS = (*MADE_BALANCER_HOST_KINDS, "joined")
 HOST_ADVICE = "host the balancer on an aws, hetzner or joined site"
 
 
@@ -110,7 +115,7 @@ def _machines(stack: StackSpec) -> int:
     if not nodes:
         return 0
     kinds = {s.name: s.kind for s in stack.sites}
-    return nodes + sum(1 for s in stack.balancer.sites if kinds.get(s) in MADE_HOST_KINDS)
+    return nodes + sum(1 for s in stack.balancer.sites if kinds.get(s) in MADE_BALANCER_HOST_KINDS)
 
 
 def _overlaps(cidr: str, network: ipaddress.IPv4Network) -> bool:
