@@ -209,6 +209,21 @@ def _converge(facts: NodeFacts, rules_file: FileContent, unit_file: FileContent)
     )
 
 
+def _removal(facts: NodeFacts, unit_name: str, rules_path: str, what: str) -> list[Step]:
+    """Stop a table's unit (its ExecStop deletes the table) and remove its files; [] when
+    they are gone already."""
+    if rules_path not in facts.files and unit_path(unit_name) not in facts.files:
+        return []
+    stop = (f"systemctl disable --now {unit_name}",) if facts.systemd else ()
+    remove = f"rm -f {rules_path} {unit_path(unit_name)} {wants_link(unit_name)}"
+    return [Step("firewall", f"remove {what}", (*stop, remove))]
+
+
+def removal_steps(facts: NodeFacts) -> list[Step]:
+    """A node leaving the stack: its table goes, so SSH and ports are as the machine had them."""
+    return _removal(facts, UNIT, RULES, "the node's firewall")
+
+
 def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     """The node's table; NodeSpecError if it would shut this deploy's own SSH login out."""
     _refuse_lockout(facts, node_guards(spec))
@@ -239,11 +254,7 @@ def plan_balancer_host(facts: NodeFacts, access: BalancerAccess) -> list[Step]:
     """
     guards = balancer_guards(access)
     if not guards:
-        if BALANCER_RULES not in facts.files and unit_path(BALANCER_UNIT) not in facts.files:
-            return []
-        stop = (f"systemctl disable --now {BALANCER_UNIT}",) if facts.systemd else ()
-        remove = f"rm -f {BALANCER_RULES} {unit_path(BALANCER_UNIT)} {wants_link(BALANCER_UNIT)}"
-        return [Step("firewall", "remove the balancer host's firewall", (*stop, remove))]
+        return _removal(facts, BALANCER_UNIT, BALANCER_RULES, "the balancer host's firewall")
     _refuse_lockout(facts, guards)
     steps = []
     if "nftables" not in facts.packages:

@@ -75,9 +75,14 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
 
 def removal_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     """What leaving the stack removes: every replica unit, then the MIG boot unit they
-    Require; the driver, runtime and agent stay for whatever the machine does next."""
+    Require, then the firewall that guarded their ports; the driver, runtime and agent stay
+    for whatever the machine does next."""
     bare = dataclasses.replace(spec, replicas=(), mig=())
-    return replicas.stale_steps(facts, bare) + mig.boot_steps(facts, bare)
+    return (
+        replicas.stale_steps(facts, bare)
+        + mig.boot_steps(facts, bare)
+        + firewall.removal_steps(facts)
+    )
 
 
 __all__ = ["UnsupportedNode", "fact_query", "plan_node", "removal_steps"]

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec, Step, mig, plan_node, replicas
+from denv_iac.node import (
+    MigSlice,
+    NodeDeploySpec,
+    ReplicaSpec,
+    Step,
+    firewall,
+    mig,
+    plan_node,
+    replicas,
+)
 from denv_iac.node.plan import removal_steps
 from denv_iac.node.steps import unit_path, wants_link
 
@@ -146,12 +155,17 @@ def test_restore_script_creates_missing_instances_once(tmp_path: Path) -> None:
                 f"{SLICED.id}: remove (no longer placed here)",
                 f"{WHOLE.id}: remove (no longer placed here)",
                 "remove the boot unit (no MIG layout)",
+                "remove the node's firewall",
             ],
         ),
-        ("whole GPUs only", NO_MIG, [f"{WHOLE.id}: remove (no longer placed here)"]),
+        (
+            "whole GPUs only",
+            NO_MIG,
+            [f"{WHOLE.id}: remove (no longer placed here)", "remove the node's firewall"],
+        ),
     ],
 )
-def test_leaving_the_stack_removes_the_replicas_then_the_boot_unit(
+def test_leaving_the_stack_removes_the_replicas_then_the_boot_unit_then_the_firewall(
     case: str, spec: NodeDeploySpec, titles: list[str]
 ) -> None:
     facts = converged(node_facts(), spec, FRESH)
@@ -160,6 +174,16 @@ def test_leaving_the_stack_removes_the_replicas_then_the_boot_unit(
     gone = dataclasses.replace(
         facts,
         replica_units=frozenset(),
-        files={k: v for k, v in facts.files.items() if k not in mig.PATHS},
+        files={
+            k: v
+            for k, v in facts.files.items()
+            if k not in (*mig.PATHS, firewall.RULES, unit_path(firewall.UNIT))
+        },
     )
     assert removal_steps(gone, spec) == []
+    (remove_firewall,) = [s for s in steps if s.area == "firewall"]
+    # Stopping the unit runs its ExecStop, which deletes the table; then its files go.
+    assert remove_firewall.commands == (
+        f"systemctl disable --now {firewall.UNIT}",
+        f"rm -f {firewall.RULES} {unit_path(firewall.UNIT)} {wants_link(firewall.UNIT)}",
+    )

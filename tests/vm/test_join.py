@@ -1,5 +1,6 @@
 """NodeSetup's dynamic provider on a booted VM over SSH: create joins the node, a second run
-changes nothing, delete leaves no replica unit behind. Called as the engine calls it.
+changes nothing, delete leaves no replica unit or node firewall behind. Called as the engine
+calls it.
 
 The joined node is also its site's balancer host, as on a joined site: its firewall is proven
 from both sides of the bridge, the test's own address (admin and balancer) and the outside one.
@@ -186,6 +187,10 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     assert [u for u in units(node) if u.startswith("denv-replica-")] == []
     left = node.ssh("systemctl list-units --all --plain --no-legend 'denv-replica-*' || true")
     assert left.strip() == ""
+    # The node's own table went with it; the balancer host's (managed apart) stays.
+    tables = node.ssh("nft list tables").splitlines()
+    assert "table inet denv" not in tables and "table inet denv-balancer" in tables, tables
+    assert "denv-firewall.service" not in units(node)
 
 
 def check_firewalls(bed: Bed, node: Vm) -> None:
