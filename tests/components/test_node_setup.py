@@ -433,8 +433,11 @@ def test_create_then_update_through_chroot_converges_and_the_second_run_applies_
     assert updated.outs is not None and updated.outs["applied"] == []
     units = [root / "etc/systemd/system" / r.unit for r in spec.replicas]
     assert all(unit.is_file() for unit in units)
+    assert (root / "etc/denv/firewall.nft").is_file()
     provider.delete(created.id, updated.outs)
     assert not any(unit.exists() for unit in units)
+    assert not (root / "etc/denv/firewall.nft").exists()  # nor the firewall that guarded them
+    assert not (root / "etc/systemd/system/denv-firewall.service").exists()
     assert "nvidia-open" in chroot.versions(root)  # the driver stays
     assert os.path.isfile(root / "etc/denv/agent.toml")
 
