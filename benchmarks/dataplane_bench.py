@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,13 +233,22 @@ def _wait_all_up(plane: Dataplane) -> None:
     plane.wait_until(plane.all_up, timeout_s=10, what="every server up again")
 
 
-def run() -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="denv-dataplane-bench-") as workdir:
-        plane = Dataplane.start(Path(workdir), sim=REPLICA)
+def on_dataplane(
+    name: str,
+    sim: ReplicaSimConfig,
+    measure: Callable[[Dataplane], Coroutine[Any, Any, dict[str, float]]],
+) -> dict[str, float]:
+    """`measure` run on a local data plane of its own, removed after."""
+    with tempfile.TemporaryDirectory(prefix=f"denv-{name}-bench-") as workdir:
+        plane = Dataplane.start(Path(workdir), sim=sim)
         try:
-            return asyncio.run(_measure(plane))
+            return asyncio.run(measure(plane))
         finally:
             plane.close()
+
+
+def run() -> dict[str, float]:
+    return on_dataplane("dataplane", REPLICA, _measure)
 
 
 async def _measure(plane: Dataplane) -> dict[str, float]:

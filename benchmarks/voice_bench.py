@@ -19,9 +19,7 @@ Figures (targets from the design's numbers):
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -29,6 +27,7 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.dataplane_bench import on_dataplane
 from denv_iac.local.replica_sim import ReplicaSimConfig
 from denv_iac.ops.loadgen import LoadReport, Protocol, percentile, run_load
 from denv_iac.ops.voice_failover import FailoverReport, realtime_failover
@@ -79,12 +78,7 @@ async def measure_failover(plane: Dataplane) -> FailoverReport:
 
 
 def run() -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="denv-voice-bench-") as workdir:
-        plane = Dataplane.start(Path(workdir), sim=REPLICA)
-        try:
-            return asyncio.run(_measure(plane))
-        finally:
-            plane.close()
+    return on_dataplane("voice", REPLICA, _measure)
 
 
 async def _measure(plane: Dataplane) -> dict[str, float]:
