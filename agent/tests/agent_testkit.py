@@ -109,6 +109,17 @@ class ReplicaServer:
         self.thread.join(5)
 
 
+@contextmanager
+def replica_servers(count: int = 2) -> Iterator[list[ReplicaServer]]:
+    """`count` local model servers, closed afterwards."""
+    servers = [ReplicaServer() for _ in range(count)]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
 def closed_port() -> int:
     """A local port with nothing listening (bound, then released)."""
     with socket.socket() as s:

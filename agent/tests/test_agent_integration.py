@@ -25,6 +25,7 @@ from agent.tests.agent_testkit import (
     http_url,
     make_config,
     replica,
+    replica_servers,
     reply,
     running,
     wait_for,
@@ -35,10 +36,8 @@ R0, R1 = "voice.local.node-a.0", "voice.local.node-a.1"
 
 @pytest.fixture
 def replicas() -> Iterator[list[ReplicaServer]]:
-    servers = [ReplicaServer(), ReplicaServer()]
-    yield servers
-    for server in servers:
-        server.close()
+    with replica_servers() as servers:
+        yield servers
 
 
 @pytest.fixture

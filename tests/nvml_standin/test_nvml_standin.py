@@ -20,7 +20,15 @@ from denv_agent import control
 from denv_agent.config import to_toml
 from denv_agent.process import AgentProcess
 
-from agent.tests.agent_testkit import TOKEN, ReplicaServer, ask, config_data, replica, wait_for
+from agent.tests.agent_testkit import (
+    TOKEN,
+    ReplicaServer,
+    ask,
+    config_data,
+    replica,
+    replica_servers,
+    wait_for,
+)
 from tests import nvml_standin
 from tests.node import standin
 
@@ -140,10 +148,8 @@ def test_nvml_init_fails_as_the_driver_state_says(
 
 @pytest.fixture
 def replicas() -> Iterator[list[ReplicaServer]]:
-    servers = [ReplicaServer(), ReplicaServer()]
-    yield servers
-    for server in servers:
-        server.close()
+    with replica_servers() as servers:
+        yield servers
 
 
 def start_agent(tmp_path: Path, replicas: list[ReplicaServer], *faults: str) -> AgentProcess:
