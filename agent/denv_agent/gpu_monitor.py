@@ -40,6 +40,9 @@ class GpuView:
     stalled_s: Mapping[int, float]
     # How long NVML's start-up (nvmlInit, count, handles) has run, once past the stall limit.
     init_stalled_s: float | None = None
+    # How long the wait for XID events has been inside NVML, once past the stall limit: new
+    # XIDs go unseen meanwhile.
+    xid_wait_stalled_s: float | None = None
 
 
 class GpuMonitor:
@@ -54,6 +57,7 @@ class GpuMonitor:
         self._xid_events: dict[int, str] = {}
         self._poll_started: dict[int, float] = {}
         self._open_started: float | None = None
+        self._xid_wait_started: float | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -77,14 +81,15 @@ class GpuMonitor:
             for gpu, started in self._poll_started.copy().items()
             if now - started >= stall_s
         }
-        opening = self._open_started
+        opening, waiting = self._open_started, self._xid_wait_started
         return GpuView(
             nvml=self._status,
             readings=self._readings.copy(),
             faults=self.faults.snapshot(),
             xid_events=self._xid_events.copy(),
             stalled_s=stalled,
-            init_stalled_s=None if opening is None or now - opening < stall_s else now - opening,
+            init_stalled_s=_stalled(opening, now, stall_s),
+            xid_wait_stalled_s=_stalled(waiting, now, stall_s),
         )
 
     def _run(self) -> None:
@@ -202,6 +207,7 @@ class GpuMonitor:
         nvml = self.nvml
         last_error = ""
         while not self._stop.is_set():
+            self._xid_wait_started = time.monotonic()
             try:
                 event = nvml.nvmlEventSetWait_v2(event_set, XID_WAIT_MS)
             except nvml.NVMLError_Timeout:
@@ -212,6 +218,8 @@ class GpuMonitor:
                     log.warning("waiting for xid events: %s", last_error)
                 self._stop.wait(XID_WAIT_MS / 1000)
                 continue
+            finally:
+                self._xid_wait_started = None
             if event.eventType & nvml.nvmlEventTypeXidCriticalError:
                 self.faults.record_xid(self._event_gpu(event), int(event.eventData))
                 self.on_change()
@@ -221,3 +229,8 @@ class GpuMonitor:
             return int(self.nvml.nvmlDeviceGetIndex(event.device))
         except Exception:
             return None
+
+
+def _stalled(started: float | None, now: float, limit_s: float) -> float | None:
+    """How long a call begun at `started` has run, once past `limit_s`; None before (or idle)."""
+    return None if started is None or now - started < limit_s else now - started

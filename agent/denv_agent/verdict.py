@@ -120,6 +120,9 @@ def _node_conditions(gpus: GpuView, drains: Drains) -> list[Condition]:
     elif gpus.init_stalled_s is not None:
         # Hung in NVML's start-up nothing about the GPUs is known, as when NVML cannot load.
         found.append(conditions.down("nvml init stalled"))
+    if gpus.xid_wait_stalled_s is not None:
+        # The GPUs are still polled, so their own readings decide; only new XIDs go unseen.
+        found.append(conditions.note(f"xid event wait stalled {gpus.xid_wait_stalled_s:.0f}s"))
     found.extend(gpus.faults.node)
     if drains.unreadable:
         found.append(conditions.drain(drains.unreadable))

@@ -256,6 +256,26 @@ def test_a_hung_nvml_call_is_reported_and_never_blocks_replies_or_stopping(
     assert time.monotonic() - started < 5
 
 
+def test_a_hung_xid_event_wait_is_reported_while_the_gpus_keep_serving(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    nvml_standin.set_faults(root, "hang nvmlEventSetWait_v2")
+
+    def node_reasons() -> object:
+        return healthz(agent)["reasons"]  # type: ignore[index]
+
+    wait_for(node_reasons, lambda found: bool(found) and "xid event wait stalled" in found[0])
+    assert replies(agent) == (UP, UP)  # the GPUs are still polled: their readings decide
+    nvml_standin.set_faults(root)
+    wait_for(node_reasons, [])
+    nvml_standin.set_faults(root, "xid 0 48")  # and the wait sees XIDs again
+    wait_for(lambda: replies(agent)[0], lambda reply: reply.startswith("down"))
+    nvml_standin.set_faults(root)
+    control.clear_faults(agent.http_url, TOKEN)
+    wait_for(lambda: replies(agent), (UP, UP))
+
+
 def test_nvml_hung_in_its_start_up_takes_every_replica_down_until_it_returns(
     tmp_path: Path, replicas: list[ReplicaServer]
 ) -> None:
