@@ -6,6 +6,7 @@ by pid in Dataplane.close(), which the fixtures call whatever the test outcome.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -61,6 +62,11 @@ STANDARD_REPLICAS = (
 )
 
 
+class _AgentCheckServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
 class AgentStandIn:
     """Answers HAProxy's agent checks as the node agent would: one line per poll for the
     replica named by agent-send. Tests choose the reply per replica."""
@@ -77,11 +83,11 @@ class AgentStandIn:
                 with stand_in._lock:
                     stand_in.polls[replica_id] += 1
                     reply = stand_in._replies.get(replica_id, AGENT_UP)
-                self.wfile.write(reply.encode() + b"\n")
+                # HAProxy may have given up on this check (a timeout, a reload) already.
+                with contextlib.suppress(ConnectionError):
+                    self.wfile.write(reply.encode() + b"\n")
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _AgentCheckServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
