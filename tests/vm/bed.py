@@ -5,6 +5,12 @@ The namespace holds one bridge with the test's own address (`HOST`) and an "outs
 and those two addresses only. QEMU and every SSH command run inside the namespace. The SSH key
 is generated per bed. KVM is probed briefly (nested KVM hangs in early boot on some machines)
 and TCG is the fallback; `DENV_VM_ACCEL=tcg|kvm` skips the probe.
+
+A VM started `behind_nat` sits on a LAN of its own (`NAT_SUBNET`) behind a NAT router, a second
+namespace made with the first such VM: its public leg is `NAT_ADDRESS` on the bridge, and it
+masquerades what the LAN sends there. Nothing on the bridge can open a connection into the LAN,
+except the test's own address, which has a route through the router, as a deployer on the
+office's LAN would; that is how SSH reaches such a VM.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from tests.vm.image import Image, vm_disk
 SUBNET = "10.77.0"
 HOST = f"{SUBNET}.1"
 OUTSIDE = f"{SUBNET}.254"
+NAT_SUBNET = "192.168.77"
+NAT_ADDRESS = f"{SUBNET}.250"  # the NAT router's public address: what the bridge sees of the LAN
 BOOT_TIMEOUT_S = 300.0
 _KVM_PROBE_S = 12.0
 _accel: str | None = None
@@ -81,13 +89,28 @@ def _kvm_boots(image: Image) -> bool:
             proc.wait()
 
 
+# The NAT router: the LAN's traffic leaves masqueraded as NAT_ADDRESS; from the bridge, only
+# answers and the deployer's own connections (from HOST) get in.
+_NAT_RULES = f"""table ip denv_bed_nat {{
+  chain postrouting {{ type nat hook postrouting priority srcnat; oifname "wan" masquerade; }}
+  chain forward {{
+    type filter hook forward priority 0; policy drop;
+    ct state established,related accept
+    iifname "lan0" accept
+    iifname "wan" ip saddr {HOST} accept
+  }}
+}}
+"""
+
+
 @dataclass
 class Vm:
     bed: Bed
     name: str
-    address: str
+    address: str  # where SSH reaches it (on the NAT's LAN when behind NAT)
     proc: subprocess.Popen[bytes]
     console: Path
+    behind_nat: bool = False
 
     def ssh_args(self, *command: str) -> list[str]:
         return [
@@ -135,6 +158,7 @@ class Bed:
     workdir: Path
     netns: str = field(default_factory=lambda: f"denv-vm-{os.getpid()}")
     vms: list[Vm] = field(default_factory=list)
+    nat_netns: str | None = None  # the NAT router's namespace, made with the first VM behind it
 
     @property
     def key(self) -> Path:
@@ -164,6 +188,8 @@ class Bed:
             if vm.proc.poll() is None:
                 vm.proc.send_signal(signal.SIGKILL)
                 vm.proc.wait()
+        if self.nat_netns is not None:
+            subprocess.run(["ip", "netns", "del", self.nat_netns], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
 
     def _ip(self, *args: str) -> None:
@@ -193,20 +219,56 @@ class Bed:
             timeout=timeout,
         )
 
-    def start(self, name: str, memory_mb: int = 1024) -> Vm:
-        """Boot a VM from a fresh copy of the image; call `wait_ssh` on it."""
+    def _nat_router(self) -> str:
+        """The NAT router's namespace: `wan` on the bridge, `lan0` the LAN's bridge; made once."""
+        if self.nat_netns is not None:
+            return self.nat_netns
+        self.nat_netns = router = f"{self.netns}-nat"
+        self._ip("netns", "add", router)
+        for args in (
+            ("link", "add", "nat-wan", "type", "veth", "peer", "name", "wan", "netns", router),
+            ("link", "set", "nat-wan", "master", "br0", "up"),
+            ("route", "add", f"{NAT_SUBNET}.0/24", "via", NAT_ADDRESS),
+        ):
+            self._ip("-n", self.netns, *args)
+        for args in (
+            ("link", "set", "lo", "up"),
+            ("addr", "add", f"{NAT_ADDRESS}/24", "dev", "wan"),
+            ("link", "set", "wan", "up"),
+            ("link", "add", "lan0", "type", "bridge"),
+            ("addr", "add", f"{NAT_SUBNET}.1/24", "dev", "lan0"),
+            ("link", "set", "lan0", "up"),
+        ):
+            self._ip("-n", router, *args)
+        for command in (["sysctl", "-qw", "net.ipv4.ip_forward=1"], ["nft", "-f", "-"]):
+            done = subprocess.run(
+                ["ip", "netns", "exec", router, *command],
+                input=_NAT_RULES,
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} in {router}: {done.stderr.strip()}")
+        return router
+
+    def start(self, name: str, memory_mb: int = 1024, behind_nat: bool = False) -> Vm:
+        """Boot a VM from a fresh copy of the image; call `wait_ssh` on it. Behind NAT, it sits
+        on the NAT router's LAN with a default route through it."""
         index = len(self.vms) + 11
-        address = f"{SUBNET}.{index}"
+        netns, bridge, address, route = self.netns, "br0", f"{SUBNET}.{index}", ""
+        if behind_nat:
+            netns, bridge = self._nat_router(), "lan0"
+            address, route = f"{NAT_SUBNET}.{index}", f"    gateway {NAT_SUBNET}.1\n"
         tap = f"tap{index}"
-        self._ip("-n", self.netns, "tuntap", "add", tap, "mode", "tap")
-        self._ip("-n", self.netns, "link", "set", tap, "master", "br0", "up")
+        self._ip("-n", netns, "tuntap", "add", tap, "mode", "tap")
+        self._ip("-n", netns, "link", "set", tap, "master", bridge, "up")
         files = {
             "/root/.ssh/authorized_keys": (self.key.with_suffix(".pub").read_text(), 0o600),
             "/etc/hostname": (f"{name}\n", 0o644),
             "/etc/hosts": (f"127.0.0.1 localhost\n127.0.1.1 {name}\n", 0o644),
             "/etc/network/interfaces": (
                 "auto lo\niface lo inet loopback\n\n"
-                f"auto eth0\niface eth0 inet static\n    address {address}/24\n",
+                f"auto eth0\niface eth0 inet static\n    address {address}/24\n{route}",
                 0o644,
             ),
         }
@@ -215,7 +277,7 @@ class Bed:
         mode = accel(self.image)
         cpu = ["-cpu", "host"] if mode == "kvm" else []
         argv = [
-            "ip", "netns", "exec", self.netns, "qemu-system-x86_64", "-accel", mode, *cpu,
+            "ip", "netns", "exec", netns, "qemu-system-x86_64", "-accel", mode, *cpu,
             "-m", str(memory_mb), "-smp", "1", "-display", "none", "-monitor", "none",
             "-serial", f"file:{console}", "-kernel", str(self.image.kernel),
             "-initrd", str(self.image.initrd),
@@ -229,6 +291,6 @@ class Bed:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        vm = Vm(self, name, address, proc, console)
+        vm = Vm(self, name, address, proc, console, behind_nat)
         self.vms.append(vm)
         return vm
