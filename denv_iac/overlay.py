@@ -110,6 +110,42 @@ def host_member(stack: StackSpec, site_name: str) -> str | None:
     return None  # a local balancer is this machine, reached without SSH
 
 
+def overlay_hosts(stack: StackSpec) -> dict[str, str]:
+    """Balancer site -> the member that runs its balancer, for each one that joins the overlay.
+
+    Empty when the overlay is off. Every node reached over SSH peers with each of these hosts.
+    """
+    if not stack.balancer.overlay.enabled:
+        return {}
+    hosts = {site: host_member(stack, site) for site in stack.balancer.sites}
+    return {site: host for site, host in hosts.items() if host is not None}
+
+
+def node_peer_sites(stack: StackSpec, site_name: str) -> tuple[str, ...]:
+    """The balancer sites whose hosts reach `site_name`'s nodes through the overlay, sorted.
+
+    Empty when those nodes join no overlay: it is off, no balancer host joins it, or the site's
+    nodes are not reached over SSH. The same hosts `plan_overlay` peers every such node with,
+    read from the stack alone, for the site components that build a site's firewall.
+    """
+    if stack.site(site_name).kind not in SSH_SITE_KINDS:
+        return ()
+    return tuple(sorted(overlay_hosts(stack)))
+
+
+def wireguard_senders(plan: OverlayPlan, name: str) -> tuple[str, ...] | None:
+    """The peers whose public addresses may send WireGuard packets to `name`, in name order.
+
+    None when a peer sits behind NAT: its packets come from whatever address its NAT picks, so
+    only a port open to any source lets them in. That reveals nothing: WireGuard answers no
+    packet that lacks a valid key, so to a scan the port looks closed.
+    """
+    peers = plan.peers(name)
+    if any(not peer.dial for peer in peers):
+        return None
+    return tuple(peer.name for peer in peers)
+
+
 def allocate(cidr: str, names: list[str]) -> dict[str, str]:
     """Each name's address in `cidr`, from a hash of the name; collisions probe upwards."""
     network = ipaddress.ip_network(cidr)
@@ -143,10 +179,7 @@ def plan_overlay(stack: StackSpec, placement: Placement) -> OverlayPlan:
             name = node_member(placed.site, placed.name)
             members[name] = (placed.site, placed.address, False, True)
             node_names[name] = placed.name
-    for site_name in stack.balancer.sites:
-        host = host_member(stack, site_name)
-        if host is None:
-            continue
+    for site_name, host in overlay_hosts(stack).items():
         site, public, _, node = members.get(host, (site_name, "", False, False))
         members[host] = (site, public, True, node)
     roles = [(hub, node) for _, _, hub, node in members.values()]

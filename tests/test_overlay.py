@@ -16,7 +16,9 @@ from denv_iac.overlay import (
     PRIVATE_KEY_PLACEHOLDER,
     OverlayPlan,
     allocate,
+    node_peer_sites,
     render_config,
+    wireguard_senders,
     with_private_key,
 )
 from denv_iac.plan import make_plan
@@ -295,6 +297,75 @@ def test_a_local_balancer_links_nothing_and_says_so(tmp_path: Path) -> None:
     result = _plan_cli(tmp_path, cfg)
     assert result.exit_code == 0, result.output
     assert "Overlay: off (no balancer host and node reached over SSH to link;" in result.output
+
+
+def _second_balancer_on_the_office(c: dict[str, Any]) -> None:
+    c["denv:balancer"]["sites"] = ["hetzner-fsn", "office"]
+
+
+def _no_nat(c: dict[str, Any]) -> None:
+    c["denv:sites"][1]["nodes"][1].pop("behind_nat")
+
+
+def _overlay_off(c: dict[str, Any]) -> None:
+    _no_nat(c)
+    c["denv:balancer"]["overlay"] = {"enabled": False}
+
+
+def _local_balancer(c: dict[str, Any]) -> None:
+    _no_nat(c)
+    c["denv:sites"].append(
+        {"name": "here", "kind": "local", "nodes": [{"name": "n", "gpu": "H100", "gpus": 1}]}
+    )
+    c["denv:balancer"]["sites"] = ["here"]
+
+
+NODES = ("aws-use1.node-0", "aws-use1.node-1", "hetzner-fsn.gex-1", "office.rack-1")
+SENDERS = [
+    # (change, member, who may send it WireGuard packets: None for anyone)
+    (lambda c: None, HUB, None),  # office.rack-2 is behind NAT: its address is unknown
+    (_no_nat, HUB, (*NODES, "office.rack-2")),
+    (lambda c: None, "aws-use1.node-0", (HUB,)),
+    (lambda c: None, "office.rack-2", (HUB,)),
+    (_second_balancer_on_the_office, "aws-use1.node-0", (HUB, "office.rack-1")),
+    (_second_balancer_on_the_office, "office.rack-1", None),  # a host too, of rack-2
+    (_second_balancer_on_the_office, "office.rack-2", (HUB, "office.rack-1")),
+]
+
+
+@pytest.mark.parametrize(("change", "member", "senders"), SENDERS)
+def test_wireguard_is_taken_from_the_peers_public_addresses_or_anyone_behind_nat(
+    change: Any, member: str, senders: tuple[str, ...] | None
+) -> None:
+    cfg = config()
+    change(cfg)
+    assert wireguard_senders(overlay_of(cfg), member) == senders
+
+
+PEER_SITES = [
+    # (change, site, the balancer sites whose hosts reach its nodes through the overlay)
+    (lambda c: None, "aws-use1", ("hetzner-fsn",)),
+    (lambda c: None, "office", ("hetzner-fsn",)),
+    (_second_balancer_on_the_office, "hetzner-fsn", ("hetzner-fsn", "office")),
+    (_overlay_off, "aws-use1", ()),
+    (_local_balancer, "aws-use1", ()),  # a balancer on this machine joins no overlay
+    (_local_balancer, "here", ()),
+]
+
+
+@pytest.mark.parametrize(("change", "site", "expected"), PEER_SITES)
+def test_a_sites_nodes_peer_with_the_hosts_the_plan_gives_them(
+    change: Any, site: str, expected: tuple[str, ...]
+) -> None:
+    cfg = config()
+    change(cfg)
+    stack = read_stack("s", cfg)
+    assert node_peer_sites(stack, site) == expected
+    # The very hosts the plan peers each of the site's nodes with, read from the stack alone.
+    plan = make_plan(stack).overlay
+    for member in (m for m in plan.members if m.site == site and m.node):
+        peers = [plan.member(p.name) for p in plan.peers(member.name)]
+        assert {peer.site for peer in peers if peer.hub} == set(expected), member.name
 
 
 def _problems(cfg: dict[str, Any]) -> list[str]:
