@@ -31,6 +31,7 @@ HOST = f"{SUBNET}.1"
 OUTSIDE = f"{SUBNET}.254"
 NAT_SUBNET = "192.168.77"
 NAT_ADDRESS = f"{SUBNET}.250"  # the NAT router's public address: what the bridge sees of the LAN
+NAT_LINK = "nat-wan"  # the router's port on the bridge (in the bed's namespace): the LAN's uplink
 BOOT_TIMEOUT_S = 300.0
 _KVM_PROBE_S = 12.0
 _accel: str | None = None
@@ -111,6 +112,7 @@ class Vm:
     proc: subprocess.Popen[bytes]
     console: Path
     behind_nat: bool = False
+    tap: str = ""  # its port on its bridge (the bed's namespace, or the NAT router's)
 
     def ssh_args(self, *command: str) -> list[str]:
         return [
@@ -225,11 +227,12 @@ class Bed:
             return self.nat_netns
         self.nat_netns = router = f"{self.netns}-nat"
         self._ip("netns", "add", router)
-        for args in (
-            ("link", "add", "nat-wan", "type", "veth", "peer", "name", "wan", "netns", router),
-            ("link", "set", "nat-wan", "master", "br0", "up"),
+        bed_side: tuple[tuple[str, ...], ...] = (
+            ("link", "add", NAT_LINK, "type", "veth", "peer", "name", "wan", "netns", router),
+            ("link", "set", NAT_LINK, "master", "br0", "up"),
             ("route", "add", f"{NAT_SUBNET}.0/24", "via", NAT_ADDRESS),
-        ):
+        )
+        for args in bed_side:
             self._ip("-n", self.netns, *args)
         for args in (
             ("link", "set", "lo", "up"),
@@ -291,6 +294,6 @@ class Bed:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        vm = Vm(self, name, address, proc, console, behind_nat)
+        vm = Vm(self, name, address, proc, console, behind_nat, tap)
         self.vms.append(vm)
         return vm
