@@ -6,6 +6,7 @@ import json
 import posixpath
 import shlex
 
+from denv_iac.node import overlay
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps
 from denv_iac.node.facts import AGENT_VENV, NodeFacts
@@ -30,9 +31,10 @@ def config(spec: NodeDeploySpec) -> FileContent:
         f"control_token_file = {_toml(TOKEN)}",
         "",
         "[listen]",
-        # HAProxy polls agent-check from the balancers (the host firewall admits only them);
-        # the control endpoint stays local, reached over SSH.
-        f'agent_check = "0.0.0.0:{spec.agent_port}"',
+        # HAProxy polls agent-check from the balancers (the host firewall admits only them),
+        # over the overlay when the node is on it; the control endpoint stays local, reached
+        # over SSH.
+        f'agent_check = "{spec.listen_address or "0.0.0.0"}:{spec.agent_port}"',
         f'http = "127.0.0.1:{spec.agent_port + 1}"',
     ]
     for table, values in sorted(spec.agent.config.items()):
@@ -63,14 +65,15 @@ def _toml(value: object) -> str:
     return json.dumps(value)
 
 
-def unit() -> FileContent:
+def unit(spec: NodeDeploySpec) -> FileContent:
+    needs_wg = overlay.unit_dependencies(spec)
     return text_file(
         unit_path(UNIT),
         f"""[Unit]
 Description=denv node agent (GPU and replica health for the balancer)
 After=network-online.target
 Wants=network-online.target
-# Restart=always for good: systemd's default start limit (5 starts in 10 s) would leave a
+{needs_wg}# Restart=always for good: systemd's default start limit (5 starts in 10 s) would leave a
 # crash-looping unit stopped for ever, and nothing else brings it back.
 StartLimitIntervalSec=0
 
@@ -86,7 +89,7 @@ WantedBy=multi-user.target
 
 
 def files(spec: NodeDeploySpec) -> list[FileContent]:
-    return [config(spec), unit()]
+    return [config(spec), unit(spec)]
 
 
 def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:

@@ -275,14 +275,19 @@ def quiet_progress(index: int, total: int, step: Step, status: str) -> None:
 
 
 def prepare_node(
-    target: Target, spec: NodeDeploySpec, dry: bool = False, progress: Progress = quiet_progress
+    target: Target,
+    spec: NodeDeploySpec,
+    dry: bool = False,
+    progress: Progress = quiet_progress,
+    overlay_config: str | None = None,
 ) -> list[Step]:
     """Converge the node to `spec`: read facts, plan, run; returns the steps planned.
 
-    With `dry`, facts are read (read-only commands) and nothing is changed.
+    With `dry`, facts are read (read-only commands) and nothing is changed. `overlay_config`:
+    the node's WireGuard config, its private key filled in (see `plan_node`).
     """
     with connect(target) as session:
-        steps = plan_node(session.facts(fact_query(spec)), spec)
+        steps = plan_node(session.facts(fact_query(spec)), spec, overlay_config)
         if not dry:
             session.apply(steps, progress)
         return steps

@@ -4,6 +4,12 @@ Each host gets tables of its own (`inet denv` on a GPU node, `inet denv-balancer
 host; a joined machine that is both has both), so the machine's other rules are left as they
 are. A table only drops what it guards: every other port is left to the machine's own rules,
 and on a balancer host that is the endpoint, open to everyone.
+
+On the overlay (a spec's `listen_address`), the balancers are their overlay addresses, admitted
+on the overlay's interface only, and the WireGuard port is open to the peers' public addresses.
+Replicas then run in Docker's bridge network, published on the overlay address: their
+connections are forwarded to the container after Docker's DNAT, never seen by the input hook,
+so the table guards them in its forward hook too.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from denv_iac.node.steps import (
     unit_path,
     wants_link,
 )
+from denv_iac.overlay import INTERFACE
 
 RULES = "/etc/denv/firewall.nft"
 UNIT = "denv-firewall.service"
@@ -36,11 +43,14 @@ SSH_PORT = 22
 
 @dataclass(frozen=True)
 class Guard:
-    """`ports` admit connections from `sources` (addresses or CIDRs, from the field `key`) only."""
+    """`ports` admit connections from `sources` (addresses or CIDRs, from the field `key`) only,
+    and only through `interface` when one is named."""
 
     key: str
     sources: tuple[str, ...]
     ports: tuple[int, ...]
+    protocol: str = "tcp"
+    interface: str = ""
 
     @property
     def set_name(self) -> str:
@@ -64,14 +74,34 @@ class BalancerAccess:
     stats_port: int
 
 
+def _balancers(spec: NodeDeploySpec, ports: tuple[int, ...]) -> Guard:
+    # On the overlay a balancer's packets arrive through the tunnel, where WireGuard lets in
+    # only what its peer's overlay address sent; the same address on another interface is forged.
+    interface = INTERFACE if spec.listen_address else ""
+    return Guard("balancer_addresses", spec.balancer_addresses, ports, interface=interface)
+
+
 def node_guards(spec: NodeDeploySpec) -> list[Guard]:
-    """Replica and agent ports for the balancers (none listed: nobody); SSH for the admins,
-    when the stack lists any (none: SSH is left as the machine has it)."""
+    """Replica and agent ports for the balancers (none listed: nobody); on the overlay, its
+    WireGuard port for the peers; SSH for the admins, when the stack lists any (none: SSH is
+    left as the machine has it)."""
     ports = tuple(sorted({spec.agent_port, *(r.port for r in spec.replicas)}))
-    guards = [Guard("balancer_addresses", spec.balancer_addresses, ports)]
+    guards = [_balancers(spec, ports)]
+    if spec.listen_address:
+        # The peers' public addresses, or anywhere when a peer is behind NAT (see
+        # denv_iac.overlay.wireguard_senders): WireGuard answers no packet without a valid key.
+        senders = (spec.overlay_port,)
+        guards.append(Guard("overlay_senders", spec.overlay_senders, senders, protocol="udp"))
     if spec.admin_cidrs:
         guards.append(Guard("admin_cidrs", spec.admin_cidrs, (spec.ssh_port,)))
     return guards
+
+
+def forwarded_guards(spec: NodeDeploySpec) -> list[Guard]:
+    """On the overlay, the replica ports Docker forwards to containers: for the balancers only."""
+    if not spec.listen_address or not spec.replicas:
+        return []
+    return [_balancers(spec, tuple(sorted({r.port for r in spec.replicas})))]
 
 
 def balancer_guards(access: BalancerAccess) -> list[Guard]:
@@ -81,54 +111,76 @@ def balancer_guards(access: BalancerAccess) -> list[Guard]:
     return [Guard("admin_cidrs", access.admin_cidrs, ports)]
 
 
-def ruleset(table: str, title: str, guards: Sequence[Guard]) -> str:
+def ruleset(
+    table: str, title: str, guards: Sequence[Guard], forwarded: Sequence[Guard] = ()
+) -> str:
     """An nft script for one table: each guard's ports accept its sources and drop the rest.
 
     Declaring then deleting the table first makes `nft -f` replace it in one transaction, on
     the first load and on every later one alike. Replies and connections already open pass
     (`ct state established,related`): a guard changed under an open session does not cut it.
+    `forwarded` guards connections a DNAT sends on to a container (`ct status dnat`), which the
+    input hook never sees; every other forwarded packet is left alone.
     """
-    sets: list[str] = []
-    rules: list[str] = []
+    sets: dict[str, list[str]] = {}
+    input_rules: list[str] = []
+    forward_rules: list[str] = []
     for guard in guards:
-        networks = [ipaddress.ip_network(a, strict=False) for a in guard.sources]
-        ports = ", ".join(str(p) for p in guard.ports)
-        for family, kind, match in ((4, "ipv4_addr", "ip"), (6, "ipv6_addr", "ip6")):
-            members = sorted(str(n) for n in networks if n.version == family)
-            if not members:
-                continue
-            name = f"{guard.set_name}_v{family}"
-            sets += [
-                f"\tset {name} {{",
-                f"\t\ttype {kind}; flags interval;",
-                f"\t\telements = {{ {', '.join(members)} }}",
-                "\t}",
-            ]
-            rules.append(f"\t\ttcp dport {{ {ports} }} {match} saddr @{name} accept")
-        rules.append(f"\t\ttcp dport {{ {ports} }} drop")
+        input_rules += _guard_rules(guard, sets, "")
+    for guard in forwarded:
+        forward_rules += _guard_rules(guard, sets, "ct status dnat ")
     lines = [
         "#!/usr/sbin/nft -f",
         f"# {title}",
         f"table inet {table}",
         f"delete table inet {table}",
         f"table inet {table} {{",
-        *sets,
-        "\tchain input {",
-        "\t\ttype filter hook input priority filter - 10; policy accept;",
-        '\t\tiifname "lo" accept',
+        *(line for declaration in sets.values() for line in declaration),
+        *_chain("input", input_rules, '\t\tiifname "lo" accept'),
+    ]
+    if forward_rules:
+        lines += _chain("forward", forward_rules)
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def _chain(hook: str, rules: list[str], *first: str) -> list[str]:
+    return [
+        f"\tchain {hook} {{",
+        f"\t\ttype filter hook {hook} priority filter - 10; policy accept;",
+        *first,
         "\t\tct state established,related accept",
         *rules,
         "\t}",
-        "}",
     ]
-    return "\n".join(lines) + "\n"
+
+
+def _guard_rules(guard: Guard, sets: dict[str, list[str]], prefix: str) -> list[str]:
+    """The guard's accept rules then its drop; its address sets are added to `sets`."""
+    networks = [ipaddress.ip_network(a, strict=False) for a in guard.sources]
+    ports = ", ".join(str(p) for p in guard.ports)
+    match = f"{prefix}{guard.protocol} dport {{ {ports} }}"
+    where = f'iifname "{guard.interface}" ' if guard.interface else ""
+    rules = []
+    for family, kind, address in ((4, "ipv4_addr", "ip"), (6, "ipv6_addr", "ip6")):
+        members = sorted(str(n) for n in networks if n.version == family)
+        if not members:
+            continue
+        name = f"{guard.set_name}_v{family}"
+        sets[name] = [
+            f"\tset {name} {{",
+            f"\t\ttype {kind}; flags interval;",
+            f"\t\telements = {{ {', '.join(members)} }}",
+            "\t}",
+        ]
+        rules.append(f"\t\t{match} {where}{address} saddr @{name} accept")
+    return [*rules, f"\t\t{match} drop"]
 
 
 def rules(spec: NodeDeploySpec) -> FileContent:
     title = f"denv node {spec.node_id}: replica and agent ports are for the balancers only" + (
         ", SSH for the admins only." if spec.admin_cidrs else "."
     )
-    return text_file(RULES, ruleset("denv", title, node_guards(spec)))
+    return text_file(RULES, ruleset("denv", title, node_guards(spec), forwarded_guards(spec)))
 
 
 def _unit(unit: str, rules_path: str, table: str, what: str) -> FileContent:
@@ -170,7 +222,8 @@ def lockout_problems(facts: NodeFacts, guards: Sequence[Guard]) -> list[str]:
     if not facts.systemd or not facts.ssh_client:
         return []
     for guard in guards:
-        if facts.ssh_port in guard.ports and not guard.admits(facts.ssh_client):
+        ssh = guard.protocol == "tcp" and facts.ssh_port in guard.ports
+        if ssh and not guard.admits(facts.ssh_client):
             return [
                 f"{guard.key}: this deploy reaches the machine from {facts.ssh_client}, which "
                 f"{guard.key} does not hold, so the firewall would shut it out; add "

@@ -13,7 +13,8 @@ import posixpath
 import re
 import shlex
 
-from denv_iac.node.facts import NodeFacts
+from denv_iac.node.facts import FactQuery, NodeFacts
+from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import (
     PACKAGE_UNIT_DIR,
     FileContent,
@@ -28,6 +29,19 @@ UNIT = f"wg-quick@{INTERFACE}.service"
 TEMPLATE = posixpath.join(PACKAGE_UNIT_DIR, "wg-quick@.service")
 AREA = "overlay"
 _ADDRESS = re.compile(r"^Address = (\S+)$", re.MULTILINE)
+
+
+def unit_dependencies(spec: NodeDeploySpec) -> str:
+    """[Unit] lines of a service that binds the node's overlay address: it starts once the
+    interface is up (at boot too, where both are enabled), and stops and restarts with it, so
+    it never runs bound to an address the machine no longer has."""
+    if not spec.listen_address:
+        return ""
+    return f"After={UNIT}\nRequires={UNIT}\n"
+
+
+def fact_query() -> FactQuery:
+    return FactQuery(files=(CONFIG_PATH,), links=(wants_link(UNIT),), units=(UNIT,))
 
 
 def config_file(config: str) -> FileContent:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from denv_iac.node import agent, cache, driver, fabric, firewall, mig, replicas, runtime
+from denv_iac.node import (
+    agent,
+    cache,
+    driver,
+    fabric,
+    firewall,
+    mig,
+    overlay,
+    replicas,
+    runtime,
+)
 from denv_iac.node.driver import UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
 from denv_iac.node.holders import STOP_ORDER
@@ -25,7 +35,7 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
         firewall.UNIT,
         *(r.unit for r in spec.replicas),
     ]
-    return FactQuery(
+    return overlay.fact_query() | FactQuery(
         files=(
             *(content.path for content in files),
             agent.TOKEN,
@@ -41,8 +51,13 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
     )
 
 
-def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
+def plan_node(
+    facts: NodeFacts, spec: NodeDeploySpec, overlay_config: str | None = None
+) -> list[Step]:
     """The steps, in order, that bring the node to `spec`; [] when it is there already.
+
+    `overlay_config` is the node's WireGuard config with its private key (a secret: written
+    0600, never shown in a step); None when the node is not on the overlay.
 
     Raises UnsupportedNode for an operating system outside Ubuntu 22.04/24.04 and Debian 12,
     or a node without an NVIDIA GPU.
@@ -58,6 +73,8 @@ def plan_node(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
         )
     # Before any port it guards listens (and before a reboot): right after nft is installed.
     steps += firewall.plan(facts, spec)
+    # Up before the agent and the replicas bind its address; behind the firewall's UDP guard.
+    steps += overlay.plan(facts, overlay_config)
     spec = driver.branch_for(facts, spec)
     steps += driver.keyring_steps(facts, spec)
     steps += driver.plan(facts, spec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from denv_iac.node import mig
+from denv_iac.node import mig, overlay
 from denv_iac.node.facts import NodeFacts
 from denv_iac.node.holders import AGENT
 from denv_iac.node.spec import NodeDeploySpec, ReplicaSpec
@@ -64,7 +64,7 @@ def unit(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
         "--name",
         name,
         "--runtime=nvidia",
-        "--network=host",
+        *_network(spec, replica),
         "--env-file",
         env_file(spec, replica).path,
         *mounts,
@@ -74,13 +74,14 @@ def unit(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
     # A MIG instance exists only once the boot unit has recreated it: without it the replica
     # would crash-loop on a device that is not there.
     mig_unit = f" {mig.UNIT}" if replica.mig_profile else ""
+    needs_wg = overlay.unit_dependencies(spec)
     return text_file(
         unit_path(replica.unit),
         f"""[Unit]
 Description=denv replica {replica.id}
 After=docker.service {AGENT}{mig_unit}
 Requires=docker.service{mig_unit}
-# Restart=always for good: systemd's default start limit (5 starts in 10 s) would leave a
+{needs_wg}# Restart=always for good: systemd's default start limit (5 starts in 10 s) would leave a
 # crash-looping unit stopped for ever, and nothing else brings it back.
 StartLimitIntervalSec=0
 
@@ -96,6 +97,16 @@ TimeoutStartSec=0
 WantedBy=multi-user.target
 """,
     )
+
+
+def _network(spec: NodeDeploySpec, replica: ReplicaSpec) -> list[str]:
+    """The host's network, where the server listens as it chooses (the firewall guards it);
+    on the overlay, Docker's bridge with the port published on the overlay address only, and
+    on loopback for the agent's health checks and probes."""
+    if not spec.listen_address:
+        return ["--network=host"]
+    port = replica.port
+    return ["-p", f"{spec.listen_address}:{port}:{port}", "-p", f"127.0.0.1:{port}:{port}"]
 
 
 def files(spec: NodeDeploySpec) -> list[FileContent]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from denv_iac.spec.model import WIREGUARD_PORT
 from denv_iac.spec.values import (
     CACHE_ENV,
     DEPLOY_ENV,
@@ -141,6 +142,13 @@ class NodeDeploySpec:
     admin_cidrs: tuple[str, ...] = ()
     ssh_port: int = 22  # the port sshd listens on, which admin_cidrs guard
     agent_port: int = 9100
+    # The node's address on the overlay (denv_iac.overlay); "": not on it, so the agent and the
+    # replicas listen on every address, guarded by the firewall alone. On it, they listen there
+    # only, balancer_addresses are the balancer hosts' overlay addresses, and overlay_senders
+    # the public addresses WireGuard packets may come from on overlay_port (UDP).
+    listen_address: str = ""
+    overlay_port: int = WIREGUARD_PORT
+    overlay_senders: tuple[str, ...] = ()
     # Base URL of NVIDIA's CUDA repository (holding cuda-keyring_1.1-1_all.deb); {distro} and
     # {arch} are filled in from the node. A mirror for nodes without access to NVIDIA's CDN.
     nvidia_repo: str = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/{arch}"
@@ -200,7 +208,7 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
     if spec.agent.wheel is not None and not Path(spec.agent.wheel).is_file():
         problems.append(f"agent wheel {spec.agent.wheel!r}: no such file; build it or drop wheel")
     problems += _replica_problems(spec)
-    for key in ("balancer_addresses", "admin_cidrs"):
+    for key in ("balancer_addresses", "admin_cidrs", "overlay_senders"):
         for address in getattr(spec, key):
             try:
                 ipaddress.ip_network(address, strict=False)
@@ -209,12 +217,28 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
     for key in ("agent_port", "ssh_port"):
         if not 1 <= getattr(spec, key) <= 65535:
             problems.append(f"{key} {getattr(spec, key)}: give a TCP port, 1-65535")
+    problems += _overlay_problems(spec)
     if spec.ssh_port == spec.agent_port:
         problems.append(f"agent_port {spec.agent_port}: SSH listens there; pick another")
     if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1:
         problems.append(
             "drain_timeout_s / ready_timeout_s: give seconds, drain 0 or more, ready 1+"
         )
+    return problems
+
+
+def _overlay_problems(spec: NodeDeploySpec) -> list[str]:
+    problems = []
+    if spec.listen_address:
+        try:
+            ipaddress.IPv4Address(spec.listen_address)
+        except ValueError:
+            problems.append(
+                f"listen_address {spec.listen_address!r}: give the node's IPv4 overlay address, "
+                'or "" when it is not on the overlay'
+            )
+    if not 1 <= spec.overlay_port <= 65535:
+        problems.append(f"overlay_port {spec.overlay_port}: give a UDP port, 1-65535")
     return problems
 
 
@@ -330,6 +354,7 @@ def spec_from_json(data: Mapping[str, Any]) -> NodeDeploySpec:
             "replicas": replicas,
             "balancer_addresses": tuple(data.get("balancer_addresses", ())),
             "admin_cidrs": tuple(data.get("admin_cidrs", ())),
+            "overlay_senders": tuple(data.get("overlay_senders", ())),
         }
         return NodeDeploySpec(**fields)
     except TypeError as error:

@@ -50,6 +50,112 @@ def text(node: NodeDeploySpec) -> str:
     return rules(node).content.decode()
 
 
+# On the overlay: the balancer hosts' overlay addresses, and their public ones for WireGuard.
+HUBS = ("10.99.0.9", "10.99.200.3")
+PEERS = ("203.0.113.10", "2001:db8::10")
+ANYWHERE = ("0.0.0.0/0", "::/0")  # a peer behind NAT: its address is unknown
+
+
+def overlay_spec(**fields: object) -> NodeDeploySpec:
+    on = spec(listen_address="10.99.4.7", balancer_addresses=HUBS, overlay_senders=PEERS)
+    return dataclasses.replace(on, **fields)  # type: ignore[arg-type]
+
+
+def test_on_the_overlay_the_balancers_come_through_the_tunnel_and_wireguard_from_the_peers() -> (
+    None
+):
+    assert text(overlay_spec()) == (
+        "#!/usr/sbin/nft -f\n"
+        "# denv node joined.n1: replica and agent ports are for the balancers only, SSH for the "
+        "admins only.\n"
+        "table inet denv\n"
+        "delete table inet denv\n"
+        "table inet denv {\n"
+        "\tset balancer_v4 {\n"
+        "\t\ttype ipv4_addr; flags interval;\n"
+        "\t\telements = { 10.99.0.9/32, 10.99.200.3/32 }\n"
+        "\t}\n"
+        "\tset overlay_senders_v4 {\n"
+        "\t\ttype ipv4_addr; flags interval;\n"
+        "\t\telements = { 203.0.113.10/32 }\n"
+        "\t}\n"
+        "\tset overlay_senders_v6 {\n"
+        "\t\ttype ipv6_addr; flags interval;\n"
+        "\t\telements = { 2001:db8::10/128 }\n"
+        "\t}\n"
+        "\tset admin_v4 {\n"
+        "\t\ttype ipv4_addr; flags interval;\n"
+        "\t\telements = { 198.51.100.0/24 }\n"
+        "\t}\n"
+        "\tset admin_v6 {\n"
+        "\t\ttype ipv6_addr; flags interval;\n"
+        "\t\telements = { 2001:db8:a::/48 }\n"
+        "\t}\n"
+        "\tchain input {\n"
+        "\t\ttype filter hook input priority filter - 10; policy accept;\n"
+        '\t\tiifname "lo" accept\n'
+        "\t\tct state established,related accept\n"
+        '\t\ttcp dport { 8000, 8001, 9100 } iifname "denv0" ip saddr @balancer_v4 accept\n'
+        "\t\ttcp dport { 8000, 8001, 9100 } drop\n"
+        "\t\tudp dport { 51820 } ip saddr @overlay_senders_v4 accept\n"
+        "\t\tudp dport { 51820 } ip6 saddr @overlay_senders_v6 accept\n"
+        "\t\tudp dport { 51820 } drop\n"
+        "\t\ttcp dport { 22 } ip saddr @admin_v4 accept\n"
+        "\t\ttcp dport { 22 } ip6 saddr @admin_v6 accept\n"
+        "\t\ttcp dport { 22 } drop\n"
+        "\t}\n"
+        "\tchain forward {\n"
+        "\t\ttype filter hook forward priority filter - 10; policy accept;\n"
+        "\t\tct state established,related accept\n"
+        '\t\tct status dnat tcp dport { 8000, 8001 } iifname "denv0" ip saddr @balancer_v4 '
+        "accept\n"
+        "\t\tct status dnat tcp dport { 8000, 8001 } drop\n"
+        "\t}\n"
+        "}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "present", "absent"),
+    [
+        # A peer behind NAT: WireGuard from anywhere (it answers nothing without a valid key).
+        (
+            {"overlay_senders": ANYWHERE},
+            ["elements = { 0.0.0.0/0 }", "elements = { ::/0 }", "udp dport { 51820 } ip saddr"],
+            ["203.0.113.10"],
+        ),
+        # No peer known yet: the WireGuard port admits nobody.
+        ({"overlay_senders": ()}, ["udp dport { 51820 } drop"], ["@overlay_senders"]),
+        # Another port for the overlay.
+        ({"overlay_port": 51999}, ["udp dport { 51999 } drop"], ["51820"]),
+        # No replicas: nothing is forwarded to a container, so no forward chain.
+        ({"replicas": ()}, ['tcp dport { 9100 } iifname "denv0"'], ["chain forward", "8000"]),
+        # Off the overlay: no tunnel, no WireGuard port, no forward chain (today's table).
+        (
+            {"listen_address": "", "overlay_senders": ()},
+            ["tcp dport { 8000, 8001, 9100 } ip saddr @balancer_v4 accept"],
+            ["denv0", "udp", "chain forward"],
+        ),
+    ],
+    ids=["peer-behind-nat", "no-peers-yet", "port", "no-replicas", "off"],
+)
+def test_overlay_rules_table(
+    fields: dict[str, object], present: list[str], absent: list[str]
+) -> None:
+    rendered = text(overlay_spec(**fields))
+    for line in present:
+        assert line in rendered
+    for line in absent:
+        assert line not in rendered
+
+
+def test_the_wireguard_guard_never_counts_as_ssh_for_the_lockout_check() -> None:
+    # An SSH login from a WireGuard peer's address on port 22: only admin_cidrs decide.
+    on_port = overlay_spec(overlay_port=22, admin_cidrs=())
+    facts = NodeFacts(systemd=True, ssh_client="192.0.2.50", ssh_port=22)
+    assert lockout_problems(facts, node_guards(on_port)) == []
+
+
 def test_node_rules_admit_replicas_from_balancers_and_ssh_from_admins_only() -> None:
     assert text(spec()) == (
         "#!/usr/sbin/nft -f\n"
@@ -151,8 +257,10 @@ def _nft_check(path: Path) -> subprocess.CompletedProcess[str]:
         rules(spec()).content,
         rules(spec(admin_cidrs=(), balancer_addresses=())).content,
         balancer_files(BalancerAccess(ADMINS, 8405))[0].content,
+        rules(overlay_spec()).content,
+        rules(overlay_spec(overlay_senders=ANYWHERE, replicas=())).content,
     ],
-    ids=["node", "node-open-ssh-no-balancers", "balancer-host"],
+    ids=["node", "node-open-ssh-no-balancers", "balancer-host", "overlay", "overlay-anywhere"],
 )
 def test_the_rules_are_valid_nftables(tmp_path: Path, content: bytes) -> None:
     if shutil.which("nft") is None or shutil.which("unshare") is None:

@@ -6,10 +6,15 @@ import dataclasses
 
 import pytest
 
+from denv_iac.node import NodeDeploySpec, NodeSpecError, ReplicaSpec, agent, plan_node, replicas
 from denv_iac.node.facts import NodeFacts
 from denv_iac.node.overlay import PACKAGE, UNIT, config_file, plan
+from denv_iac.node.plan import fact_query
 from denv_iac.node.steps import Step, wants_link
 from denv_iac.overlay import CONFIG_PATH
+
+from .fixtures import converged, node_facts
+from .test_plan import FRESH as FRESH_PACKAGES
 
 CONFIG = (
     "[Interface]\nAddress = 10.99.4.7/16\nListenPort = 51820\n"
@@ -121,3 +126,69 @@ def test_a_changed_config_reloads_and_restarts_only_for_a_moved_address() -> Non
 def test_a_config_without_an_address_is_refused() -> None:
     with pytest.raises(ValueError, match="no Address line"):
         plan(UP, "[Interface]\nListenPort = 51820\n")
+
+
+# The whole node deploy, on the overlay: the firewall first, then the interface, then what
+# binds its address.
+NODE = NodeDeploySpec(
+    node_id="aws-use1.node-0",
+    replicas=(ReplicaSpec("voice.aws-use1.node-0.0", "ghcr.io/acme/voice:1.4", 8000, 0),),
+    balancer_addresses=("10.99.0.9",),
+    listen_address="10.99.4.7",
+    overlay_senders=("203.0.113.10",),
+)
+
+
+def test_the_node_deploy_brings_the_overlay_up_after_the_firewall_and_before_its_users() -> None:
+    steps = plan_node(node_facts(), NODE, CONFIG)
+    areas = [step.area for step in steps]
+    first_overlay = areas.index("overlay")
+    assert max(i for i, a in enumerate(areas) if a == "firewall") < first_overlay
+    assert first_overlay < min(areas.index(a) for a in ("agent", "replicas"))
+    # Installing wireguard-tools needs the package index: refreshed once, first.
+    assert steps[0].title == "refresh the package index"
+    after = applied(converged(node_facts(), NODE, FRESH_PACKAGES), steps)
+    assert plan_node(after, NODE, CONFIG) == []
+    assert CONFIG_PATH in fact_query(NODE).files and UNIT in fact_query(NODE).units
+
+
+def test_off_the_overlay_the_node_deploy_has_no_overlay_step() -> None:
+    off = dataclasses.replace(NODE, listen_address="", overlay_senders=())
+    assert "overlay" not in {step.area for step in plan_node(node_facts(), off)}
+
+
+def test_the_agent_and_replicas_listen_on_the_overlay_address_only() -> None:
+    agent_config = agent.config(NODE).content.decode()
+    assert 'agent_check = "10.99.4.7:9100"' in agent_config
+    assert 'http = "127.0.0.1:9101"' in agent_config  # the control endpoint stays local
+    start = _exec_start(replicas.unit(NODE, NODE.replicas[0]).content.decode())
+    assert "-p 10.99.4.7:8000:8000 -p 127.0.0.1:8000:8000" in start
+    assert "--network=host" not in start
+    # Off the overlay: every address, as before (the firewall guards them).
+    off = dataclasses.replace(NODE, listen_address="", overlay_senders=())
+    assert 'agent_check = "0.0.0.0:9100"' in agent.config(off).content.decode()
+    start = _exec_start(replicas.unit(off, off.replicas[0]).content.decode())
+    assert "--network=host" in start and " -p " not in start
+
+
+def _exec_start(unit: str) -> str:
+    return next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        (
+            {"listen_address": "fd00::7"},
+            "listen_address 'fd00::7': give the node's IPv4 overlay address, "
+            'or "" when it is not on the overlay',
+        ),
+        ({"overlay_port": 0}, "overlay_port 0: give a UDP port, 1-65535"),
+        ({"overlay_senders": ("peer.example",)}, "overlay_senders 'peer.example': give an IP"),
+    ],
+)
+def test_a_bad_overlay_field_is_refused_naming_it(fields: dict[str, object], problem: str) -> None:
+    with pytest.raises(NodeSpecError) as refused:
+        dataclasses.replace(NODE, **fields)  # type: ignore[arg-type]
+    (line,) = refused.value.problems
+    assert line.startswith(problem)

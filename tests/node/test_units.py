@@ -9,17 +9,26 @@ from pathlib import Path
 import pytest
 
 from denv_iac.node import agent, replicas
+from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
 
 from .test_plan import spec
 
+OVERLAY_ADDRESS = "10.99.4.7"
+
 
 def _units() -> list[tuple[str, str]]:
-    node = spec()
-    written = [agent.unit(), *(replicas.unit(node, replica) for replica in node.replicas)]
+    written = []
+    for node in (spec(), spec(listen_address=OVERLAY_ADDRESS)):
+        written += [agent.unit(node), *(replicas.unit(node, r) for r in node.replicas)]
+    # Each overlay unit is written to a folder of its own, under the same name.
     return [(Path(f.path).name, f.content.decode()) for f in written]
 
 
-@pytest.mark.parametrize(("name", "text"), _units(), ids=[name for name, _ in _units()])
+def _ids() -> list[str]:
+    return [f"{name}{'-overlay' if OVERLAY_UNIT in text else ''}" for name, text in _units()]
+
+
+@pytest.mark.parametrize(("name", "text"), _units(), ids=_ids())
 def test_units_restart_for_good(name: str, text: str) -> None:
     # systemd's default start limit would leave a crash-looping unit stopped for ever.
     assert "Restart=always" in text
@@ -28,7 +37,7 @@ def test_units_restart_for_good(name: str, text: str) -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
-@pytest.mark.parametrize(("name", "text"), _units(), ids=[name for name, _ in _units()])
+@pytest.mark.parametrize(("name", "text"), _units(), ids=_ids())
 def test_systemd_reads_each_unit_without_a_complaint(tmp_path: Path, name: str, text: str) -> None:
     path = tmp_path / name
     path.write_text(text)
@@ -50,3 +59,14 @@ def test_systemd_reads_each_unit_without_a_complaint(tmp_path: Path, name: str, 
         and line.strip()
     ]
     assert complaints == [], checked.stderr
+
+
+@pytest.mark.parametrize("listen_address", ["", OVERLAY_ADDRESS])
+def test_units_that_bind_the_overlay_address_start_after_it_and_go_down_with_it(
+    listen_address: str,
+) -> None:
+    node = spec(listen_address=listen_address)
+    for unit in [agent.unit(node), *(replicas.unit(node, r) for r in node.replicas)]:
+        section = unit.content.decode().split("[Service]", 1)[0].splitlines()
+        expected = [f"After={OVERLAY_UNIT}", f"Requires={OVERLAY_UNIT}"] if listen_address else []
+        assert [line for line in section if OVERLAY_UNIT in line] == expected, unit.path
