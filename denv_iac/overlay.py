@@ -35,6 +35,8 @@ KEY_BYTES = 32  # a Curve25519 key
 # What a node behind NAT sends to keep its mapping open: under the 30 s that the most eager NATs
 # give a UDP flow, as WireGuard's own documentation advises.
 NAT_KEEPALIVE_S = 25
+# Every source, for a firewall rule: what a port open to peers whose address is unknown admits.
+ANYWHERE = ("0.0.0.0/0", "::/0")
 HOST_SUFFIX = ":balancer"  # ':' is in no site name, so a host's name is never a node's
 
 
@@ -95,6 +97,11 @@ class OverlayPlan:
         """A node's overlay address, where the balancer reaches its replicas and agent."""
         return self.member(node_member(site, node)).address
 
+    @property
+    def hub_addresses(self) -> tuple[str, ...]:
+        """The balancer hosts' overlay addresses: where every node's balancer traffic comes from."""
+        return tuple(sorted(m.address for m in self.members if m.hub))
+
 
 def node_member(site: str, node: str) -> str:
     return f"{site}.{node}"
@@ -144,6 +151,27 @@ def wireguard_senders(plan: OverlayPlan, name: str) -> tuple[str, ...] | None:
     if any(not peer.dial for peer in peers):
         return None
     return tuple(peer.name for peer in peers)
+
+
+def wireguard_sources(
+    plan: OverlayPlan, name: str, public_addresses: Mapping[str, str]
+) -> tuple[str, ...]:
+    """The source addresses a host firewall admits WireGuard packets to `name` from.
+
+    The `wireguard_senders` peers' public addresses (`public_addresses` by member name, as for
+    `render_config`); ANYWHERE when a peer is behind NAT, or known by a host name only, which
+    a firewall rule cannot hold (see `wireguard_senders` on why that opens nothing).
+    """
+    senders = wireguard_senders(plan, name)
+    if senders is None:
+        return ANYWHERE
+    sources = set()
+    for sender in senders:
+        try:
+            sources.add(str(ipaddress.ip_address(public_addresses[sender])))
+        except ValueError:
+            return ANYWHERE
+    return tuple(sorted(sources))
 
 
 def allocate(cidr: str, names: list[str]) -> dict[str, str]:

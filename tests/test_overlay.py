@@ -11,6 +11,7 @@ from click.testing import CliRunner, Result
 
 from denv_iac.cli import main
 from denv_iac.overlay import (
+    ANYWHERE,
     CONFIG_PATH,
     NAT_KEEPALIVE_S,
     PRIVATE_KEY_PLACEHOLDER,
@@ -19,6 +20,7 @@ from denv_iac.overlay import (
     node_peer_sites,
     render_config,
     wireguard_senders,
+    wireguard_sources,
     with_private_key,
 )
 from denv_iac.plan import make_plan
@@ -340,6 +342,50 @@ def test_wireguard_is_taken_from_the_peers_public_addresses_or_anyone_behind_nat
     cfg = config()
     change(cfg)
     assert wireguard_senders(overlay_of(cfg), member) == senders
+
+
+SOURCES = [
+    # (change, member, public address overrides, the sources its firewall admits WireGuard from)
+    (lambda c: None, HUB, {}, ANYWHERE),  # office.rack-2 is behind NAT
+    (lambda c: None, "aws-use1.node-0", {HUB: "198.18.0.7"}, ("198.18.0.7",)),
+    (lambda c: None, "office.rack-2", {HUB: "2001:db8::7"}, ("2001:db8::7",)),
+    # A host name cannot be held by a firewall rule: open, as for a peer behind NAT.
+    (lambda c: None, "aws-use1.node-0", {HUB: "fsn.example"}, ANYWHERE),
+    (
+        _second_balancer_on_the_office,
+        "aws-use1.node-0",
+        {HUB: "198.18.0.7"},
+        ("192.0.2.10", "198.18.0.7"),  # both hosts, the office's by its listed address
+    ),
+    # No NAT: every node's address (rack-2's as the stack lists it), each once.
+    (
+        _no_nat,
+        HUB,
+        {m: f"198.18.0.{i % 2}" for i, m in enumerate(NODES)},
+        ("192.0.2.11", "198.18.0.0", "198.18.0.1"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "member", "given", "sources"), SOURCES)
+def test_a_members_firewall_admits_wireguard_from_its_peers_addresses(
+    change: Any, member: str, given: dict[str, str], sources: tuple[str, ...]
+) -> None:
+    cfg = config()
+    change(cfg)
+    plan = overlay_of(cfg)
+    addresses = {**{m.name: m.public_address for m in plan.members}, **given}
+    assert wireguard_sources(plan, member, addresses) == sources
+
+
+def test_the_hub_addresses_are_the_balancer_hosts_overlay_addresses() -> None:
+    cfg = config()
+    _second_balancer_on_the_office(cfg)
+    plan = overlay_of(cfg)
+    assert plan.hub_addresses == tuple(
+        sorted(plan.member(m).address for m in (HUB, "office.rack-1"))
+    )
+    assert len(plan.hub_addresses) == 2
 
 
 PEER_SITES = [
