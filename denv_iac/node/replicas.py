@@ -44,8 +44,14 @@ exec "$engine" "$verb" -e "NVIDIA_VISIBLE_DEVICES=$uuid" "$@"
 """
 
 
+# The port a replica must listen on, in its env: with host networking, every replica on a node
+# shares the host's ports, and each one's port comes from its GPU and slice, which only the
+# deploy knows. Set last, so a recipe's own env cannot move it off the port the balancer uses.
+PORT_ENV = "PORT"
+
+
 def env_file(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
-    values = {**replica.env, **spec.cache.env()}
+    values = {**replica.env, **spec.cache.env(), PORT_ENV: str(replica.port)}
     text = "".join(f"{name}={value}\n" for name, value in sorted(values.items()))
     return FileContent(f"{ENV_DIR}/{replica.id}.env", text.encode(), "0600")  # may hold tokens
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from denv_iac.node import agent, replicas
+from denv_iac.node import ReplicaSpec, agent, replicas
 from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
 
 from .test_plan import spec
@@ -70,3 +70,17 @@ def test_units_that_bind_the_overlay_address_start_after_it_and_go_down_with_it(
         section = unit.content.decode().split("[Service]", 1)[0].splitlines()
         expected = [f"After={OVERLAY_UNIT}", f"Requires={OVERLAY_UNIT}"] if listen_address else []
         assert [line for line in section if OVERLAY_UNIT in line] == expected, unit.path
+
+
+def test_each_replica_is_told_its_own_port_which_its_recipe_env_cannot_move() -> None:
+    # Host networking: two replicas of one recipe on a node must listen on different ports.
+    base = spec()
+    moved = ReplicaSpec(
+        "voice.hetzner.gex44-1.1", "ghcr.io/acme/voice:1.4", 8001, 1, env={"PORT": "9999"}
+    )
+    node = spec(replicas=(base.replicas[0], moved))
+    texts = [replicas.env_file(node, r).content.decode() for r in node.replicas]
+    assert [line for t in texts for line in t.splitlines() if line.startswith("PORT=")] == [
+        "PORT=8000",
+        "PORT=8001",
+    ]
