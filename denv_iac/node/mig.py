@@ -3,8 +3,9 @@ that recreates the instances at boot."""
 
 from __future__ import annotations
 
+from denv_iac.node.fabric import Board, board
 from denv_iac.node.facts import NodeFacts
-from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED, active, stopped_around
+from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED, STOP_ORDER, active, stopped_around
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import (
     FileContent,
@@ -96,7 +97,19 @@ def _around(
     the holders stop for any change; they start again even when a command fails.
     """
     replicas = [r.unit for r in spec.replicas if r.gpu == index and r.unit in facts.active_units]
-    return (stopped_around(replicas + active(facts), commands),)
+    return (stopped_around(replicas + _holders(facts), commands),)
+
+
+def _holders(facts: NodeFacts) -> list[str]:
+    """The holders running when the MIG commands run: those running when the node was read,
+    and the ones this run's driver steps start before them (persistenced, and fabric manager on
+    an NVSwitch board), which a fresh machine's facts cannot show."""
+    started = set()
+    if facts.systemd:
+        started.add(PERSISTENCED)
+        if board(facts) is not Board.PLAIN:
+            started.add(FABRICMANAGER)
+    return [unit for unit in STOP_ORDER if unit in started or unit in active(facts)]
 
 
 def files(spec: NodeDeploySpec) -> list[FileContent]:

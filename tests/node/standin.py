@@ -26,13 +26,22 @@ AGENT_STATE_FILE = "/var/lib/denv/agent-state"
 REPO_IN_ROOT = "/srv/nvidia-standin"
 # Where Debian's multiarch layout and NVIDIA's driver packages put NVML.
 NVML_IN_ROOT = f"/usr/lib/x86_64-linux-gnu/{nvml_standin.LIBRARY}"
+DEVICE = f"/{nvml_standin.DEVICE}"
+# Fabric manager and NSCQ carry a Debian revision of their own (NVIDIA's repositories: the
+# driver 550.127.05-0ubuntu1, fabric manager 550.127.05-1): the deploy matches the upstream part.
+FABRIC_REVISION = "2"
+# A later point release of the branch: apt's candidate, the wrong one beside a 580.95.05 driver.
+LATER_FABRIC = "580.105.08"
+NVLSM = "2025.06.7-1"  # the NVLink subnet manager is versioned on its own
 
 _NVIDIA_SMI = r"""#!/usr/bin/python3
 import json, os, sys
 
 DRIVER = "@DRIVER@"
-STATE = "/var/lib/nvidia-standin/state.json"
 MODULE = "@MODULE@"
+MODE = "@MODE@"  # MIG mode, current and pending: the GPU keeps it across a reboot
+INSTANCES = "@INSTANCES@"  # GPU instances, in /run: a reboot loses them, as it does real ones
+DEVICE = "@DEVICE@"  # what NVML clients and the NVIDIA daemons hold open
 
 
 def gpus():
@@ -47,17 +56,34 @@ def gpus():
     return found
 
 
-def load():
+def load(path, empty):
     try:
-        with open(STATE) as f:
+        with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
-        return {"mig": {}, "devices": {}}
+        return empty
 
 
-def save(state):
-    with open(STATE, "w") as f:
+def save(path, state):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".partial", "w") as f:
         json.dump(state, f)
+    os.replace(path + ".partial", path)  # the stand-in NVML never reads half a file
+
+
+def holders():  # processes other than this one holding the device, as name[pid]
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if int(pid) != os.getpid() and any(
+                os.readlink(f"/proc/{pid}/fd/{fd}") == DEVICE for fd in fds
+            ):
+                with open(f"/proc/{pid}/comm") as f:
+                    found.append(f"{f.read().strip()}[{pid}]")
+        except OSError:
+            pass
+    return found
 
 
 try:
@@ -73,33 +99,58 @@ if loaded != DRIVER:
     sys.exit(18 if loaded else 9)
 
 args = sys.argv[1:]
-state = load()
+mode = load(MODE, {"mig": {}, "pending": {}})
+mode.setdefault("pending", {})
+instances = load(INSTANCES, {"devices": {}})
 index = args[args.index("-i") + 1] if "-i" in args else None
+bus = lambda i: "all GPUs" if i is None else "0000" + gpus()[int(i)].upper()
 uuid = lambda i: "GPU-%08d-aaaa-bbbb-cccc-%012d" % (i, i)
 if args and args[0].startswith("--query-gpu="):
-    for i, bus in enumerate(gpus()):
+    for i, pci in enumerate(gpus()):
         values = {
             "index": str(i), "uuid": uuid(i), "name": "NVIDIA H100 80GB HBM3",
-            "pci.bus_id": "0000" + bus.upper(), "driver_version": DRIVER,
-            "mig.mode.current": "Enabled" if state["mig"].get(str(i)) else "Disabled",
+            "pci.bus_id": "0000" + pci.upper(), "driver_version": DRIVER,
+            "mig.mode.current": "Enabled" if mode["mig"].get(str(i)) else "Disabled",
         }
         print(", ".join(values[q] for q in args[0].split("=", 1)[1].split(",")))
 elif args == ["-L"]:
     for i, _ in enumerate(gpus()):
         print("GPU %d: NVIDIA H100 80GB HBM3 (UUID: %s)" % (i, uuid(i)))
-        for n, profile in enumerate(state["devices"].get(str(i), [])):
+        devices = instances["devices"].get(str(i), []) if mode["mig"].get(str(i)) else []
+        for n, profile in enumerate(devices):
             print("  MIG %-11s Device %2d: (UUID: MIG-%d-%d-%s)" % (profile, n, i, n, profile))
 elif "-mig" in args and args[0] != "mig":
-    state["mig"][index] = args[args.index("-mig") + 1] == "1"
-    save(state)
+    # Pending until the GPU is reset, as on A100 and H100.
+    on = args[args.index("-mig") + 1] == "1"
+    mode["pending"][index] = on
+    save(MODE, mode)
+    print("%s MIG Mode for GPU %s." % ("Enabled" if on else "Disabled", bus(index)))
+    print("All done.")
 elif args[:1] == ["mig"] and "-cgi" in args:
-    state["devices"][index] = args[args.index("-cgi") + 1].split(",")
-    save(state)
+    if not mode["mig"].get(index):
+        print("No MIG-enabled devices found.")
+        sys.exit(6)
+    instances["devices"][index] = args[args.index("-cgi") + 1].split(",")
+    save(INSTANCES, instances)
+    for n, profile in enumerate(instances["devices"][index]):
+        # As the real one reports it: what a boot's journal shows was made in that boot.
+        print("Successfully created GPU instance ID %2d on GPU %2s using profile MIG %s"
+              % (n + 1, index, profile))
 elif args[:1] == ["mig"] and ("-dgi" in args or "-dci" in args):
-    state["devices"][index] = []
-    save(state)
+    instances["devices"][index] = []
+    save(INSTANCES, instances)
 elif "-r" in args:
-    print("GPU %s was successfully reset." % index)
+    held = holders()
+    if held:
+        print("GPU %s is currently in use by another process." % bus(index))
+        print("stand-in nvidia-smi: the device is held by", " ".join(held), file=sys.stderr)
+        sys.exit(255)
+    if index in mode["pending"]:
+        mode["mig"][index] = mode["pending"].pop(index)
+        instances["devices"].pop(index, None)
+        save(MODE, mode)
+        save(INSTANCES, instances)
+    print("GPU %s was successfully reset." % bus(index))
 else:
     print("stand-in nvidia-smi: unsupported arguments", args, file=sys.stderr)
     sys.exit(2)
@@ -120,6 +171,10 @@ exit 2
 # again by every deploy.
 _UNIT = "[Unit]\nDescription={name} (stand-in)\n[Service]\nExecStart=/bin/sleep infinity\n"
 _UNIT += "[Install]\nWantedBy=multi-user.target\n"
+# An NVIDIA daemon also holds the device open while it runs, as the real ones hold /dev/nvidia*.
+_HOLDER_UNIT = _UNIT.replace(
+    "ExecStart=/bin/sleep infinity", f"ExecStart=/bin/sh -c 'exec sleep infinity 3<>{DEVICE}'"
+)
 
 # `docker run` stays in the foreground like a container does; the rest only echo.
 _DOCKER = '#!/bin/sh\necho docker "$@"\nif [ "$1" = run ]; then exec sleep infinity; fi\n'
@@ -202,7 +257,15 @@ def build_repo(out: Path, kernel: str | None = None) -> None:
         },
     )
     for version in (DRIVER, NEWER_DRIVER):
-        smi = _NVIDIA_SMI.replace("@DRIVER@", version).replace("@MODULE@", MODULE_VERSION_FILE)
+        smi = _NVIDIA_SMI
+        for key, value in {
+            "@DRIVER@": version,
+            "@MODULE@": MODULE_VERSION_FILE,
+            "@MODE@": f"/{nvml_standin.MIG_MODE}",
+            "@INSTANCES@": f"/{nvml_standin.MIG_INSTANCES}",
+            "@DEVICE@": DEVICE,
+        }.items():
+            smi = smi.replace(key, value)
         _package(
             out,
             "nvidia-open",
@@ -214,30 +277,23 @@ def build_repo(out: Path, kernel: str | None = None) -> None:
                     0o644,
                 ),
                 "/lib/systemd/system/nvidia-persistenced.service": (
-                    _UNIT.format(name="nvidia-persistenced"),
+                    _HOLDER_UNIT.format(name="nvidia-persistenced"),
+                    0o644,
+                ),
+                # The device's folder at every boot, before any holder opens it.
+                "/usr/lib/tmpfiles.d/nvidia-standin.conf": (
+                    f"d {Path(DEVICE).parent} 0755 root root -\n",
                     0o644,
                 ),
             },
             # ldconfig: what the real library package's trigger runs.
-            postinst=f"mkdir -p {MODULE_DIR}; echo {version} > {MODULE_VERSION_FILE}; ldconfig",
+            postinst=f"mkdir -p {MODULE_DIR} {Path(DEVICE).parent};"
+            f" echo {version} > {MODULE_VERSION_FILE}; ldconfig",
         )
-    _package(
-        out,
-        "nvidia-fabricmanager-580",
-        f"{DRIVER}-1",
-        {
-            "/lib/systemd/system/nvidia-fabricmanager.service": (
-                _UNIT.format(name="fabricmanager"),
-                0o644,
-            )
-        },
-    )
-    _package(
-        out,
-        "libnvidia-nscq-580",
-        f"{DRIVER}-1",
-        {"/usr/share/doc/libnvidia-nscq-580/x": ("", 0o644)},
-    )
+    # The branch's names up to 580, the unsuffixed ones from 590 (fabric.py's rule).
+    for suffix, upstream in (("-580", DRIVER), ("-580", LATER_FABRIC), ("", NEWER_DRIVER)):
+        _fabric_packages(out, suffix, f"{upstream}-{FABRIC_REVISION}")
+    _package(out, "nvlsm", NVLSM, {"/usr/share/doc/nvlsm/x": ("", 0o644)})
     _package(
         out, "nvidia-container-toolkit", "1.17.8-1", {"/usr/bin/nvidia-ctk": (_NVIDIA_CTK, 0o755)}
     )
@@ -254,6 +310,27 @@ def build_repo(out: Path, kernel: str | None = None) -> None:
         ["dpkg-scanpackages", "--multiversion", "."], cwd=out, check=True, capture_output=True
     ).stdout
     (out / "Packages").write_bytes(index)
+
+
+def _fabric_packages(out: Path, suffix: str, version: str) -> None:
+    """Fabric manager (a daemon that holds the GPUs) and NSCQ under one branch's names."""
+    _package(
+        out,
+        f"nvidia-fabricmanager{suffix}",
+        version,
+        {
+            "/lib/systemd/system/nvidia-fabricmanager.service": (
+                _HOLDER_UNIT.format(name="fabricmanager"),
+                0o644,
+            )
+        },
+    )
+    _package(
+        out,
+        f"libnvidia-nscq{suffix}",
+        version,
+        {f"/usr/share/doc/libnvidia-nscq{suffix}/x": ("", 0o644)},
+    )
 
 
 def fake_pci_bus(root: Path, gpus: int, nvswitches: int) -> None:

@@ -152,8 +152,10 @@ def test_2_join_installs_the_pinned_branch_and_writes_everything(
     installed = versions(root)
     assert installed["nvidia-open"] == f"{standin.DRIVER}-1"  # 590 is in the repo: pinned out
     assert installed["nvidia-driver-pinning-580"] == f"{standin.DRIVER}-1"
-    assert installed["nvidia-fabricmanager-580"] == installed["nvidia-open"]  # NVSwitch board
-    assert installed["libnvidia-nscq-580"] == installed["nvidia-open"]
+    # NVSwitch board: the driver's upstream version under fabric manager's own revision, not
+    # the later 580 release apt would pick by itself.
+    fabric = f"{standin.DRIVER}-{standin.FABRIC_REVISION}"
+    assert installed["nvidia-fabricmanager-580"] == installed["libnvidia-nscq-580"] == fabric
     assert "nvidia-container-toolkit" in installed and "docker.io" in installed
     assert "nvidia" in json.loads((root / "etc/docker/daemon.json").read_text())["runtimes"]
     config = tomllib.loads((root / "etc/denv/agent.toml").read_text())

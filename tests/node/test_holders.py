@@ -29,10 +29,11 @@ TOOLS = {
 verb=$1; shift
 [ "$verb" = is-active ] && { [ -e "$NODE/active/$2" ]; exit; }
 echo "systemctl $verb $*" >> "$NODE/log"
+[ "$verb $1" = "enable --now" ] && { shift; verb=start; }
 for unit; do
   case $verb in
     stop) rm -f "$NODE/active/$unit" ;;
-    start) touch "$NODE/active/$unit" ;;
+    start|restart) touch "$NODE/active/$unit" ;;
   esac
 done
 """,
@@ -160,6 +161,31 @@ def test_mig_mode_change_runs_with_the_holders_stopped_and_starts_them_after(
     assert ok is not fail, output
     assert "nvidia-smi -i 0 -mig 1" in node.log()
     assert node.running() == running  # the agent and the GPU's replica run again either way
+
+
+@pytest.mark.parametrize(
+    ("nvswitches", "started"),
+    [(0, {PERSISTENCED}), (4, {PERSISTENCED, FABRICMANAGER})],
+    ids=["PCIe", "NVSwitch board"],
+)
+def test_first_deploy_with_a_mig_layout_stops_the_daemons_it_started_before_the_mode_change(
+    tmp_path: Path, nvswitches: int, started: set[str]
+) -> None:
+    # A fresh machine: nothing runs when it is probed; the driver steps start persistenced
+    # (and fabric manager on an NVSwitch board) in this same run, before the MIG step.
+    spec = NodeDeploySpec(node_id="n1", mig=(MigSlice(0, "3g.40gb", 2),))
+    node = StandInNode(tmp_path, node_facts(gpus=1, nvswitches=nvswitches), set(), False)
+    steps = plan_node(node.facts(), spec)
+    for step in steps[: next(i for i, s in enumerate(steps) if s.title.startswith("GPU 0"))]:
+        for command in step.commands:
+            if step.area == "driver" and command.startswith("systemctl"):  # no apt here
+                assert node.run(command)[0], command
+    assert node.running() == started
+    (command,) = next(s for s in steps if s.title.startswith("GPU 0")).commands
+    ok, output = node.run(command)
+    assert ok, output
+    assert "nvidia-smi -i 0 -r" in node.log()
+    assert node.running() == started
 
 
 @pytest.mark.parametrize("fail", [False, True])

@@ -194,10 +194,14 @@ def test_mig_layout_on_a_gpu_with_mig_off_enables_resets_and_creates() -> None:
     facts = node_facts(driver="580.95.05", packages={"nvidia-open": "580.95.05-1", **RUNTIME})
     steps = plan_node(facts, the_spec)
     mig = [s for s in steps if s.area == "mig" and s.title.startswith("GPU")]
+    # persistenced is not running yet, but this run's driver steps start it before the reset.
     assert [s.commands for s in mig] == [
         (
-            "nvidia-smi -i 1 -mig 1 && nvidia-smi -i 1 -r"
-            " && nvidia-smi mig -i 1 -cgi 3g.40gb,3g.40gb,1g.10gb -C",
+            "rc=0; s=0; { systemctl stop nvidia-persistenced.service"
+            " && nvidia-smi -i 1 -mig 1 && nvidia-smi -i 1 -r"
+            " && nvidia-smi mig -i 1 -cgi 3g.40gb,3g.40gb,1g.10gb -C; } || rc=$?; "
+            "systemctl start nvidia-persistenced.service || s=1; "
+            '[ "$rc" -eq 0 ] || exit "$rc"; exit "$s"',
         )
     ]
     unit = next(s for s in steps if s.file and s.file.path.endswith("llm.h.n.1.0.service"))
@@ -216,13 +220,19 @@ def test_mig_layout_change_stops_the_gpus_replicas_recreates_and_starts_them() -
     # One command each: the replicas start again even when a MIG command fails.
     assert [s.commands for s in mig] == [
         (
-            f"rc=0; s=0; {{ systemctl stop {replica.unit}"
+            f"rc=0; s=0; {{ systemctl stop {replica.unit} nvidia-persistenced.service"
             " && nvidia-smi mig -i 0 -dci && nvidia-smi mig -i 0 -dgi"
             " && nvidia-smi mig -i 0 -cgi " + ",".join(["1g.10gb"] * 7) + " -C; } || rc=$?; "
+            "systemctl start nvidia-persistenced.service || s=1; "
             f"systemctl start {replica.unit} || s=1; "
             '[ "$rc" -eq 0 ] || exit "$rc"; exit "$s"',
         ),
-        ("nvidia-smi -i 1 -mig 0 && nvidia-smi -i 1 -r",),  # GPU 1 is outside the layout
+        (  # GPU 1 is outside the layout
+            "rc=0; s=0; { systemctl stop nvidia-persistenced.service"
+            " && nvidia-smi -i 1 -mig 0 && nvidia-smi -i 1 -r; } || rc=$?; "
+            "systemctl start nvidia-persistenced.service || s=1; "
+            '[ "$rc" -eq 0 ] || exit "$rc"; exit "$s"',
+        ),
     ]
 
 

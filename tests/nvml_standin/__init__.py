@@ -15,6 +15,10 @@ LIBRARY = "libnvidia-ml.so.1"
 # Below the stand-in's root ($DENV_NVML_STANDIN_ROOT, "/" on a VM), as nvml_standin.c reads them.
 MODULE_VERSION = "var/lib/nvidia-standin/module-version"
 FAULTS = "var/lib/nvidia-standin/nvml-faults"
+MIG_MODE = "var/lib/nvidia-standin/state.json"  # MIG mode: kept across a reboot, as a GPU keeps it
+MIG_INSTANCES = "run/nvidia-standin/mig.json"  # GPU instances: gone at reboot, as real ones are
+# Held open by every NVML client and NVIDIA daemon, as /dev/nvidiactl is: a reset is refused then.
+DEVICE = "run/nvidia-standin/nvidiactl"
 
 
 def build(driver: str) -> Path:

@@ -11,7 +11,12 @@
  *   sys/bus/pci/devices/                    the GPUs: vendor 0x10de, class 0x0302xx (at init)
  *   var/lib/nvidia-standin/module-version   the loaded kernel module's version (at init): absent
  *                                           -> driver not loaded, another version -> mismatch
- *   var/lib/nvidia-standin/state.json       the stand-in nvidia-smi's MIG mode and instances
+ *   var/lib/nvidia-standin/state.json       the stand-in nvidia-smi's MIG mode, current and pending
+ *   run/nvidia-standin/mig.json             its MIG instances (in /run: gone at reboot, as real
+ *                                           GPU instances are)
+ *   run/nvidia-standin/nvidiactl            held open from init to the last shutdown, as NVML
+ *                                           holds /dev/nvidiactl: the stand-in nvidia-smi refuses
+ *                                           a GPU reset while any process holds it
  *   var/lib/nvidia-standin/nvml-faults      faults, re-read on every call, one per line:
  *       xid GPU XID        an XID event, delivered once to each event set created before the
  *                          line was written (append a line per event)
@@ -26,11 +31,13 @@
  * Remove a line to clear its fault.
  */
 #include <dirent.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #ifndef STANDIN_DRIVER
 #define STANDIN_DRIVER "580.95.05"
@@ -117,6 +124,7 @@ static int gpu_count;
 static unsigned int gpu_bus[MAX_GPUS];
 static struct nvmlDevice_st gpus[MAX_GPUS];
 static struct nvmlDevice_st migs[MAX_GPUS][STANDIN_MIG_SLOTS];
+static int device_fd = -1; /* the stand-in's /dev/nvidiactl, open while initialized */
 
 struct faults {
     int lost[MAX_GPUS], remap_pending[MAX_GPUS], remap_failure[MAX_GPUS];
@@ -239,28 +247,41 @@ static int device_gpu(nvmlDevice_t device) {
     if (gpu < 0)                                                                                   \
         return NVML_ERROR_INVALID_ARGUMENT;
 
-/* The stand-in nvidia-smi's MIG state ({"mig": {"0": true}, "devices": {"0": ["1g.10gb"]}}):
- * whether MIG is on for `gpu` and its instances' profile names. */
-static int mig_state(int gpu, char profiles[][NAME_LEN], int *count) {
-    char text[16384], key[32]; /* per call: the pollers of several GPUs ask at once */
-    *count = 0;
-    if (!read_text("var/lib/nvidia-standin/state.json", text, sizeof text))
-        return 0;
+/* Where GPU `gpu`'s value starts in the object `name` of `text` ({"name": {"0": VALUE}}), as
+ * the stand-in nvidia-smi writes its JSON; NULL when the object has none for it. */
+static char *gpu_value(char *text, const char *name, int gpu) {
+    char head[32], key[32];
+    snprintf(head, sizeof head, "\"%s\": {", name);
     snprintf(key, sizeof key, "\"%d\": ", gpu);
-    char *mig = strstr(text, "\"mig\": {");
-    char *found = mig ? strstr(mig, key) : NULL;
-    char *end = mig ? strchr(mig, '}') : NULL;
-    int on = found && found < end && !strncmp(found + strlen(key), "true", 4);
-    char *devices = strstr(text, "\"devices\": {");
-    found = devices ? strstr(devices, key) : NULL;
-    end = devices ? strchr(devices, '}') : NULL;
-    if (found && found < end) {
-        char *p = found + strlen(key), *close = strchr(p, ']');
-        while (close && *count < STANDIN_MIG_SLOTS && (p = strchr(p, '"')) && p < close) {
-            sscanf(p, "\"%63[^\"]\"", profiles[*count]);
-            (*count)++;
-            p = strchr(p + 1, '"') + 1;
-        }
+    char *object = strstr(text, head);
+    char *found = object ? strstr(object, key) : NULL;
+    return found && found < strchr(object, '}') ? found + strlen(key) : NULL;
+}
+
+/* The stand-in nvidia-smi's MIG state: whether MIG is on for `gpu` (state.json
+ * {"mig": {"0": true}, "pending": {"0": false}}), whether it will be after a reset (`pending`,
+ * may be NULL), and its instances' profile names (mig.json {"devices": {"0": ["1g.10gb"]}}). */
+static int mig_state(int gpu, char profiles[][NAME_LEN], int *count, int *pending) {
+    char text[16384]; /* per call: the pollers of several GPUs ask at once */
+    *count = 0;
+    int on = 0;
+    if (read_text("var/lib/nvidia-standin/state.json", text, sizeof text)) {
+        char *value = gpu_value(text, "mig", gpu);
+        on = value && !strncmp(value, "true", 4);
+        value = gpu_value(text, "pending", gpu);
+        if (pending)
+            *pending = value ? !strncmp(value, "true", 4) : on;
+    } else if (pending) {
+        *pending = 0;
+    }
+    char *p = on && read_text("run/nvidia-standin/mig.json", text, sizeof text)
+                  ? gpu_value(text, "devices", gpu)
+                  : NULL;
+    char *close = p ? strchr(p, ']') : NULL;
+    while (close && *count < STANDIN_MIG_SLOTS && (p = strchr(p, '"')) && p < close) {
+        sscanf(p, "\"%63[^\"]\"", profiles[*count]);
+        (*count)++;
+        p = strchr(p + 1, '"') + 1;
     }
     return on;
 }
@@ -299,6 +320,9 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
         }
         if (n >= 0)
             free(names);
+        /* -1 where the folder is missing (a machine without the stand-in driver's /run). */
+        path_of(path, sizeof path, "run/nvidia-standin/nvidiactl");
+        device_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
         for (int i = 0; i < MAX_GPUS; i++) {
             gpus[i] = (struct nvmlDevice_st){i, -1};
             for (int m = 0; m < STANDIN_MIG_SLOTS; m++)
@@ -314,8 +338,10 @@ nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 nvmlReturn_t nvmlShutdown(void) {
     pthread_mutex_lock(&init_lock);
     nvmlReturn_t rc = init_count ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
-    if (init_count)
-        init_count--;
+    if (init_count && --init_count == 0 && device_fd >= 0) {
+        close(device_fd);
+        device_fd = -1;
+    }
     pthread_mutex_unlock(&init_lock);
     return rc;
 }
@@ -376,7 +402,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
         /* As the stand-in nvidia-smi names them. */
         snprintf(text, sizeof text, "GPU-%08d-aaaa-bbbb-cccc-%012d", gpu, gpu);
     } else {
-        mig_state(gpu, profiles, &count);
+        mig_state(gpu, profiles, &count, NULL);
         if (device->mig >= count)
             return NVML_ERROR_NOT_FOUND;
         snprintf(text, sizeof text, "MIG-%d-%d-%s", gpu, device->mig, profiles[device->mig]);
@@ -470,8 +496,9 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
                                   unsigned int *pending) {
     DEVICE_CALL(device);
     char profiles[STANDIN_MIG_SLOTS][NAME_LEN];
-    int count;
-    *current = *pending = (unsigned int)mig_state(gpu, profiles, &count);
+    int count, next;
+    *current = (unsigned int)mig_state(gpu, profiles, &count, &next);
+    *pending = (unsigned int)next;
     return NVML_SUCCESS;
 }
 
@@ -486,7 +513,7 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned i
     DEVICE_CALL(device);
     char profiles[STANDIN_MIG_SLOTS][NAME_LEN];
     int count;
-    if (!mig_state(gpu, profiles, &count))
+    if (!mig_state(gpu, profiles, &count, NULL))
         return NVML_ERROR_INVALID_ARGUMENT;
     if (index >= (unsigned int)count)
         return NVML_ERROR_NOT_FOUND;

@@ -84,9 +84,13 @@ def read_all(env: dict[str, str]) -> dict[str, object]:
 
 
 def test_every_read_the_agent_makes_answers_through_pynvml(tmp_path: Path) -> None:
-    state = tmp_path / "var/lib/nvidia-standin/state.json"
     env = machine(tmp_path)
-    state.write_text(json.dumps({"mig": {"1": True}, "devices": {"1": ["3g.40gb", "3g.40gb"]}}))
+    # GPU 0: MIG on once reset; GPU 1: on, with two instances.
+    mode = {"mig": {"1": True}, "pending": {"0": True}}
+    (tmp_path / nvml_standin.MIG_MODE).write_text(json.dumps(mode))
+    instances = tmp_path / nvml_standin.MIG_INSTANCES
+    instances.parent.mkdir(parents=True)
+    instances.write_text(json.dumps({"devices": {"1": ["3g.40gb", "3g.40gb"]}}))
     got = read_all(env)
     assert got["driver"] == standin.DRIVER and got["count"] == 2
     gpus = got["gpus"]
@@ -110,9 +114,44 @@ def test_every_read_the_agent_makes_answers_through_pynvml(tmp_path: Path) -> No
         assert reading["uuid"] == f"GPU-{index:08d}-aaaa-bbbb-cccc-{index:012d}"
         assert reading["name"] == "NVIDIA H100 80GB HBM3"
         assert {k: reading[k] for k in healthy} == healthy
-    assert gpus[0]["reading"]["mig_current"] is False
-    assert gpus[1]["reading"]["mig_current"] is True
+    assert (gpus[0]["reading"]["mig_current"], gpus[0]["reading"]["mig_pending"]) == (False, True)
+    assert (gpus[1]["reading"]["mig_current"], gpus[1]["reading"]["mig_pending"]) == (True, True)
     assert gpus[1]["reading"]["mig_devices"] == ["MIG-1-0-3g.40gb", "MIG-1-1-3g.40gb"]
+
+
+_HOLDS = """
+import os, pynvml
+device = os.path.join(os.environ["DENV_NVML_STANDIN_ROOT"], "{device}")
+def holds():
+    found = False
+    for fd in os.listdir("/proc/self/fd"):  # the listing's own descriptor is gone by now
+        try:
+            found = found or os.readlink(f"/proc/self/fd/{{fd}}") == device
+        except OSError:
+            pass
+    return found
+before = holds()
+pynvml.nvmlInit()
+pynvml.nvmlInit()
+during = holds()
+pynvml.nvmlShutdown()
+still = holds()
+pynvml.nvmlShutdown()
+print(before, during, still, holds())
+"""
+
+
+def test_nvml_holds_the_device_from_init_to_the_last_shutdown(tmp_path: Path) -> None:
+    # What makes the stand-in nvidia-smi refuse a reset while the agent runs, as the real one
+    # refuses while a process has /dev/nvidia* open.
+    env = machine(tmp_path)
+    (tmp_path / nvml_standin.DEVICE).parent.mkdir(parents=True)
+    code = _HOLDS.format(device=nvml_standin.DEVICE)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "True", "False"]
 
 
 def test_every_nvml_constant_the_stand_in_defines_is_pynvml_s() -> None:
