@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 from denv_iac.balancer import BalancerPool, BalancerServer, BalancerTier
 from denv_iac.placement import PlacedReplica, Placement
+from denv_iac.spec.gateway_link import gateway_tls_name, gateway_tls_on, kubernetes_sites
 from denv_iac.spec.model import StackSpec
 
 # Where a replica answers once it runs: (address, replica port, agent port).
@@ -17,6 +18,7 @@ def balancer_pools(
 
     A tier with no placed replica is left out: HAProxy then falls through straight to the next.
     """
+    behind_tls = set(kubernetes_sites(stack)) if gateway_tls_on(stack) else set()
     pools = []
     for recipe in stack.recipes:
         replicas = placement.replicas_of(recipe.name)
@@ -36,6 +38,7 @@ def balancer_pools(
                         port,
                         agent_port,
                         recipe.health_path,
+                        gateway_tls_name(replica.site) if replica.site in behind_tls else None,
                     )
                 )
             if servers:

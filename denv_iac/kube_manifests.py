@@ -27,6 +27,10 @@ agent, where a check sending that id marks down each agent that does not know th
 the balancer's check is relayed to the agent of the replica's node. The global balancer keeps
 its per-replica health checks, agent verdicts and session affinity exactly as on machines; the
 gateway is only a relay. The price is one cloud load balancer per planning node.
+
+Every listener the balancer calls (replica ports and the agent frontend) takes only TLS with a
+client certificate of the stack's own CA, whose certificate and key reach the pods as a Secret
+(see `denv_iac.spec.gateway_link` for why TLS and not a WireGuard peer).
 """
 
 import hashlib
@@ -38,6 +42,7 @@ from typing import Any
 
 from denv_iac.balancer.model import BalancerSettings
 from denv_iac.placement import PlacedReplica
+from denv_iac.spec.gateway_link import gateway_tls_on
 from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
 
@@ -49,6 +54,18 @@ GATEWAY_CONFIG_DIR = "/usr/local/etc/haproxy"
 GATEWAY_REPLICAS = 2
 GATEWAY_HEALTH_PORT = 8404
 GATEWAY_PORT_BASE = 10000
+# Mutual TLS on the gateway's listeners (spec.gateway_link): the Secret holding its certificate
+# and key (GATEWAY_TLS_PEM) and the stack's CA that signed the balancer's client certificate
+# (GATEWAY_TLS_CA), mounted read-only where the config reads them. The component fills the
+# Secret's data; no manifest holds a key.
+GATEWAY_TLS_SECRET = "denv-gateway-tls"
+GATEWAY_TLS_DIR = "/etc/denv/gateway-tls"
+GATEWAY_TLS_PEM = "gateway.pem"
+GATEWAY_TLS_CA = "ca.pem"
+# The official image runs HAProxy as user and group haproxy, 99: the Secret's files are that
+# group's, readable by it alone (0440).
+HAPROXY_GID = 99
+GATEWAY_TLS_MODE = 0o440
 MAX_PORT = 65535
 AGENT_IMAGE = "denv/denv-agent:0.1.0"  # built from agent/; the version the node deploy installs
 AGENT_NAME = "denv-agent"
@@ -124,6 +141,8 @@ class SiteManifests:
     agent_service: Manifest  # headless: every node's agent, by one DNS name
     agent_network_policy: Manifest
     gateway_config: Manifest
+    # The frame of the gateway's TLS Secret (no data): None when the link is plain TCP.
+    gateway_tls: Manifest | None
     gateway: Manifest
     gateway_budget: Manifest
     node_services: dict[str, Manifest]  # planning node -> its LoadBalancer Service
@@ -138,7 +157,8 @@ class SiteManifests:
             if m is not None
         ]
         agent = [self.agent_config, self.agent_service, self.agent, self.agent_network_policy]
-        gateway = [self.gateway_config, self.gateway, self.gateway_budget]
+        tls = [self.gateway_tls] if self.gateway_tls is not None else []
+        gateway = [self.gateway_config, *tls, self.gateway, self.gateway_budget]
         services = [self.node_services[node] for node in sorted(self.node_services)]
         return [self.namespace, *pools, self.network_policy, *agent, *gateway, *services]
 
@@ -187,7 +207,8 @@ def site_manifests(
             )
             routes.append(route)
             agent_replicas.append(_agent_replica_toml(route, pod, recipe))
-    haproxy_cfg = gateway_haproxy_config(site, routes)
+    tls = gateway_tls_on(stack)
+    haproxy_cfg = gateway_haproxy_config(site, routes, tls)
     agent_toml = _agent_toml(site, agent_replicas)
     nodes = sorted({route.node for route in routes})
     return SiteManifests(
@@ -201,7 +222,8 @@ def site_manifests(
         gateway_config=_config_map(
             stack.name, site, GATEWAY_NAME, "gateway", {"haproxy.cfg": haproxy_cfg}
         ),
-        gateway=_gateway(stack.name, site, haproxy_cfg),
+        gateway_tls=_gateway_tls_secret(stack.name, site) if tls else None,
+        gateway=_gateway(stack.name, site, haproxy_cfg, tls),
         gateway_budget=_disruption_budget(
             stack.name, site, GATEWAY_NAME, _gateway_labels(stack.name, site), 1
         ),
@@ -235,8 +257,23 @@ def min_available(recipe: RecipeSpec, on_site: int) -> int:
     return max(1, on_site - share)
 
 
-def gateway_haproxy_config(site: SiteSpec, routes: Sequence[GatewayRoute]) -> str:
-    """The gateway's haproxy.cfg: TCP relays, agent checks routed by the replica id they carry."""
+def gateway_bind(port: int, tls: bool) -> str:
+    """A listener the balancer calls: with `tls`, only TLS 1.3 with a client certificate of the
+    stack's CA (`verify required`), so plaintext and unknown clients never reach a replica."""
+    bind = f"bind :{port}"
+    if not tls:
+        return bind
+    return (
+        f"{bind} ssl crt {GATEWAY_TLS_DIR}/{GATEWAY_TLS_PEM} ca-file {GATEWAY_TLS_DIR}/"
+        f"{GATEWAY_TLS_CA} verify required ssl-min-ver TLSv1.3"
+    )
+
+
+def gateway_haproxy_config(site: SiteSpec, routes: Sequence[GatewayRoute], tls: bool) -> str:
+    """The gateway's haproxy.cfg: TCP relays, agent checks routed by the replica id they carry.
+
+    With `tls`, both the replicas' listeners and the agent-check frontend take TLS only; the
+    relays inside the cluster are plain, guarded by the NetworkPolicies."""
     idle = f"{BalancerSettings().stream_idle_timeout_s}s"
     lines = [
         f"# HAProxy configuration of the denv gateway of site {site.name}, rendered by denv-iac.",
@@ -268,8 +305,8 @@ def gateway_haproxy_config(site: SiteSpec, routes: Sequence[GatewayRoute]) -> st
         "    monitor-uri /healthz",
         "",
         "frontend denv.agent",
-        f"    bind :{AGENT_PORT}",
-        "    # agent-send carries the replica id (and a newline): route on it, whole.",
+        f"    {gateway_bind(AGENT_PORT, tls)}",
+        "    # agent-send carries the replica id (and a newline): route on it, whole (after TLS).",
         "    tcp-request inspect-delay 1s",
         "    tcp-request content accept if { req.len gt 0 }",
     ]
@@ -294,7 +331,7 @@ def gateway_haproxy_config(site: SiteSpec, routes: Sequence[GatewayRoute]) -> st
             "",
             f"# replica {route.replica_id}: node {route.node} port {route.service_port}",
             f"listen replica.{route.replica_id}",
-            f"    bind :{route.listen_port}",
+            f"    {gateway_bind(route.listen_port, tls)}",
             f"    server replica {route.pod_host}:{route.pod_port} check inter 1s",
         ]
     return "\n".join(lines) + "\n"
@@ -661,10 +698,27 @@ def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpe
     )
 
 
-def _gateway(stack: str, site: SiteSpec, haproxy_cfg: str) -> Manifest:
+def _gateway_tls_secret(stack: str, site: SiteSpec) -> Manifest:
+    meta = _meta(site, GATEWAY_TLS_SECRET, _labels(stack, site, role="gateway"))
+    return _object("v1", "Secret", meta, type="Opaque")
+
+
+def _gateway(stack: str, site: SiteSpec, haproxy_cfg: str, tls: bool) -> Manifest:
     labels = _gateway_labels(stack, site)
     digest = hashlib.sha256(haproxy_cfg.encode()).hexdigest()
     health = _http_probe("/healthz", "health", 5, 2)
+    mounts: list[Manifest] = [{"name": "config", "mountPath": GATEWAY_CONFIG_DIR, "readOnly": True}]
+    volumes: list[Manifest] = [{"name": "config", "configMap": {"name": GATEWAY_NAME}}]
+    pod: Manifest = {}
+    if tls:
+        mounts.append({"name": "tls", "mountPath": GATEWAY_TLS_DIR, "readOnly": True})
+        volumes.append(
+            {
+                "name": "tls",
+                "secret": {"secretName": GATEWAY_TLS_SECRET, "defaultMode": GATEWAY_TLS_MODE},
+            }
+        )
+        pod["securityContext"] = {"fsGroup": HAPROXY_GID}
     return _object(
         "apps/v1",
         "Deployment",
@@ -688,13 +742,7 @@ def _gateway(stack: str, site: SiteSpec, haproxy_cfg: str) -> Manifest:
                             "readinessProbe": health,
                             "livenessProbe": health,
                             "resources": {"requests": {"cpu": "250m", "memory": "128Mi"}},
-                            "volumeMounts": [
-                                {
-                                    "name": "config",
-                                    "mountPath": GATEWAY_CONFIG_DIR,
-                                    "readOnly": True,
-                                }
-                            ],
+                            "volumeMounts": mounts,
                         }
                     ],
                     "topologySpreadConstraints": [
@@ -705,7 +753,8 @@ def _gateway(stack: str, site: SiteSpec, haproxy_cfg: str) -> Manifest:
                             "labelSelector": {"matchLabels": _selector(labels)},
                         }
                     ],
-                    "volumes": [{"name": "config", "configMap": {"name": GATEWAY_NAME}}],
+                    "volumes": volumes,
+                    **pod,
                 },
             },
         },

@@ -18,6 +18,10 @@ from denv_iac.kube_manifests import (
     AGENT_RUN_DIR,
     AGENT_UNKNOWN,
     GATEWAY_PORT_BASE,
+    GATEWAY_TLS_CA,
+    GATEWAY_TLS_DIR,
+    GATEWAY_TLS_PEM,
+    GATEWAY_TLS_SECRET,
     GPU_PRODUCTS,
     SiteManifests,
     gpu_resource,
@@ -27,8 +31,10 @@ from denv_iac.kube_manifests import (
     startup_failure_threshold,
 )
 from denv_iac.placement import place_replicas
+from denv_iac.spec.exposure import stack_warnings
 from denv_iac.spec.model import RecipeSpec
 from denv_iac.spec.reader import read_stack
+from tests.gateway_pki import reading_tls_from, write_pki
 
 KUBERNETES_VERSION = "1.37.0"
 IMAGE = "vllm/vllm-openai:v0.11.0"
@@ -68,14 +74,13 @@ STACKS = {
 EDGE = {"name": "edge", "kind": "local", "nodes": [{"name": "lb", "gpu": "L4", "gpus": 1}]}
 
 
-def _manifests(sites: list[Any], recipes: list[Any], site: str = "k8s") -> SiteManifests:
+def _manifests(
+    sites: list[Any], recipes: list[Any], site: str = "k8s", private_links: bool = True
+) -> SiteManifests:
+    balancer = {"sites": ["edge"], "overlay": {"enabled": private_links}}
     stack = read_stack(
         "prod",
-        {
-            "denv:sites": [*sites, EDGE],
-            "denv:recipes": recipes,
-            "denv:balancer": {"sites": ["edge"]},
-        },
+        {"denv:sites": [*sites, EDGE], "denv:recipes": recipes, "denv:balancer": balancer},
     )
     return site_manifests(stack, stack.site(site), place_replicas(stack).replicas)
 
@@ -89,10 +94,16 @@ def _server(stateful_set: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in containers if c["name"] == "server")
 
 
+LINKS = pytest.mark.parametrize("private_links", [True, False], ids=["tls", "plain"])
+
+
+@LINKS
 @pytest.mark.parametrize("sites, recipes", STACKS.values(), ids=STACKS.keys())
-def test_every_object_is_valid_kubernetes(sites: list[Any], recipes: list[Any]) -> None:
+def test_every_object_is_valid_kubernetes(
+    sites: list[Any], recipes: list[Any], private_links: bool
+) -> None:
     for site in sites:
-        objects = _manifests(sites, recipes, site["name"]).objects()
+        objects = _manifests(sites, recipes, site["name"], private_links).objects()
         kinds = {o["kind"] for o in objects}
         assert kinds >= {"Namespace", "StatefulSet", "Service", "PodDisruptionBudget"}, kinds
         for manifest in objects:
@@ -104,12 +115,70 @@ def test_every_object_is_valid_kubernetes(sites: list[Any], recipes: list[Any]) 
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+@LINKS
 @pytest.mark.parametrize("sites, recipes", STACKS.values(), ids=STACKS.keys())
 def test_gateway_config_passes_haproxy_check(
-    sites: list[Any], recipes: list[Any], tmp_path: Path
+    sites: list[Any], recipes: list[Any], private_links: bool, tmp_path: Path
 ) -> None:
-    config = _manifests(sites, recipes).gateway_config["data"]["haproxy.cfg"]
-    check_haproxy_config(RenderedConfig(config), tmp_path)
+    config = _manifests(sites, recipes, private_links=private_links).gateway_config["data"]
+    # The certificate and CA the Secret gives the pod, here in a folder of the test's.
+    pki = write_pki(tmp_path / "tls", "k8s")
+    checked = reading_tls_from(config["haproxy.cfg"], pki.folder)
+    check_haproxy_config(RenderedConfig(checked), tmp_path / "check")
+
+
+TLS_BIND = (
+    f"ssl crt {GATEWAY_TLS_DIR}/{GATEWAY_TLS_PEM} ca-file {GATEWAY_TLS_DIR}/{GATEWAY_TLS_CA}"
+    " verify required ssl-min-ver TLSv1.3"
+)
+
+
+@pytest.mark.parametrize(
+    "private_links, bind_options", [(True, " " + TLS_BIND), (False, "")], ids=["tls", "plain"]
+)
+def test_every_listener_the_balancer_calls_takes_only_mutual_tls(
+    private_links: bool, bind_options: str
+) -> None:
+    manifests = _manifests([_site()], [VOICE, SIDE], private_links=private_links)
+    config = manifests.gateway_config["data"]["haproxy.cfg"]
+    called = {route.listen_port for route in manifests.routes} | {AGENT_PORT}
+    binds = dict(
+        (int(line.split()[1].lstrip(":")), line.strip())
+        for line in config.splitlines()
+        if line.strip().startswith("bind ")
+    )
+    # The health port serves the kubelet's probes inside the cluster: no Service exposes it.
+    assert set(binds) == called | {8404}
+    assert binds.pop(8404) == "bind :8404"
+    assert binds == {port: f"bind :{port}{bind_options}" for port in called}
+
+
+def test_the_gateway_reads_its_key_from_a_secret_mounted_read_only_for_haproxy_alone() -> None:
+    manifests = _manifests([_site()], [VOICE])
+    secret = manifests.gateway_tls
+    # The frame only: the component fills the data, so no manifest or preview holds a key.
+    assert secret is not None and secret["kind"] == "Secret" and secret["type"] == "Opaque"
+    assert secret["metadata"]["name"] == GATEWAY_TLS_SECRET and "data" not in secret
+    assert "stringData" not in secret
+    objects = manifests.objects()
+    assert objects.index(secret) < objects.index(manifests.gateway)
+    pod = manifests.gateway["spec"]["template"]["spec"]
+    (tls,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert tls["secret"] == {"secretName": GATEWAY_TLS_SECRET, "defaultMode": 0o440}
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    assert mount == {"name": "tls", "mountPath": GATEWAY_TLS_DIR, "readOnly": True}
+    # The official image runs HAProxy as group haproxy (99): its files, read by it alone.
+    assert pod["securityContext"] == {"fsGroup": 99}
+
+
+def test_a_plain_link_has_no_tls_secret_and_mounts_none() -> None:
+    manifests = _manifests([_site()], [VOICE], private_links=False)
+    assert manifests.gateway_tls is None
+    assert "Secret" not in {o["kind"] for o in manifests.objects()}
+    pod = manifests.gateway["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["config"]
+    assert "securityContext" not in pod
 
 
 @pytest.mark.parametrize(
@@ -280,7 +349,7 @@ def test_each_node_service_relays_its_replicas_ports_to_their_own_listeners() ->
         ports = {p["port"]: p["targetPort"] for p in service["ports"]}
         assert ports[route.service_port] == route.listen_port
         assert ports[AGENT_PORT] == AGENT_PORT
-        assert f"bind :{route.listen_port}\n" in config
+        assert f"bind :{route.listen_port} ssl " in config
         assert f"{route.pod_host}:{route.pod_port}" in config
         assert f'-m str "{route.replica_id}\\n"' in config
     node_1 = [r for r in manifests.routes if r.node == "node-1"]
@@ -359,3 +428,21 @@ def test_replicas_land_only_on_their_catalog_models_cards(
     (expression,) = terms["nodeSelectorTerms"][0]["matchExpressions"]
     assert (expression["key"], expression["operator"]) == ("nvidia.com/gpu.product", "In")
     assert (product in expression["values"]) is matched
+
+
+@pytest.mark.parametrize("private_links", [True, False], ids=["tls", "plain"])
+def test_a_plain_link_to_a_used_kubernetes_site_is_warned_about(private_links: bool) -> None:
+    balancer = {"sites": ["edge"], "overlay": {"enabled": private_links}}
+    stack = read_stack(
+        "prod", {"denv:sites": [_site(), EDGE], "denv:recipes": [VOICE], "denv:balancer": balancer}
+    )
+    warned = [w for w in stack_warnings(stack) if "gateway" in w]
+    assert warned == (
+        []
+        if private_links
+        else [
+            "balancer.overlay.enabled: false also sends prompts, streams and agent checks to the "
+            "gateway of k8s in plain TCP; turn it back on (mutual TLS to the gateway) unless the "
+            "cluster shares one private network with the balancer"
+        ]
+    )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ipaddress
 import posixpath
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from denv_iac.balancer.model import (
     BalancerPool,
@@ -18,7 +19,7 @@ from denv_iac.balancer.model import (
     BalancerTier,
     RenderedConfig,
 )
-from denv_iac.balancer.validation import validate_balancer_inputs
+from denv_iac.balancer.validation import BalancerConfigError, validate_balancer_inputs
 
 POOLS_MAP = "pools.map"
 API_KEYS_MAP = "api_keys.map"
@@ -112,6 +113,9 @@ _ERROR_NO_REPLICA = (
 
 _INDENT = "    "
 _MAX_SERVER_ID = 2**31 - 1
+_MAX_PORT = 65535
+# Where the agent relays listen: this host only.
+_RELAY_ADDRESS = "127.0.0.1"
 
 
 def render_haproxy_config(
@@ -124,15 +128,17 @@ def render_haproxy_config(
     validate_balancer_inputs(pools, settings, map_dir)
     ordered = sorted(pools, key=lambda pool: pool.name)
     maps = _MapPaths(map_dir)
+    relays = agent_relays(ordered, settings)
     sections = [
         _header(),
         _global_section(settings),
         _defaults_section(settings),
         *([_prometheus_frontend(settings)] if settings.prometheus_port is not None else []),
         _endpoint_frontend(ordered, settings, maps),
-        *(_tier_backend(pool, tier, settings) for pool in ordered for tier in pool.tiers),
-        *(_realtime_backend(pool, tier) for pool in ordered for tier in pool.tiers),
+        *(_tier_backend(pool, tier, settings, relays) for pool in ordered for tier in pool.tiers),
+        *(_realtime_backend(pool, tier, settings) for pool in ordered for tier in pool.tiers),
         _no_replica_backend(),
+        *_agent_relay_sections(relays, settings),
     ]
     files = {POOLS_MAP: _pools_map(ordered)}
     if settings.api_key_digests:
@@ -404,7 +410,12 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
     return lines
 
 
-def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSettings) -> str:
+def _tier_backend(
+    pool: BalancerPool,
+    tier: BalancerTier,
+    settings: BalancerSettings,
+    relays: Mapping[AgentRelay, int],
+) -> str:
     servers = sorted(tier.servers, key=lambda server: server.replica_id)
     if pool.session_affinity:
         lines = [
@@ -427,7 +438,7 @@ def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSett
         lines += [f"option httpchk GET {servers[0].health_path}", "http-check expect status 200"]
     for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
         lines += [f"# replica {server.replica_id} (site {server.site}, node {server.node})"]
-        lines += [_server_line(server, server_id)]
+        lines += [_server_line(server, server_id, settings, relays)]
     sites = ", ".join(sorted(tier.sites))
     return _section(
         f"backend {tier_backend_name(pool, tier)}",
@@ -436,7 +447,7 @@ def _tier_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSett
     )
 
 
-def _realtime_backend(pool: BalancerPool, tier: BalancerTier) -> str:
+def _realtime_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSettings) -> str:
     """The tier's replicas for realtime sessions: their state tracks the tier backend's checks
     and agent, but a session idles between turns, so it gets a tunnel timer instead of the
     stream's silence budget, and it is closed when its replica goes down."""
@@ -463,7 +474,7 @@ def _realtime_backend(pool: BalancerPool, tier: BalancerTier) -> str:
     for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
         lines.append(
             f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
-            f" track {tracked}/{server.replica_id}"
+            f"{_gateway_tls(server.gateway, settings)} track {tracked}/{server.replica_id}"
         )
     return _section(
         f"backend {tracked}.realtime",
@@ -535,11 +546,109 @@ def _stable_server_ids(servers: Sequence[BalancerServer]) -> list[int]:
     return ids
 
 
-def _server_line(server: BalancerServer, server_id: int) -> str:
+def _server_line(
+    server: BalancerServer,
+    server_id: int,
+    settings: BalancerSettings,
+    relays: Mapping[AgentRelay, int],
+) -> str:
+    line = f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
+    if server.gateway is None:
+        agent = f"agent-port {server.agent_port}"
+    else:
+        relay = relays[AgentRelay(server.address, server.agent_port, server.gateway)]
+        agent = f"agent-addr {_RELAY_ADDRESS} agent-port {relay}"
     return (
-        f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
-        f' agent-port {server.agent_port} agent-send "{server.replica_id}\\n"'
+        f"{line}{_gateway_tls(server.gateway, settings)}"
+        f' {agent} agent-send "{server.replica_id}\\n"'
     )
+
+
+def _gateway_tls(gateway: str | None, settings: BalancerSettings) -> str:
+    """A gateway's server options: TLS 1.3 only, its certificate checked against the stack's CA
+    and its name (on requests through SNI, on health checks through check-sni and verifyhost),
+    the balancer's own certificate presented. "" for a server reached directly."""
+    if gateway is None:
+        return ""
+    return (
+        f" ssl verify required ca-file {settings.gateway_ca_file}"
+        f" crt {settings.gateway_client_cert} ssl-min-ver TLSv1.3"
+        f" sni str({gateway}) check-sni {gateway} verifyhost {gateway}"
+    )
+
+
+@dataclass(frozen=True, order=True)
+class AgentRelay:
+    """A Kubernetes gateway's agent port, as the agent checks of its replicas reach it."""
+
+    address: str
+    port: int
+    gateway: str  # the name in its certificate
+
+
+def agent_relays(
+    pools: Sequence[BalancerPool], settings: BalancerSettings
+) -> dict[AgentRelay, int]:
+    """Each gateway's agent relay and its loopback port, numbered up from the settings' base.
+
+    HAProxy's agent-check speaks plain TCP and has no TLS setting (only health checks do,
+    `check-ssl`), so the agent checks of a replica behind a gateway go to a relay on this
+    host's loopback (`agent-addr`), which forwards them over the same mutual TLS as requests.
+    """
+    found = sorted(
+        {
+            AgentRelay(server.address, server.agent_port, server.gateway)
+            for pool in pools
+            for tier in pool.tiers
+            for server in tier.servers
+            if server.gateway is not None
+        }
+    )
+    ports = {relay: settings.agent_relay_port_base + n for n, relay in enumerate(found)}
+    taken = {settings.port, settings.prometheus_port} & set(ports.values())
+    if ports and (taken or max(ports.values()) > _MAX_PORT):
+        raise BalancerConfigError(
+            "settings.agent_relay_port_base",
+            f"{settings.agent_relay_port_base} gives {len(ports)} agent relays ports up to "
+            f"{max(ports.values())}, past {_MAX_PORT} or onto the endpoint's ports",
+            "pick a base whose range holds neither the endpoint port nor the metrics port",
+        )
+    return ports
+
+
+def _agent_relay_sections(
+    relays: Mapping[AgentRelay, int], settings: BalancerSettings
+) -> list[str]:
+    """A defaults section of their own (plain TCP, short timers), then one listener per relay."""
+    if not relays:
+        return []
+    check = f"{settings.check_timeout_ms}ms"
+    sections = [
+        _section(
+            "defaults",
+            ["Agent checks to Kubernetes gateways, relayed over TLS: plain TCP, check timers."],
+            [
+                "mode tcp",
+                "log global",
+                f"timeout connect {check}",
+                f"timeout client {check}",
+                f"timeout server {check}",
+            ],
+        )
+    ]
+    for relay, port in sorted(relays.items(), key=lambda item: item[1]):
+        sections.append(
+            _section(
+                f"listen denv.agent-relay.{port}",
+                [f"agent checks to the gateway {relay.gateway} at {relay.address}"],
+                [
+                    f"bind {_RELAY_ADDRESS}:{port}",
+                    f"server gateway {_host_port(relay.address, relay.port)}"
+                    f"{_gateway_tls(relay.gateway, settings)} init-addr last,libc,none",
+                ],
+            )
+        )
+    return sections
 
 
 def _no_replica_backend() -> str:

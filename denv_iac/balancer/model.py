@@ -22,6 +22,9 @@ class BalancerServer:
     port: int
     agent_port: int
     health_path: str = "/health"
+    # Set when the replica is reached through a Kubernetes site's gateway over mutual TLS: the
+    # name in the gateway's certificate, sent as SNI and verified (see spec.gateway_link).
+    gateway: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,15 @@ class BalancerSettings:
     # and of the client side of every stream.
     stream_idle_timeout_s: int = 300
     state_file: str | None = None  # server-state-file path
+    # Mutual TLS to Kubernetes gateways: the stack's CA, which signed the gateways'
+    # certificates, and the balancer's client certificate and key in one PEM. Needed when a
+    # server has a `gateway`.
+    gateway_ca_file: str | None = None
+    gateway_client_cert: str | None = None
+    # Agent checks to a gateway go through a loopback relay that speaks TLS (HAProxy's
+    # agent-check cannot); the relays listen on 127.0.0.1 from this port up, one per gateway
+    # address.
+    agent_relay_port_base: int = 19100
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,19 @@ def validate_balancer_inputs(
         pool_names.add(pool.name)
         _check_pool(field, pool, replica_ids)
     _check_model_names(pools)
+    _check_gateway_credentials(pools, settings)
+
+
+def _check_gateway_credentials(pools: Sequence[BalancerPool], settings: BalancerSettings) -> None:
+    """A replica behind a Kubernetes gateway is reached over mutual TLS: both files are needed."""
+    behind = [s.replica_id for p in pools for t in p.tiers for s in t.servers if s.gateway]
+    for name in ("gateway_ca_file", "gateway_client_cert"):
+        if behind and getattr(settings, name) is None:
+            raise BalancerConfigError(
+                f"settings.{name}",
+                f"missing, and replica {behind[0]!r} is reached through a gateway over TLS",
+                "give the stack's gateway CA and the balancer's client certificate",
+            )
 
 
 def _check_model_names(pools: Sequence[BalancerPool]) -> None:
@@ -85,7 +98,14 @@ def _check_settings(settings: BalancerSettings) -> None:
                 f"{settings.prometheus_port} is also the endpoint port",
                 "pick another port or None to disable the exporter",
             )
-    for name in ("tls_cert_path", "stats_socket", "state_file"):
+    _check_port("settings.agent_relay_port_base", settings.agent_relay_port_base)
+    for name in (
+        "tls_cert_path",
+        "stats_socket",
+        "state_file",
+        "gateway_ca_file",
+        "gateway_client_cert",
+    ):
         value = getattr(settings, name)
         if value is not None:
             _check_file_path(f"settings.{name}", value)
@@ -187,6 +207,12 @@ def _check_server(field: str, server: BalancerServer, tier: BalancerTier) -> Non
             f"{field}.health_path",
             f"{server.health_path!r} is not a plain URL path",
             "start with '/' and use no spaces, quotes or '#'",
+        )
+    if server.gateway is not None and not _HOSTNAME.fullmatch(server.gateway):
+        raise BalancerConfigError(
+            f"{field}.gateway",
+            f"{server.gateway!r} is not a host name",
+            "give the name in the gateway's certificate, e.g. gateway.k8s.denv.internal",
         )
 
 

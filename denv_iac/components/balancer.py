@@ -8,11 +8,23 @@ import pulumi_aws as aws
 
 from denv_iac.balancer import BalancerSettings, RenderedConfig, render_haproxy_config
 from denv_iac.components.naming import child_name
-from denv_iac.components.node_setup import BalancerFiles, NodeSetup, NodeSetupArgs
+from denv_iac.components.node_setup import (
+    BalancerFiles,
+    GatewayTlsFiles,
+    NodeSetup,
+    NodeSetupArgs,
+)
+from denv_iac.components.overlay import MachineOverlay
 from denv_iac.components.pool import ReplicaEndpoint
 from denv_iac.dataplane import balancer_pools
-from denv_iac.node.balancer_host import CONFIG_DIR, TLS_CERT_PATH
+from denv_iac.node.balancer_host import (
+    CONFIG_DIR,
+    GATEWAY_CA_PATH,
+    GATEWAY_CLIENT_PATH,
+    TLS_CERT_PATH,
+)
 from denv_iac.placement import PlacedReplica, Placement
+from denv_iac.spec.gateway_link import gateway_tls_on
 from denv_iac.spec.model import DnsSpec, StackSpec
 
 _DEFAULT_PORT = {"http": 80, "https": 443}
@@ -22,11 +34,14 @@ DNS_WEIGHT = 100
 
 def balancer_settings(stack: StackSpec) -> BalancerSettings:
     spec = stack.balancer
+    gateway_tls = gateway_tls_on(stack)
     return BalancerSettings(
         port=spec.port,
         tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
         api_key_digests=spec.api_key_digests,
         prometheus_port=spec.prometheus_port,
+        gateway_ca_file=GATEWAY_CA_PATH if gateway_tls else None,
+        gateway_client_cert=GATEWAY_CLIENT_PATH if gateway_tls else None,
     )
 
 
@@ -41,6 +56,7 @@ def endpoint_url(stack: StackSpec, host: str) -> str:
 class HostAccess(TypedDict):
     ssh_user: str
     ssh_private_key: pulumi.Input[str]  # a secret
+    overlay: NotRequired[MachineOverlay]  # a machine made for the balancer, on the overlay
 
 
 class GlobalBalancerArgs(TypedDict):
@@ -53,6 +69,9 @@ class GlobalBalancerArgs(TypedDict):
     # The endpoint's certificate and key (a secret PEM), installed where the config reads it;
     # given when the balancer has a tls_certificate.
     tls_certificate: NotRequired[pulumi.Input[str]]
+    # The gateway CA and the balancer's client certificate and key (a secret), installed where
+    # the config reads them; given when Kubernetes gateways are reached over mutual TLS.
+    gateway_tls: NotRequired[pulumi.Input[GatewayTlsFiles]]
 
 
 class GlobalBalancer(pulumi.ComponentResource):
@@ -108,6 +127,13 @@ class GlobalBalancer(pulumi.ComponentResource):
             }
             if "tls_certificate" in args:
                 setup["tls_certificate"] = args["tls_certificate"]
+            if "gateway_tls" in args:
+                setup["gateway_tls"] = args["gateway_tls"]
+            if "overlay" in access:
+                setup["overlay_config"] = access["overlay"]["overlay_config"]
+                setup["overlay_private_key"] = access["overlay"]["overlay_private_key"]
+                setup["overlay_senders"] = access["overlay"]["overlay_senders"]
+                setup["overlay_port"] = stack.balancer.overlay.port
             NodeSetup(child_name(name, site, "setup"), setup, pulumi.ResourceOptions(parent=self))
         self.register_outputs(
             {

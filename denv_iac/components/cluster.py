@@ -6,8 +6,9 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
-from denv_iac.components.balancer import GlobalBalancer, GlobalBalancerArgs
+from denv_iac.components.balancer import GlobalBalancer, GlobalBalancerArgs, HostAccess
 from denv_iac.components.balancer_host import BalancerHost, BalancerHostArgs
+from denv_iac.components.gateway_tls import GatewayTls
 from denv_iac.components.hetzner_robot import hetzner_site
 from denv_iac.components.joined import JoinedSite, LocalSite
 from denv_iac.components.kubernetes import kubernetes_site
@@ -38,9 +39,10 @@ from denv_iac.components.security import (
 )
 from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
 from denv_iac.node import NodeDeploySpec
-from denv_iac.overlay import plan_overlay
+from denv_iac.overlay import host_member, node_member, plan_overlay
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.plan import deploy_problems
+from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
 from denv_iac.spec.model import (
     MADE_BALANCER_HOST_KINDS,
     SSH_SITE_KINDS,
@@ -155,9 +157,17 @@ class Cluster(pulumi.ComponentResource):
         super().__init__("denv:index:Cluster", name, None, opts)
         self._name, self._stack, self._secrets = name, stack, secrets
         self._placement = placement
+        self._overlay_plan = plan_overlay(stack, placement)
         hosts = self._balancer_hosts()
-        addresses = self._sites(placement, hosts, node_specs)
-        self._overlay(placement, hosts, addresses)
+        self._gateway_tls = self._gateway_link()
+        sites = self._sites(placement, hosts)
+        addresses = {site: nodes.addresses for site, (_, nodes) in sites.items()}
+        # Before the node deploys, which take their machine's config and key from it.
+        overlay = self._overlay(hosts, addresses)
+        for site in stack.sites:
+            if site.kind in SSH_SITE_KINDS:
+                context, nodes = sites[site.name]
+                self._node_setups(site, context, nodes, node_specs, overlay)
         pools = [self._pool(recipe, placement, addresses).replicas for recipe in stack.recipes]
         balancer_args: GlobalBalancerArgs = {
             "stack": stack,
@@ -165,16 +175,17 @@ class Cluster(pulumi.ComponentResource):
             "pools": pools,
             "hosts": hosts,
             "access": {
-                site: {
-                    "ssh_user": balancer_ssh_user(stack.site(site)),
-                    "ssh_private_key": secrets[(site, "ssh_private_key")],
-                }
+                site: self._host_access(site, overlay)
                 for site in stack.balancer.sites
                 if stack.site(site).kind in SSH_SITE_KINDS
             },
         }
         if ("balancer", "tls_certificate") in secrets:
             balancer_args["tls_certificate"] = secrets[("balancer", "tls_certificate")]
+        if self._gateway_tls is not None:
+            balancer_args["gateway_tls"] = pulumi.Output.all(
+                self._gateway_tls.ca_certificate, self._gateway_tls.client_pem
+            ).apply(lambda pems: {"ca": pems[0], "client": pems[1]})
         balancer = GlobalBalancer(
             child_name(name, "balancer"), balancer_args, pulumi.ResourceOptions(parent=self)
         )
@@ -213,14 +224,24 @@ class Cluster(pulumi.ComponentResource):
             hosts[site_name] = host.address
         return hosts
 
+    def _host_access(self, site_name: str, overlay: Overlay | None) -> HostAccess:
+        """How the deploy reaches a balancer host, and its overlay config where the host is a
+        machine made for the balancer (a joined site's first node gets it as a node)."""
+        access: HostAccess = {
+            "ssh_user": balancer_ssh_user(self._stack.site(site_name)),
+            "ssh_private_key": self._secrets[(site_name, "ssh_private_key")],
+        }
+        member = host_member(self._stack, site_name)
+        made = self._stack.site(site_name).kind in MADE_BALANCER_HOST_KINDS
+        if overlay is not None and made and member is not None:
+            access["overlay"] = overlay.access(member)
+        return access
+
     def _sites(
-        self,
-        placement: Placement,
-        hosts: dict[str, pulumi.Output[str]],
-        node_specs: dict[str, NodeDeploySpec],
-    ) -> dict[str, pulumi.Output[dict[str, str]]]:
-        """Site name -> its node addresses by node name."""
-        addresses = {}
+        self, placement: Placement, hosts: dict[str, pulumi.Output[str]]
+    ) -> dict[str, tuple[SiteContext, SiteNodes]]:
+        """Site name -> what its builder was given, and its nodes."""
+        sites = {}
         for site in self._stack.sites:
             context: SiteContext = {
                 "stack": self._name,
@@ -233,16 +254,16 @@ class Cluster(pulumi.ComponentResource):
                 },
                 "balancer_addresses": hosts,
             }
+            if self._gateway_tls is not None:
+                context["gateway_tls"] = self._gateway_tls
             nodes = SITE_BUILDERS[site.kind](
                 child_name(self._name, site.name),
                 site,
                 context,
                 pulumi.ResourceOptions(parent=self),
             )
-            addresses[site.name] = nodes.addresses
-            if site.kind in SSH_SITE_KINDS:
-                self._node_setups(site, context, nodes, node_specs)
-        return addresses
+            sites[site.name] = (context, nodes)
+        return sites
 
     def _node_setups(
         self,
@@ -250,6 +271,7 @@ class Cluster(pulumi.ComponentResource):
         context: SiteContext,
         nodes: SiteNodes,
         node_specs: dict[str, NodeDeploySpec],
+        overlay: Overlay | None,
     ) -> None:
         """The node deploy on each node, once the node exists (its address says when)."""
         balancers = sorted(context["balancer_addresses"].items())
@@ -261,6 +283,14 @@ class Cluster(pulumi.ComponentResource):
                 "node": node_specs[node_id(site.name, node.name)],
                 "balancer_addresses": pulumi.Output.all(*(a for _, a in balancers)),
             }
+            if overlay is not None:
+                # The balancers come through the tunnel, from their overlay addresses.
+                member = node_member(site.name, node.name)
+                args["balancer_addresses"] = list(self._overlay_plan.hub_addresses)
+                access = overlay.access(member)
+                args["overlay_config"] = access["overlay_config"]
+                args["overlay_private_key"] = access["overlay_private_key"]
+                args["overlay_senders"] = access["overlay_senders"]
             secret_env = {
                 r.id: context["env_secrets"][r.pool]
                 for r in self._placement.replicas
@@ -276,14 +306,24 @@ class Cluster(pulumi.ComponentResource):
                 pulumi.ResourceOptions(parent=nodes.component),
             )
 
+    def _gateway_link(self) -> GatewayTls | None:
+        """The CA and certificates of mutual TLS to Kubernetes gateways (spec.gateway_link)."""
+        if not gateway_tls_on(self._stack):
+            return None
+        return GatewayTls(
+            child_name(self._name, "gateway-tls"),
+            self._name,
+            kubernetes_sites(self._stack),
+            pulumi.ResourceOptions(parent=self),
+        )
+
     def _overlay(
         self,
-        placement: Placement,
         hosts: dict[str, pulumi.Output[str]],
         addresses: dict[str, pulumi.Output[dict[str, str]]],
     ) -> Overlay | None:
         """The WireGuard overlay's keys and configs, when it links anything (see docs/stacks.md)."""
-        plan = plan_overlay(self._stack, placement)
+        plan = self._overlay_plan
         if not plan.on:
             return None
         public: dict[str, pulumi.Input[str]] = {}
@@ -310,7 +350,7 @@ class Cluster(pulumi.ComponentResource):
                 "site": r.site,
                 "node": r.node,
                 "tier": r.tier,
-                "address": addresses[r.site].apply(_node_address(r.node)),
+                "address": self._replica_address(r.site, r.node, addresses),
                 "port": replica_port(recipe, r),
                 "agent_port": AGENT_PORT,
             }
@@ -321,6 +361,16 @@ class Cluster(pulumi.ComponentResource):
             {"recipe": recipe.name, "replicas": replicas},
             pulumi.ResourceOptions(parent=self),
         )
+
+    def _replica_address(
+        self, site: str, node: str, addresses: dict[str, pulumi.Output[dict[str, str]]]
+    ) -> pulumi.Input[str]:
+        """Where the balancer reaches a node's replicas and agent: its overlay address, known
+        from the plan, when it is on the overlay; its own address otherwise."""
+        plan = self._overlay_plan
+        if plan.on and self._stack.site(site).kind in SSH_SITE_KINDS:
+            return plan.address_of(site, node)
+        return addresses[site].apply(_node_address(node))
 
 
 def _node_address(node: str) -> Callable[[dict[str, str]], str]:

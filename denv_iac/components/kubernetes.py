@@ -31,6 +31,13 @@ _KINDS: dict[str, Callable[..., pulumi.CustomResource]] = {
 }
 
 
+class GatewayTlsSecret(TypedDict):
+    """What the gateway's TLS Secret holds: its certificate and key, and the stack's CA."""
+
+    pem: pulumi.Input[str]  # the site gateway's certificate and key, one PEM (a secret)
+    ca: pulumi.Input[str]  # the CA that signed the balancer's client certificate
+
+
 class KubernetesSiteArgs(TypedDict):
     stack: StackSpec
     site: SiteSpec
@@ -39,6 +46,8 @@ class KubernetesSiteArgs(TypedDict):
     balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
     # Each recipe's `secure:` env values: recipe name -> variable -> secret.
     env_secrets: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
+    # Needed when the balancer reaches the gateway over mutual TLS (spec.gateway_link).
+    gateway_tls: NotRequired[GatewayTlsSecret]
 
 
 class KubernetesSite(pulumi.ComponentResource):
@@ -80,6 +89,8 @@ class KubernetesSite(pulumi.ComponentResource):
                 addresses[node] = _load_balancer_address(
                     _register(name, {**manifest, "spec": spec}, inside)
                 )
+            elif manifest is manifests.gateway_tls:
+                _register_gateway_secret(name, manifest, args.get("gateway_tls"), inside)
             elif manifest["kind"] == "Secret":
                 _register_env_secret(name, manifest, args.get("env_secrets", {}), inside)
             else:
@@ -110,6 +121,27 @@ def _register_env_secret(
         metadata=manifest["metadata"],
         type=manifest["type"],
         string_data={k: pulumi.Output.secret(v) for k, v in sorted(env_secrets[pool].items())},
+        opts=opts,
+    )
+
+
+def _register_gateway_secret(
+    name: str,
+    manifest: dict[str, Any],
+    tls: GatewayTlsSecret | None,
+    opts: pulumi.ResourceOptions,
+) -> None:
+    """The gateway's TLS Secret: the manifest's frame, `stringData` from the stack's CA."""
+    if tls is None:
+        raise ValueError(f"KubernetesSite {name}: give gateway_tls, the gateway's TLS link is on")
+    k8s.core.v1.Secret(
+        child_name(name, "secret", manifest["metadata"]["name"]),
+        metadata=manifest["metadata"],
+        type=manifest["type"],
+        string_data={
+            kube_manifests.GATEWAY_TLS_CA: tls["ca"],
+            kube_manifests.GATEWAY_TLS_PEM: pulumi.Output.secret(tls["pem"]),
+        },
         opts=opts,
     )
 
@@ -150,5 +182,10 @@ def kubernetes_site(
         "env_secrets": context["env_secrets"],
         "balancer_addresses": context["balancer_addresses"],
     }
+    if "gateway_tls" in context:
+        args["gateway_tls"] = {
+            "pem": context["gateway_tls"].gateway_pems.apply(lambda pems: pems[site.name]),
+            "ca": context["gateway_tls"].ca_certificate,
+        }
     component = KubernetesSite(name, args, opts)
     return SiteNodes(component, component.node_addresses)

@@ -37,6 +37,7 @@ from denv_iac.node import (
     prepare_node,
     spec_from_json,
 )
+from denv_iac.node.balancer_host import GatewayCredentials
 from denv_iac.node.deploy import connect, quiet_progress
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
@@ -62,6 +63,7 @@ UPDATE_ON = (
     "secret_env",
     "balancer_firewall",
     "tls_certificate",
+    "gateway_tls",
 )
 REPLACE_ON = ("host",)
 
@@ -185,9 +187,10 @@ class DeployRunner:
     """How the provider reaches machines: the real deploys, or a test's stand-ins."""
 
     node: Callable[[Target, NodeDeploySpec], list[Step]] = prepare_node
-    balancer: Callable[[Target, RenderedConfig, BalancerAccess, str | None], list[Step]] = (
-        prepare_balancer
-    )
+    balancer: Callable[
+        [Target, RenderedConfig, BalancerAccess, str | None, GatewayCredentials | None],
+        list[Step],
+    ] = prepare_balancer
     stop: Callable[[Target, NodeDeploySpec], list[Step]] = stop_replicas
 
 
@@ -218,6 +221,11 @@ def _rendered(props: Mapping[str, Any]) -> RenderedConfig:
 def _balancer_access(props: Mapping[str, Any]) -> BalancerAccess:
     given = _integers(props.get("balancer_firewall") or {})
     return BalancerAccess(tuple(given.get("admin_cidrs", ())), given.get("stats_port", 0))
+
+
+def _gateway_credentials(props: Mapping[str, Any]) -> GatewayCredentials | None:
+    given = props.get("gateway_tls")
+    return GatewayCredentials(str(given["ca"]), str(given["client"])) if given else None
 
 
 def _integers(value: Any) -> Any:
@@ -259,7 +267,11 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
             else:
                 certificate = props.get("tls_certificate") or None
                 steps = self.runner.balancer(
-                    target, _rendered(props), _balancer_access(props), certificate
+                    target,
+                    _rendered(props),
+                    _balancer_access(props),
+                    certificate,
+                    _gateway_credentials(props),
                 )
         outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
         return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}
@@ -310,6 +322,11 @@ class BalancerFiles(TypedDict):
     map_dir: str  # where haproxy_config reads them
 
 
+class GatewayTlsFiles(TypedDict):
+    ca: str  # the stack's gateway CA certificate
+    client: str  # the balancer's client certificate and key, one PEM
+
+
 class BalancerFirewall(TypedDict):
     admin_cidrs: Sequence[str]  # who may reach SSH and the stats port; none: left as they are
     stats_port: int  # HAProxy's stats and metrics port
@@ -328,6 +345,9 @@ class NodeSetupArgs(TypedDict):
     balancer_firewall: NotRequired[BalancerFirewall]  # a balancer host: who administers it
     # A balancer host: the endpoint's certificate and key as one PEM, kept a secret end to end.
     tls_certificate: NotRequired[pulumi.Input[str]]
+    # A balancer host that reaches Kubernetes gateways: the stack's gateway CA and its client
+    # certificate and key, kept a secret end to end.
+    gateway_tls: NotRequired[pulumi.Input[GatewayTlsFiles]]
     # A recipe's `secure:` env values, by replica id then variable: kept secrets end to end.
     secret_env: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
 
@@ -372,6 +392,8 @@ class NodeSetup(pulumi.ComponentResource):
                 }
             if "tls_certificate" in args:
                 props["tls_certificate"] = pulumi.Output.secret(args["tls_certificate"])
+            if "gateway_tls" in args:
+                props["gateway_tls"] = pulumi.Output.secret(args["gateway_tls"])
         deployment = NodeDeployment(
             child_name(name, "deploy"),
             props,
@@ -379,7 +401,12 @@ class NodeSetup(pulumi.ComponentResource):
             # certificate too).
             pulumi.ResourceOptions(
                 parent=self,
-                additional_secret_outputs=["ssh_private_key", "secret_env", "tls_certificate"],
+                additional_secret_outputs=[
+                    "ssh_private_key",
+                    "secret_env",
+                    "tls_certificate",
+                    "gateway_tls",
+                ],
             ),
         )
         self.applied = deployment.applied

@@ -82,6 +82,14 @@ class RecordingMocks(pulumi.runtime.Mocks):
             # A stand-in public key, stable per name; the private key's slot stays a secret.
             digest = hashlib.sha256(args.name.encode()).digest()
             state["public_key"] = base64.b64encode(digest).decode()
+        if args.typ == "pulumi-python:dynamic/denv:GatewayTls":
+            # Stand-ins that name what they stand for; the keys' slots stay secrets.
+            state["ca_certificate"] = f"(the gateway CA of {args.name})"
+            state["client_pem"] = "(the balancer's client certificate and key)"
+            state["gateway_pems"] = {
+                site: f"(the gateway certificate and key of {site})"
+                for site in state.get("sites") or ()
+            }
         if args.typ == "nebius:index/computeV1Instance:ComputeV1Instance":
             # Nebius reports an interface's public address with its prefix length.
             public = {"address": f"{_address(args.name)}/32"}

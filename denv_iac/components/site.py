@@ -2,10 +2,11 @@
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import pulumi
 
+from denv_iac.components.gateway_tls import GatewayTls
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import SiteSpec, StackSpec
 
@@ -20,6 +21,8 @@ class SiteContext(TypedDict):
     # Each recipe's `secure:` env values: recipe name -> variable -> secret.
     env_secrets: Mapping[str, Mapping[str, pulumi.Output[str]]]
     balancer_addresses: Mapping[str, pulumi.Output[str]]  # balancer site -> host address
+    # The stack's gateway CA and certificates, when Kubernetes gateways are reached over TLS.
+    gateway_tls: NotRequired[GatewayTls]
 
 
 @dataclass(frozen=True)

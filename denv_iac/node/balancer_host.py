@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import posixpath
+import re
+from dataclasses import dataclass
 
 from denv_iac.balancer.files import CONFIG_FILE_NAME, relocate_maps
 from denv_iac.balancer.model import STATS_SOCKET, RenderedConfig
-from denv_iac.node import firewall
+from denv_iac.node import firewall, overlay
 from denv_iac.node.deploy import Progress, Target, connect, quiet_progress
 from denv_iac.node.facts import FactQuery, NodeFacts
 from denv_iac.node.firewall import BalancerAccess
@@ -15,6 +17,10 @@ from denv_iac.node.steps import APT_UPDATE, UNIT_DIR, FileContent, Step, apt_ins
 CONFIG = "/etc/haproxy/haproxy.cfg"
 CONFIG_DIR = "/etc/haproxy/denv"  # the map files and the certificate the config reads
 TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"  # certificate and key in one PEM, as `ssl crt` reads it
+# Mutual TLS to Kubernetes gateways: the stack's CA, which the gateways' certificates must be
+# signed by, and the balancer's client certificate and key in one PEM.
+GATEWAY_CA_PATH = f"{CONFIG_DIR}/gateway-ca.pem"
+GATEWAY_CLIENT_PATH = f"{CONFIG_DIR}/gateway-client.pem"
 STAGING = "/etc/haproxy/denv-staged"
 UNIT = "haproxy.service"
 RUN_DIR = posixpath.dirname(STATS_SOCKET)
@@ -25,6 +31,17 @@ DROP_IN = text_file(
     "# Written by denv-iac: the folder of HAProxy's stats socket.\n"
     f"[Service]\nRuntimeDirectory={posixpath.relpath(RUN_DIR, '/run')}\n",
 )
+
+
+@dataclass(frozen=True)
+class GatewayCredentials:
+    """What the balancer needs to reach Kubernetes gateways over mutual TLS."""
+
+    ca: str  # the stack's gateway CA certificate (PEM)
+    client: str  # the balancer's client certificate and key (PEM), a secret
+
+    def __repr__(self) -> str:
+        return "GatewayCredentials(ca=..., client=[secret])"
 
 
 def _live_files(rendered: RenderedConfig) -> dict[str, str]:
@@ -39,17 +56,36 @@ def _certificate_file(path: str, pem: str) -> FileContent:
 
 
 def fact_query(rendered: RenderedConfig) -> FactQuery:
-    paths = [*_live_files(rendered), TLS_CERT_PATH, DROP_IN.path]
+    paths = [*_live_files(rendered), TLS_CERT_PATH, GATEWAY_CA_PATH, GATEWAY_CLIENT_PATH]
+    paths.append(DROP_IN.path)
     return FactQuery(files=tuple(sorted(paths)), units=(UNIT,))
 
 
+def _private_files(
+    certificate: str | None, gateway: GatewayCredentials | None
+) -> dict[str, tuple[str, str]]:
+    """Live path -> (what it is, PEM) of each file HAProxy reads keys or CAs from."""
+    files = {}
+    if certificate is not None:
+        files[TLS_CERT_PATH] = ("TLS certificate", certificate)
+    if gateway is not None:
+        files[GATEWAY_CA_PATH] = ("gateway CA", gateway.ca)
+        files[GATEWAY_CLIENT_PATH] = ("gateway client certificate", gateway.client)
+    return files
+
+
 def plan_balancer(
-    facts: NodeFacts, rendered: RenderedConfig, certificate: str | None = None
+    facts: NodeFacts,
+    rendered: RenderedConfig,
+    certificate: str | None = None,
+    gateway: GatewayCredentials | None = None,
 ) -> list[Step]:
     """Steps that put `rendered` live; [] when the node serves exactly it already.
 
     `certificate` is the endpoint's PEM (certificate and key), a secret: it lands 0600 at
     TLS_CERT_PATH, where the config's `ssl crt` reads it, and is never shown in a step.
+    `gateway` (the gateway CA, and the client certificate and key, a secret) lands the same way
+    at GATEWAY_CA_PATH and GATEWAY_CLIENT_PATH, where the gateways' server lines read them.
     The new files are staged and checked with `haproxy -c` first: a config HAProxy rejects
     never replaces the live one, and the running HAProxy keeps serving the old one. HAProxy
     is restarted when its unit changed or it may serve another config (the package's own, just
@@ -60,8 +96,9 @@ def plan_balancer(
         commands = (APT_UPDATE, apt_install("haproxy"))
         steps.append(Step("balancer", "install haproxy", commands))
     live = {path: text_file(path, text) for path, text in _live_files(rendered).items()}
-    if certificate is not None:
-        live[TLS_CERT_PATH] = _certificate_file(TLS_CERT_PATH, certificate)
+    private = _private_files(certificate, gateway)
+    for path, (_, pem) in private.items():
+        live[path] = _certificate_file(path, pem)
     files_live = all(facts.files.get(path) == file.sha256 for path, file in live.items())
     unit_ready = facts.files.get(DROP_IN.path) == DROP_IN.sha256
     # Ours is what serves only if the unit runs and was restarted with our drop-in: the drop-in
@@ -70,7 +107,7 @@ def plan_balancer(
     if files_live and unit_ready and (ours_serving or not facts.systemd):
         return steps
     if not files_live:
-        steps += _put_live(rendered, certificate)
+        steps += _put_live(rendered, private)
     if not facts.systemd:
         if not unit_ready:  # no service manager to tell: the unit reads it when systemd starts
             steps.append(Step("balancer", "HAProxy's runtime directory", file=DROP_IN))
@@ -93,7 +130,7 @@ def plan_balancer(
     return steps
 
 
-def _put_live(rendered: RenderedConfig, certificate: str | None) -> list[Step]:
+def _put_live(rendered: RenderedConfig, private: dict[str, tuple[str, str]]) -> list[Step]:
     """Stage the files, check the staged config, then install each at its live path."""
     staged = relocate_maps(rendered, STAGING)
     staged_config = staged.haproxy_cfg
@@ -107,23 +144,22 @@ def _put_live(rendered: RenderedConfig, certificate: str | None) -> list[Step]:
         f"install -D -m 0644 {STAGING}/{name} {posixpath.join(rendered.map_dir, name)}"
         for name in sorted(rendered.files)
     ]
-    if certificate is not None:
-        # `haproxy -c` loads the certificate too: the staged config reads the staged one.
-        staged_cert = f"{STAGING}/{posixpath.basename(TLS_CERT_PATH)}"
-        staged_config = staged_config.replace(f" crt {TLS_CERT_PATH}", f" crt {staged_cert}")
+    staged_private = []
+    for live_path, (what, pem) in private.items():
+        # `haproxy -c` loads certificates and CAs too: the staged config reads the staged ones.
+        staged_path = f"{STAGING}/{posixpath.basename(live_path)}"
+        staged_config = re.sub(f"(?<= ){re.escape(live_path)}(?=\\s)", staged_path, staged_config)
         steps.append(
-            Step(
-                "balancer",
-                "stage the TLS certificate",
-                file=_certificate_file(staged_cert, certificate),
-            )
+            Step("balancer", f"stage the {what}", file=_certificate_file(staged_path, pem))
         )
-        # One copy of the key on the host, whether the config is put live or rejected.
-        check += f" || {{ rm -f {staged_cert}; false; }}"
+        staged_private.append(staged_path)
         install += [
-            f"install -D -m 0600 -o root -g root {staged_cert} {TLS_CERT_PATH}",
-            f"rm -f {staged_cert}",
+            f"install -D -m 0600 -o root -g root {staged_path} {live_path}",
+            f"rm -f {staged_path}",
         ]
+    if staged_private:
+        # One copy of each key on the host, whether the config is put live or rejected.
+        check += f" || {{ rm -f {' '.join(staged_private)}; false; }}"
     steps.append(Step("balancer", "stage haproxy.cfg", file=text_file(config_path, staged_config)))
     # The live config refers to the live paths; only its staged twin was checked.
     config_file = text_file(f"{STAGING}/live.cfg", rendered.haproxy_cfg)
@@ -147,17 +183,23 @@ def prepare_balancer(
     rendered: RenderedConfig,
     access: BalancerAccess,
     certificate: str | None = None,
+    gateway: GatewayCredentials | None = None,
     dry: bool = False,
     progress: Progress = quiet_progress,
+    overlay_config: str | None = None,
 ) -> list[Step]:
-    """Converge a balancer host to `rendered` (and its TLS `certificate`, a secret PEM) behind
-    its firewall; returns the steps planned (run unless `dry`). The firewall comes first: the
-    stats port never listens unguarded."""
+    """Converge a balancer host to `rendered` (and its TLS `certificate`, a secret PEM, and the
+    `gateway` credentials) behind its firewall; returns the steps planned (run unless `dry`).
+    The firewall comes first: the stats port never listens unguarded. `overlay_config`: the
+    host's WireGuard config, its private key filled in (a secret), when it is on the overlay."""
     with connect(target) as session:
-        facts = session.facts(fact_query(rendered) | firewall.balancer_fact_query())
-        steps = firewall.plan_balancer_host(facts, access) + plan_balancer(
-            facts, rendered, certificate
-        )
+        query = fact_query(rendered) | firewall.balancer_fact_query() | overlay.fact_query()
+        facts = session.facts(query)
+        # The overlay comes up behind the firewall, and before HAProxy reaches nodes through it.
+        steps = firewall.plan_balancer_host(facts, access) + overlay.plan(facts, overlay_config)
+        if any(step.uses_apt for step in steps):
+            steps.insert(0, Step("base", "refresh the package index", (APT_UPDATE,)))
+        steps += plan_balancer(facts, rendered, certificate, gateway)
         if not dry:
             session.apply(steps, progress)
         return steps

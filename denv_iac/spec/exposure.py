@@ -7,6 +7,7 @@ Each is one line naming the field and the fix. `denv plan` prints them and still
 import hashlib
 import ipaddress
 
+from denv_iac.spec.gateway_link import gateway_link_warnings
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.overlay import overlay_warnings
 
@@ -62,4 +63,4 @@ def stack_warnings(stack: StackSpec) -> list[str]:
                 f'balancer.api_key_digests: {digest[:12]}... is the SHA-256 of "{key}", a key '
                 "anyone would try; make one with `openssl rand -hex 32` and list its digest"
             )
-    return warnings + overlay_warnings(stack)
+    return warnings + overlay_warnings(stack) + gateway_link_warnings(stack)

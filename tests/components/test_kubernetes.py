@@ -12,11 +12,12 @@ import pytest
 
 from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
-from denv_iac.components.preview import shown
+from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.components.security import AGENT_PORT
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
+from tests.gateway_pki import reading_tls_from, write_pki
 
 PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
 GOLDEN = Path(__file__).parent / "golden" / "k8s.json"
@@ -109,6 +110,17 @@ def _manifest(inputs: dict[str, Any]) -> dict[str, Any]:
     return _whole_numbers(shown(inputs))  # type: ignore[no-any-return]
 
 
+def _revealed(value: Any) -> Any:
+    """Serialized inputs with each secret's value in its place, as the cluster receives them."""
+    if isinstance(value, dict):
+        if value.get(SECRET_SIG) == SECRET_MARK:
+            return _revealed(value.get("value"))
+        return {k: _revealed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_revealed(v) for v in value]
+    return value
+
+
 @PREVIEW
 def test_site_registers_its_objects_through_the_kubeconfig_provider(preview: bool) -> None:
     run = _run(preview)
@@ -128,6 +140,7 @@ def test_site_registers_its_objects_through_the_kubeconfig_provider(preview: boo
         ("PodDisruptionBudget", "denv-gateway"),
         ("PodDisruptionBudget", "side"),
         ("PodDisruptionBudget", "voice"),
+        ("Secret", "denv-gateway-tls"),
         ("Service", "denv-agent"),
         ("Service", "denv-gateway-node-0"),
         ("Service", "denv-gateway-node-1"),
@@ -145,7 +158,8 @@ def test_site_registers_its_objects_through_the_kubeconfig_provider(preview: boo
 @PREVIEW
 def test_every_registered_object_is_valid_kubernetes(preview: bool) -> None:
     for registration in _kube(_run(preview)):
-        manifest = _manifest(registration.inputs)
+        # Secrets' data as the cluster gets it: its schema is checked too.
+        manifest = _whole_numbers(_revealed(registration.inputs))
         assert manifest["kind"] == registration.type.split(":")[-1]
         try:
             kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
@@ -171,8 +185,9 @@ def test_stateful_sets_hold_the_placed_replicas_on_their_gpu_shares() -> None:
 def test_the_golden_snapshot_of_registered_inputs() -> None:
     run = _run(preview=False)
     # The site and what it holds: the other sites and the balancer have goldens of their own.
+    # Secrets masked as a preview shows them (the kubeconfig, the gateway's key).
     snapshot = {
-        r.urn: {"inputs": r.inputs, "ignore_changes": list(r.ignore_changes)}
+        r.urn: {"inputs": shown(r.inputs), "ignore_changes": list(r.ignore_changes)}
         for r in sorted(run.registrations, key=lambda r: r.urn)
         if "denv:index:KubernetesSite" in r.urn
     }
@@ -280,7 +295,10 @@ def test_balancer_reaches_each_replica_at_its_nodes_gateway_address() -> None:
         address = line.split()[2].rsplit(":", 1)[0]
         ports = {p["port"] for p in service.inputs["spec"]["ports"]}
         assert int(line.split()[2].rsplit(":", 1)[1]) in ports
-        assert f"agent-port {AGENT_PORT}" in line
+        # Its agent checks go to the relay that carries them over TLS to the same gateway.
+        relay = line.split(" agent-addr 127.0.0.1 agent-port ")[1].split()[0]
+        listen = config.split(f"listen denv.agent-relay.{relay}\n")[1].split("\n\n")[0]
+        assert f"bind 127.0.0.1:{relay}\n    server gateway {address}:{AGENT_PORT} ssl " in listen
         addresses[node] = address
     assert len(set(addresses.values())) == 3
 
@@ -288,7 +306,9 @@ def test_balancer_reaches_each_replica_at_its_nodes_gateway_address() -> None:
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
 def test_gateway_config_passes_haproxy_check(tmp_path: Path) -> None:
     config_map = _run(preview=False).named(f"{SITE}-configmap-denv-gateway")
-    check_haproxy_config(RenderedConfig(config_map.inputs["data"]["haproxy.cfg"]), tmp_path)
+    pki = write_pki(tmp_path / "tls", "k8s-use1")
+    config = reading_tls_from(config_map.inputs["data"]["haproxy.cfg"], pki.folder)
+    check_haproxy_config(RenderedConfig(config), tmp_path / "check")
 
 
 def _bad(args: Any) -> tuple[list[str], Run]:
@@ -352,3 +372,60 @@ def test_a_recipe_without_an_image_is_refused_before_any_kubernetes_object() -> 
         "container: add image: vllm/vllm-openai:v0.11.0"
     ]
     assert [r for r in run.registrations if r.name.startswith(SITE)] == []
+
+
+GATEWAY_TLS = "pulumi-python:dynamic/denv:GatewayTls"
+
+
+@PREVIEW
+def test_the_gateway_secret_carries_the_sites_certificate_and_key_as_a_secret(
+    preview: bool,
+) -> None:
+    run = _run(preview)
+    (tls,) = run.of_type(GATEWAY_TLS)
+    assert tls.name == "prod-gateway-tls" and tls.parent.endswith("::prod")
+    assert tls.inputs["sites"] == ["k8s-use1"]
+    # Every key's slot is a secret from the first registration: masked at preview too.
+    inputs = shown(tls.inputs)
+    assert [inputs[k] for k in ("ca_key", "client_pem", "gateway_pems")] == ["[secret]"] * 3
+    secret = run.named(f"{SITE}-secret-denv-gateway-tls")
+    assert secret.type == "kubernetes:core/v1:Secret" and secret.parent.endswith(SITE)
+    assert shown(secret.inputs)["stringData"] == "[secret]"
+    assert _revealed(secret.inputs)["stringData"] == {
+        "ca.pem": "(the gateway CA of prod-gateway-tls)",
+        "gateway.pem": "(the gateway certificate and key of k8s-use1)",
+    }
+    # The balancer host's deploy gets the CA and its client certificate and key, a secret.
+    deployments = run.of_type("pulumi-python:dynamic/denv:NodeDeployment")
+    (setup,) = [r for r in deployments if "balancer" in r.inputs]
+    assert shown(setup.inputs)["gateway_tls"] == "[secret]"
+    assert _revealed(setup.inputs)["gateway_tls"] == {
+        "ca": "(the gateway CA of prod-gateway-tls)",
+        "client": "(the balancer's client certificate and key)",
+    }
+    # No key shows outside a secret, anywhere.
+    keys = ("certificate and key",)
+    for registration in run.registrations:
+        assert not [s for s in plain_strings(registration.inputs) if any(k in s for k in keys)]
+
+
+def test_the_balancer_reaches_gateways_over_mutual_tls_named_by_site() -> None:
+    config = _run(preview=False).outputs["haproxy_config"]
+    servers = [line for line in config.splitlines() if "server voice.k8s-use1." in line]
+    assert servers
+    tls = (
+        "ssl verify required ca-file /etc/haproxy/denv/gateway-ca.pem"
+        " crt /etc/haproxy/denv/gateway-client.pem ssl-min-ver TLSv1.3"
+        " sni str(gateway.k8s-use1.denv.internal) check-sni gateway.k8s-use1.denv.internal"
+        " verifyhost gateway.k8s-use1.denv.internal"
+    )
+    assert all(tls in line for line in servers)
+
+
+def test_a_plain_link_registers_no_ca_and_no_gateway_secret() -> None:
+    args = k8s_args()
+    args["balancer"]["overlay"] = {"enabled": False}
+    run = _run(False, args)
+    assert not run.of_type(GATEWAY_TLS)
+    assert not [r for r in run.registrations if r.name.endswith("denv-gateway-tls")]
+    assert " ssl " not in run.outputs["haproxy_config"]

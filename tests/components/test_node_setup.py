@@ -22,7 +22,7 @@ from denv_iac.components.node_setup import (
 )
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
-from denv_iac.node.balancer_host import TLS_CERT_PATH
+from denv_iac.node.balancer_host import TLS_CERT_PATH, GatewayCredentials
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.placement import place_replicas
 from denv_iac.spec.reader import StackError, read_stack
@@ -180,14 +180,14 @@ def test_a_balancer_host_gets_its_rendered_config_through_sudo() -> None:
     assert result.id == "balancer.203.0.113.9"
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     # A stack from before the balancer host's firewall: no admins, so nothing is guarded.
-    assert recorder.extras == [(BalancerAccess((), 0), None)]
+    assert recorder.extras == [(BalancerAccess((), 0), None, None, None)]
 
 
 def test_a_balancer_host_gets_its_sites_admin_cidrs_and_stats_port_for_its_firewall() -> None:
     recorder = Recorder(steps=1)
     given = {"admin_cidrs": ["198.51.100.0/24"], "stats_port": 8405.0}  # as the engine hands it
     NodeSetupProvider(recorder.runner()).create({**BALANCER, "balancer_firewall": given})
-    assert recorder.extras == [(BalancerAccess(("198.51.100.0/24",), 8405), None)]
+    assert recorder.extras == [(BalancerAccess(("198.51.100.0/24",), 8405), None, None, None)]
 
 
 @pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
@@ -218,11 +218,27 @@ def test_the_provider_hands_the_certificate_to_the_deploy_and_a_new_one_reruns_i
     provider = NodeSetupProvider(recorder.runner())
     with_tls = {**BALANCER, "tls_certificate": stacks.TLS_CERTIFICATE}
     result = provider.create(dict(with_tls))
-    assert recorder.extras == [(BalancerAccess((), 0), stacks.TLS_CERTIFICATE)]
+    assert recorder.extras == [(BalancerAccess((), 0), stacks.TLS_CERTIFICATE, None, None)]
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     renewed = {**with_tls, "tls_certificate": stacks.TLS_CERTIFICATE + "\nrenewed"}
     assert provider.diff("balancer.203.0.113.9", with_tls, renewed).changes
     assert not provider.diff("balancer.203.0.113.9", with_tls, dict(with_tls)).changes
+
+
+def test_the_provider_hands_the_gateway_credentials_to_the_deploy_and_new_ones_rerun_it() -> None:
+    recorder = Recorder(steps=1)
+    provider = NodeSetupProvider(recorder.runner())
+    files = {"ca": "CA-CERTIFICATE", "client": "CLIENT-CERTIFICATE-AND-KEY"}
+    with_gateway = {**BALANCER, "gateway_tls": files}
+    provider.create(dict(with_gateway))
+    assert recorder.extras == [
+        (BalancerAccess((), 0), None, GatewayCredentials("CA-CERTIFICATE", files["client"]), None)
+    ]
+    # The key never shows in what a log of the call would print.
+    assert "CLIENT" not in repr(recorder.extras)
+    renewed = {**BALANCER, "gateway_tls": {**files, "client": "RENEWED"}}
+    assert provider.diff("balancer.203.0.113.9", with_gateway, renewed).changes
+    assert not provider.diff("balancer.203.0.113.9", with_gateway, dict(with_gateway)).changes
 
 
 def test_node_admin_cidrs_reach_the_deploy_and_are_left_out_of_the_state_when_unset() -> None:
