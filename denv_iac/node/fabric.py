@@ -9,7 +9,7 @@ from denv_iac.node.driver import driver_package, package_branch, service_steps
 from denv_iac.node.facts import NodeFacts
 from denv_iac.node.holders import FABRICMANAGER
 from denv_iac.node.spec import NodeDeploySpec
-from denv_iac.node.steps import Step, apt_install
+from denv_iac.node.steps import FileContent, Step, apt_install, text_file
 
 # From this branch on, NVIDIA's repository names the packages without the branch suffix
 # (nvidia-fabricmanager, libnvidia-nscq): the pinning package keeps the branch instead.
@@ -21,6 +21,10 @@ UNSUFFIXED_FROM = 590
 NVLINK5_NAMES = frozenset({"NVIDIA B200", "NVIDIA B100", "NVIDIA B300 SXM6 AC"})
 NVLINK5_PCI_IDS = frozenset({"0x2901", "0x29bc", "0x3182"})  # GB100 [B200], GB102 [B100], B300
 NVLSM = "nvlsm"  # NVIDIA's NVLink subnet manager; fabric manager starts it on NVLink 5 boards
+# Holds fabric manager and NSCQ at the driver's version: the branch's pinning package lets an
+# upgrade move them to any later release of the branch, and fabric manager does not start beside
+# a driver of another version. Read before the pinning package's file (apt reads them by name).
+PIN = "/etc/apt/preferences.d/denv-fabric-manager"
 
 
 class Board(StrEnum):
@@ -45,12 +49,21 @@ def packages(driver_version: str, branch: str, kind: Board) -> tuple[str, ...]:
     """
     if kind is Board.PLAIN:
         return ()
-    suffix = "" if int(branch) >= UNSUFFIXED_FROM else f"-{branch}"
-    pinned = tuple(
-        f"{name}{suffix}={driver_version}-*" for name in ("nvidia-fabricmanager", "libnvidia-nscq")
-    )
+    pinned = tuple(f"{name}={driver_version}-*" for name in _names(branch))
     # The subnet manager is versioned on its own, not with the driver.
     return (*pinned, NVLSM) if kind is Board.NVLINK5 else pinned
+
+
+def _names(branch: str) -> tuple[str, str]:
+    suffix = "" if int(branch) >= UNSUFFIXED_FROM else f"-{branch}"
+    return f"nvidia-fabricmanager{suffix}", f"libnvidia-nscq{suffix}"
+
+
+def pin(driver_version: str, branch: str) -> FileContent:
+    """The apt pin at PIN: fabric manager and NSCQ at the driver's upstream version, any
+    revision. `driver_version` may be a shell expansion, as in `packages`."""
+    text = f"Package: {' '.join(_names(branch))}\nPin: version {driver_version}-*\n"
+    return text_file(PIN, text + "Pin-Priority: 1001\n")
 
 
 def running_version(facts: NodeFacts) -> str:
@@ -84,7 +97,10 @@ def install_command(spec: NodeDeploySpec, kind: Board) -> str:
     version = f"v=$(cat /sys/module/nvidia/version 2>/dev/null || {query} | {strip})"
     # Double quotes: $v expands, the version's `*` reaches apt unglobbed.
     arguments = " ".join(f'"{argument}"' for argument in packages("$v", spec.driver_branch, kind))
-    return f'{version} && [ -n "$v" ] && {apt_install()}{arguments}'
+    # The same bytes as pin(version) once $v is known: a second run finds nothing to write.
+    held = pin("%s", spec.driver_branch).content.decode().replace("\n", "\\n")
+    write = f"printf '{held}' \"$v\" > {PIN}"
+    return f'{version} && [ -n "$v" ] && {write} && {apt_install()}{arguments}'
 
 
 def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
@@ -94,15 +110,20 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     running = running_version(facts)
     if running and package_branch(running) == spec.driver_branch:
         wanted = packages(running, spec.driver_branch, kind)
+        held = pin(running, spec.driver_branch)
         if installed(facts, wanted):
-            return service_steps(facts, "driver", FABRICMANAGER, "fabric manager")
-        install = apt_install(*wanted)
+            steps = []
+            if facts.files.get(PIN) != held.sha256:
+                steps.append(Step("driver", f"pin fabric manager to {running}", file=held))
+            return steps + service_steps(facts, "driver", FABRICMANAGER, "fabric manager")
         title = f"install fabric manager {running} ({kind.value} board)"
+        # The pin is written first: apt then takes exactly that version.
+        step = Step("driver", title, (apt_install(*wanted),), file=held, uses_apt=True)
     else:
         # The driver is installed or replaced in this same run: its version is read then.
-        install = install_command(spec, kind)
         title = f"install fabric manager at the driver's version ({kind.value} board)"
+        step = Step("driver", title, (install_command(spec, kind),), uses_apt=True)
     return [
-        Step("driver", title, (install,), uses_apt=True),
+        step,
         *service_steps(facts, "driver", FABRICMANAGER, "fabric manager", changed=True),
     ]

@@ -41,6 +41,7 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
             agent.TOKEN,
             *mig.PATHS,
             driver.NOUVEAU_CONF,
+            fabric.PIN,
         ),
         links=(agent.COMMAND_LINK, wants_link(mig.UNIT), *(wants_link(u) for u in units)),
         dirs=(AGENT_VENV, *spec.cache.paths()),

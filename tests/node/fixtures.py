@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from denv_iac.node import agent, driver, firewall, holders, mig, replicas
+from denv_iac.node import agent, driver, fabric, firewall, holders, mig, replicas
 from denv_iac.node.facts import AGENT_VENV, GpuInfo, MigDevice, NodeFacts
 from denv_iac.node.plan import BASE_PACKAGES, fact_query
 from denv_iac.node.spec import NodeDeploySpec
@@ -83,6 +83,8 @@ def converged(
     layout = spec.mig_layout()
     branch = driver.branch_for(facts, spec).driver_branch
     version = facts.driver_version if facts.driver_branch == branch else "580.95.05"
+    if fabric.board(facts) is not fabric.Board.PLAIN:
+        files[fabric.PIN] = fabric.pin(version, branch).sha256
     gpus = [
         dataclasses.replace(
             gpu,

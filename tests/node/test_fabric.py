@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from denv_iac.node import NodeDeploySpec, plan_node
-from denv_iac.node.fabric import Board, board, packages
+from denv_iac.node import NodeDeploySpec, fabric, plan_node
+from denv_iac.node.fabric import Board, board, install_command, packages
+from denv_iac.node.holders import FABRICMANAGER
+from denv_iac.node.steps import wants_link
 
 from .fixtures import UBUNTU_2404, converged, node_facts
 
@@ -166,3 +170,65 @@ def test_installed_fabric_manager_of_the_running_version_plans_nothing() -> None
     # The driver moved on (580.105.08 loaded): fabric manager follows it.
     newer = dataclasses.replace(after, driver_version="580.105.08")
     assert "580.105.08-*" in fabric_steps(newer, SPEC)[0]
+
+
+PIN_580 = (
+    "Package: nvidia-fabricmanager-580 libnvidia-nscq-580\n"
+    "Pin: version 580.95.05-*\nPin-Priority: 1001\n"
+)
+PIN_590 = (
+    "Package: nvidia-fabricmanager libnvidia-nscq\nPin: version 590.44.01-*\nPin-Priority: 1001\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("driver", "suffix", "text"),
+    [("580.95.05", "-580", PIN_580), ("590.44.01", "", PIN_590)],
+    ids=["580", "590"],
+)
+def test_installed_fabric_manager_is_held_at_the_driver_version_by_an_apt_pin(
+    driver: str, suffix: str, text: str
+) -> None:
+    # The branch's pinning package admits any later release of the branch: an upgrade would
+    # move fabric manager off the loaded driver's version, and it would not start.
+    branch = driver.split(".")[0]
+    packages = {
+        "nvidia-open": f"{driver}-1",
+        f"nvidia-fabricmanager{suffix}": f"{driver}-1",
+        f"libnvidia-nscq{suffix}": f"{driver}-1",
+    }
+    running = node_facts(gpus=8, nvswitches=4, driver=driver, packages=packages)
+    # Fabric manager installed and running, as a deploy before the pin left it.
+    facts = dataclasses.replace(
+        running,
+        active_units=frozenset({FABRICMANAGER}),
+        links={wants_link(FABRICMANAGER): "target"},
+    )
+    spec = NodeDeploySpec(node_id="n1", driver_branch=branch, image_driver=True)
+    steps = [s for s in plan_node(facts, spec) if "fabric manager" in s.title]
+    assert [(s.title, s.commands) for s in steps] == [(f"pin fabric manager to {driver}", ())]
+    assert steps[0].file is not None
+    assert (steps[0].file.path, steps[0].file.content.decode()) == (fabric.PIN, text)
+    pinned = dataclasses.replace(facts, files={fabric.PIN: steps[0].file.sha256})
+    assert [s for s in plan_node(pinned, spec) if "fabric manager" in s.title] == []
+
+
+def test_an_install_at_the_driver_read_on_the_node_writes_the_same_pin(tmp_path: Path) -> None:
+    # A fresh machine: the version is known only once the driver is in; the second run compares
+    # the pin it would write with what the first run's command wrote.
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, body in (("dpkg-query", "echo 580.95.05-1"), ("apt-get", 'echo apt-get "$@"')):
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    pin = tmp_path / "pin"
+    command = install_command(SPEC, Board.NVSWITCH).replace(fabric.PIN, str(pin))
+    done = subprocess.run(
+        ["sh", "-c", command],
+        env={"PATH": f"{stubs}:/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "nvidia-fabricmanager-580=580.95.05-*" in done.stdout
+    assert pin.read_text() == PIN_580
