@@ -759,8 +759,42 @@ RULES = [
         ),
         (IngressRule("ssh6", "SSH from admin 2001:db8::/32", 22, 22, "2001:db8::/32"), []),
         (IngressRule("agent-from-v6", "agent-check from balancer c", 9100, 9100, "c", True), []),
+        (
+            IngressRule("wireguard-from-b", "WireGuard from b", 51820, 51820, "b", True, "udp"),
+            [
+                {
+                    "protocol": "udp",
+                    "port_range": [51820, 51820],
+                    "source_network": "198.51.100.7/32",
+                    "description": "WireGuard from b",
+                }
+            ],
+        ),
+        (
+            IngressRule(
+                "wireguard-v4", "WireGuard from anywhere", 51820, 51820, "0.0.0.0/0", False, "udp"
+            ),
+            [
+                {
+                    "protocol": "udp",
+                    "port_range": [51820, 51820],
+                    "source_network": "0.0.0.0/0",
+                    "description": "WireGuard from anywhere",
+                }
+            ],
+        ),
+        (IngressRule("wireguard-v6", "WireGuard", 51820, 51820, "::/0", False, "udp"), []),
     ],
-    ids=["agent", "replicas", "ssh", "ipv6-admin", "ipv6-balancer"],
+    ids=[
+        "agent",
+        "replicas",
+        "ssh",
+        "ipv6-admin",
+        "ipv6-balancer",
+        "wireguard",
+        "wireguard-anywhere",
+        "wireguard-ipv6",
+    ],
 )
 def test_firewall_rules_open_ports_to_balancers_and_ssh_to_admins_in_ipv4(
     rule: IngressRule, rendered: list[dict[str, Any]]
@@ -769,6 +803,20 @@ def test_firewall_rules_open_ports_to_balancers_and_ssh_to_admins_in_ipv4(
     assert rules == rendered
     body = {"name": "n", "region": "us-east-1", "rules": rules}
     check_request("POST", "/api/v1/firewall-rulesets", body)  # the shape Lambda takes
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"protocol": "UDP"}, {"protocol": "wireguard"}, {"port_range": [51820]}],
+    ids=["upper-case", "no-such-protocol", "one-port"],
+)
+def test_the_spec_check_refuses_rule_shapes_lambda_does_not_take(change: dict[str, Any]) -> None:
+    """What the rules above pass is a real check: a UDP rule in another shape fails it."""
+    rule = IngressRule("wireguard-from-b", "WireGuard from b", 51820, 51820, "b", True, "udp")
+    (rendered,) = firewall_rules([rule], {"b": "198.51.100.7"})
+    body = {"name": "n", "region": "us-east-1", "rules": [rendered | change]}
+    with pytest.raises(AssertionError, match="breaks Lambda's spec"):
+        check_request("POST", "/api/v1/firewall-rulesets", body)
 
 
 def test_the_ruleset_is_attached_at_launch_patched_in_place_and_deleted_after_its_instances(

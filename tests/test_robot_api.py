@@ -23,7 +23,7 @@ from denv_iac.components.hetzner_robot import (
     robot_problems,
     robot_rules,
 )
-from denv_iac.components.security import IngressRule
+from denv_iac.components.security import IngressRule, OverlayAccess, wireguard_rules
 from denv_iac.robot_api import RULE_FIELDS, RobotApiError, RobotClient
 
 LOGIN, SECRET = "#ws+denvTEST", "robot-password-material"
@@ -151,12 +151,22 @@ SSH = IngressRule("ssh-admin", "ssh from admins", 22, 22, ADMIN)
 SITE_RULES = [
     SSH,
     IngressRule("ssh-v6", "ssh from admins", 22, 22, "2001:db8::/48"),
-    IngressRule("agent-from-edge", "agent", 9100, 9100, "edge", from_balancer=True),
-    IngressRule("voice-from-edge", "voice", 8000, 8127, "edge", from_balancer=True),
-    IngressRule("side-from-edge", "side", 8128, 8255, "edge", from_balancer=True),
+    IngressRule("agent-from-edge", "agent", 9100, 9100, "edge", from_machine=True),
+    IngressRule("voice-from-edge", "voice", 8000, 8127, "edge", from_machine=True),
+    IngressRule("side-from-edge", "side", 8128, 8255, "edge", from_machine=True),
 ]
+WIREGUARD = 51820
+# The overlay on: the balancer reaches replicas and agent through the tunnel.
+OVERLAY_RULES = [*SITE_RULES[:2], *wireguard_rules(OverlayAccess(WIREGUARD, ("edge",)))]
+SSH_EXPECTED = {
+    "name": "ssh-admin",
+    "ip_version": "ipv4",
+    "protocol": "tcp",
+    "src_ip": ADMIN,
+    "dst_port": "22",
+}
 EXPECTED = [
-    {"name": "admin", "ip_version": "ipv4", "protocol": "tcp", "src_ip": ADMIN, "dst_port": "22"},
+    SSH_EXPECTED,
     *(
         {
             "name": "balancer edge",
@@ -173,6 +183,29 @@ EXPECTED = [
 def test_rules_open_ssh_to_admins_and_each_balancers_ports_merged_then_the_replies() -> None:
     rules = robot_rules(SITE_RULES, {"edge": BALANCER})
     assert rules == [*({**rule, "action": "accept"} for rule in EXPECTED), *REPLY_RULES]
+    for n, rule in enumerate(rules):
+        check_rule(n, rule)
+
+
+def test_with_the_overlay_a_balancer_gets_wireguards_udp_port_only() -> None:
+    rules = robot_rules(OVERLAY_RULES, {"edge": BALANCER})
+    wireguard = {
+        "name": "balancer edge",
+        "ip_version": "ipv4",
+        "protocol": "udp",
+        "src_ip": f"{BALANCER}/32",
+        "dst_port": str(WIREGUARD),
+    }
+    expected = [{**r, "action": "accept"} for r in (SSH_EXPECTED, wireguard)]
+    # 51820 is among the ephemeral ports the replies open to anyone: shut to others first.
+    others = {
+        "name": "udp others",
+        "ip_version": "ipv4",
+        "protocol": "udp",
+        "dst_port": str(WIREGUARD),
+        "action": "discard",
+    }
+    assert rules == [*expected, others, *REPLY_RULES]
     for n, rule in enumerate(rules):
         check_rule(n, rule)
 
@@ -230,14 +263,79 @@ def test_the_stateless_firewall_lets_in_what_it_should_and_nothing_else(
     assert _accepted(robot_rules(SITE_RULES, {"edge": BALANCER}), packet) is accepted
 
 
-def test_more_than_ten_rules_is_one_line_naming_the_site() -> None:
-    admins = [IngressRule(f"ssh-{i}", "ssh", 22, 22, f"192.0.2.{i * 8}/29") for i in range(7)]
-    rules = robot_rules([*admins, *SITE_RULES[2:]], {"edge": BALANCER})
-    assert len(rules) == 12
-    (problem,) = robot_problems("gex", rules)
+@pytest.mark.parametrize(
+    ("overlay", "discards"),
+    [
+        (OverlayAccess(WIREGUARD, ("edge",)), [str(WIREGUARD)]),
+        (OverlayAccess(4500, ("edge",)), []),  # below the ephemeral ports: nothing to shut
+        (OverlayAccess(WIREGUARD, ("edge",), anywhere=True), []),  # open to all anyway
+    ],
+)
+def test_only_a_udp_port_the_replies_would_open_to_anyone_is_shut_to_others(
+    overlay: OverlayAccess, discards: list[str]
+) -> None:
+    rules = robot_rules([SSH, *wireguard_rules(overlay)], {"edge": BALANCER})
+    assert [r["dst_port"] for r in rules if r["action"] == "discard"] == discards
+    # SSH and one WireGuard rule (an IPv6 source is left to the node's nftables), then these.
+    assert len(rules) == 2 + len(discards) + len(REPLY_RULES)
+
+
+@pytest.mark.parametrize(
+    "packet, accepted",
+    [
+        (Packet(BALANCER, "udp", WIREGUARD), True),  # the tunnel, either side dialling
+        (Packet(BALANCER, "tcp", 8000), False),  # replica and agent ports: only in the tunnel
+        (Packet(BALANCER, "tcp", 9100), False),
+        (Packet(BALANCER, "tcp", 22), False),
+        (Packet("203.0.113.99", "udp", WIREGUARD), False),  # WireGuard from anyone else
+        (Packet("203.0.113.99", "tcp", 8000), False),
+        (Packet("192.0.2.10", "tcp", 22), True),  # an admin's SSH, as before
+        (Packet("192.0.2.10", "udp", WIREGUARD), False),
+        (Packet("9.9.9.9", "udp", 53000), True),  # replies to the node's own traffic
+    ],
+)
+def test_with_the_overlay_the_firewall_lets_in_the_tunnel_and_ssh_only(
+    packet: Packet, accepted: bool
+) -> None:
+    assert _accepted(robot_rules(OVERLAY_RULES, {"edge": BALANCER}), packet) is accepted
+
+
+ADMINS = [IngressRule(f"ssh-{i}", "ssh", 22, 22, f"192.0.2.{i * 8}/29") for i in range(7)]
+
+
+@pytest.mark.parametrize(
+    ("rows", "overlay", "count", "fix"),
+    [
+        (
+            [*ADMINS, *SITE_RULES[2:]],
+            False,
+            12,
+            "balancer host and port range); list fewer admin_cidrs or balancer sites (or turn "
+            "balancer.overlay back on: one rule per balancer host)",
+        ),
+        (
+            [*ADMINS, *OVERLAY_RULES[2:]],
+            True,
+            12,
+            "balancer host and WireGuard rule); list fewer admin_cidrs or balancer sites",
+        ),
+    ],
+)
+def test_more_than_ten_rules_is_one_line_naming_the_site_and_the_fix(
+    rows: list[IngressRule], overlay: bool, count: int, fix: str
+) -> None:
+    rules = robot_rules(rows, {"edge": BALANCER})
+    assert len(rules) == count
+    (problem,) = robot_problems("gex", rules, overlay)
     assert problem.startswith("sites: gex: the Robot firewall takes at most 10 input rules and")
-    assert "needs 12" in problem
-    assert robot_problems("gex", robot_rules(SITE_RULES, {"edge": BALANCER})) == []
+    assert f"needs {count} " in problem and problem.endswith(fix) and "\n" not in problem
+
+
+@pytest.mark.parametrize("rows", [SITE_RULES, [*ADMINS[:4], *OVERLAY_RULES]])
+def test_up_to_ten_rules_is_no_problem(rows: list[IngressRule]) -> None:
+    rules = robot_rules(rows, {"edge": BALANCER})
+    assert len(rules) <= 10
+    assert robot_problems("gex", rules, rows is not SITE_RULES) == []
 
 
 def _props(rules: list[dict[str, str]] | None = None, **extra: Any) -> dict[str, Any]:
@@ -260,6 +358,16 @@ def test_create_finds_the_box_by_address_sets_its_rules_and_waits_for_the_switch
     assert firewall["input"] == _props()["rules"]
     assert len(sleeps) == 2  # two reads `in process`, then active
     assert 1000001 not in robot.firewalls
+
+
+def test_the_webservice_takes_the_overlays_udp_rule() -> None:
+    robot, sleeps = FakeRobot(process_reads=0), []
+    rules = robot_rules(OVERLAY_RULES, {"edge": BALANCER})
+    _provider(robot, sleeps).create(_props(rules))
+    (post,) = robot.posts
+    assert post["rules[input][1][protocol]"] == "udp"
+    assert post["rules[input][1][dst_port]"] == str(WIREGUARD)
+    assert robot.firewalls[NUMBER]["input"] == rules
 
 
 def test_diff_update_read_and_delete_as_the_engine_calls_them() -> None:

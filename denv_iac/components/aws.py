@@ -1,13 +1,13 @@
 """AWS: GPU nodes as EC2 instances with a cache volume, behind a security group."""
 
 from collections.abc import Mapping, Sequence
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import pulumi
 import pulumi_aws as aws
 
 from denv_iac.components.naming import aws_tags, child_name, resolved
-from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.components.security import IngressRule, OverlayAccess, site_ingress_rules
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
@@ -29,10 +29,11 @@ class SecurityGroupWiring:
         description: str,
         tags: dict[str, str],
         rules: Sequence[IngressRule],
-        balancer_addresses: Mapping[str, pulumi.Input[str]],
+        addresses: Mapping[str, pulumi.Input[str]],
         vpc_id: pulumi.Input[str] | None,
         region: str,
     ) -> None:
+        self._parent, self._name, self._region = parent, name, region
         child = pulumi.ResourceOptions(parent=parent)
         self.group = aws.ec2.SecurityGroup(
             child_name(name, "sg"),
@@ -42,23 +43,7 @@ class SecurityGroupWiring:
             tags=tags,
             opts=child,
         )
-        for rule in rules:
-            if rule.from_balancer:
-                cidr = pulumi.Output.from_input(balancer_addresses[rule.source]).apply(_cidr_of)
-            else:
-                cidr = pulumi.Output.from_input(rule.source)
-            aws.vpc.SecurityGroupIngressRule(
-                child_name(name, "in", rule.name),
-                security_group_id=self.group.id,
-                region=region,
-                cidr_ipv4=cidr.apply(lambda c: None if ":" in c else c),
-                cidr_ipv6=cidr.apply(lambda c: c if ":" in c else None),
-                ip_protocol="tcp",
-                from_port=rule.from_port,
-                to_port=rule.to_port,
-                description=rule.description,
-                opts=child,
-            )
+        self.allow(rules, addresses)
         for family, v4, v6 in (("v4", "0.0.0.0/0", None), ("v6", None, "::/0")):
             aws.vpc.SecurityGroupEgressRule(
                 child_name(name, "out", family),
@@ -69,6 +54,32 @@ class SecurityGroupWiring:
                 ip_protocol="-1",
                 description="weights, images and packages",
                 opts=child,
+            )
+
+    def allow(
+        self, rules: Sequence[IngressRule], addresses: Mapping[str, pulumi.Input[str]]
+    ) -> None:
+        """Ingress rules in the group; a machine's rule opens to its public address.
+
+        Separate rule resources, so rules that name machines made later (a balancer host's
+        WireGuard peers) can be added once those exist.
+        """
+        for rule in rules:
+            if rule.from_machine:
+                cidr = pulumi.Output.from_input(addresses[rule.source]).apply(_cidr_of)
+            else:
+                cidr = pulumi.Output.from_input(rule.source)
+            aws.vpc.SecurityGroupIngressRule(
+                child_name(self._name, "in", rule.name),
+                security_group_id=self.group.id,
+                region=self._region,
+                cidr_ipv4=cidr.apply(lambda c: None if ":" in c else c),
+                cidr_ipv6=cidr.apply(lambda c: c if ":" in c else None),
+                ip_protocol=rule.protocol,
+                from_port=rule.from_port,
+                to_port=rule.to_port,
+                description=rule.description,
+                opts=pulumi.ResourceOptions(parent=self._parent),
             )
 
 
@@ -143,6 +154,9 @@ class AwsSiteArgs(TypedDict):
     nodes: Sequence[PlacedNode]  # the placed nodes of this site
     public_key: pulumi.Input[str]  # OpenSSH public key of the site's SSH key
     balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+    # The nodes join the WireGuard overlay: its port instead of replica and agent ports
+    # (`denv_iac.components.security.node_overlay_access`).
+    overlay: NotRequired[OverlayAccess]
 
 
 class AwsSite(pulumi.ComponentResource):
@@ -159,7 +173,12 @@ class AwsSite(pulumi.ComponentResource):
         super().__init__("denv:index:AwsSite", name, None, opts)
         site, stack = args["site"], args["stack"]
         child = pulumi.ResourceOptions(parent=self)
-        rules = site_ingress_rules(site, tuple(args["recipes"]), tuple(args["balancer_addresses"]))
+        rules = site_ingress_rules(
+            site,
+            tuple(args["recipes"]),
+            tuple(args["balancer_addresses"]),
+            args.get("overlay"),
+        )
         security = SecurityGroupWiring(
             self,
             name,

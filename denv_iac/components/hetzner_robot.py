@@ -2,10 +2,15 @@
 
 The firewall filters each box's switch port, statelessly: it sees packets, not connections.
 So besides the site's ingress rows (`denv_iac.components.security.site_ingress_rules`: SSH from
-the admin CIDRs, replica and agent ports from the balancer hosts) it must accept the replies to
+the admin CIDRs, WireGuard's UDP port from the balancer hosts when the overlay is on, their
+replica and agent ports when it is off) it must accept the replies to
 the node's own traffic (package mirrors, model downloads, DNS, NTP): TCP segments with ACK set
 and UDP datagrams to the ephemeral ports, and ICMP (path MTU discovery). Robot keeps at most 10
-input rules, so each source's ports are merged into as few ranges as cover exactly them.
+input rules, so each source's ports are merged into as few ranges as cover exactly them. The
+overlay's UDP port is opened to the balancer hosts by a rule of its own; WireGuard's default,
+51820, lies among the ephemeral ports that replies need open to anyone, so a UDP port opened
+to some sources only is first shut to every other one there (a discard rule before the
+replies), or the reply rule would let anyone reach it.
 IPv4 only (`filter_ipv6` off): IPv6 and an IPv6 admin CIDR are left to the node's nftables,
 which narrow everything again on the node.
 
@@ -25,7 +30,12 @@ import pulumi.dynamic as dynamic
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.joined import HetznerSite
 from denv_iac.components.naming import child_name
-from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.components.security import (
+    IngressRule,
+    Protocol,
+    node_overlay_access,
+    site_ingress_rules,
+)
 from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.robot_api import MAX_INPUT_RULES, RobotApiError, RobotClient
 from denv_iac.spec.model import SiteSpec
@@ -34,6 +44,7 @@ from denv_iac.spec.reader import StackError
 USER, PASSWORD = "robot_user", "robot_password"
 INPUTS = ("address", "rules")
 EPHEMERAL_PORTS = "32768-65535"
+ANY = "0.0.0.0/0"
 # Replies to what the node itself opened, and ICMP (unreachable, fragmentation needed).
 REPLY_RULES: tuple[dict[str, str], ...] = (
     {"name": "icmp", "ip_version": "ipv4", "protocol": "icmp", "action": "accept"},
@@ -56,43 +67,73 @@ REPLY_RULES: tuple[dict[str, str], ...] = (
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9 -]+")
 
 
-def robot_rules(
-    rules: Sequence[IngressRule], balancer_addresses: Mapping[str, str]
-) -> list[dict[str, str]]:
-    """The firewall's input rules: per source, its ports merged into ranges; then the replies."""
-    ports: dict[str, list[tuple[int, int]]] = {}
+def robot_rules(rules: Sequence[IngressRule], addresses: Mapping[str, str]) -> list[dict[str, str]]:
+    """The firewall's input rules: per source and protocol, its ports merged into ranges; then
+    the replies."""
+    ports: dict[tuple[str, Protocol], list[tuple[int, int]]] = {}
     names: dict[str, str] = {}
     for rule in rules:
-        source = balancer_addresses[rule.source] if rule.from_balancer else rule.source
+        source = addresses[rule.source] if rule.from_machine else rule.source
         if not source or ":" in source:
             continue
         cidr = source if "/" in source else f"{source}/32"
-        ports.setdefault(cidr, []).append((rule.from_port, rule.to_port))
-        who = f"balancer {rule.source}" if rule.from_balancer else "admin"
+        ports.setdefault((cidr, rule.protocol), []).append((rule.from_port, rule.to_port))
+        who = f"balancer {rule.source}" if rule.from_machine else rule.name
         names.setdefault(cidr, _NAME_UNSAFE.sub(" ", who)[:40].strip())
     out = []
-    for cidr, ranges in ports.items():
+    for (cidr, protocol), ranges in ports.items():
         for low, high in _merged(ranges):
             out.append(
                 {
                     "name": names[cidr],
                     "ip_version": "ipv4",
-                    "protocol": "tcp",
+                    "protocol": protocol,
                     "src_ip": cidr,
-                    "dst_port": str(low) if low == high else f"{low}-{high}",
+                    "dst_port": _ports(low, high),
                     "action": "accept",
                 }
             )
-    return [*out, *REPLY_RULES]
+    return [*out, *_shut_udp(ports), *REPLY_RULES]
 
 
-def robot_problems(site_name: str, rules: Sequence[Mapping[str, str]]) -> list[str]:
+def _shut_udp(
+    ports: Mapping[tuple[str, Protocol], Sequence[tuple[int, int]]],
+) -> list[dict[str, str]]:
+    """Discard rules for UDP ports opened to some sources only that the reply rule would open
+    to everyone (those in the ephemeral range): the first rule that matches decides."""
+    first, last = (int(p) for p in EPHEMERAL_PORTS.split("-"))
+    limited = [
+        r for (cidr, proto), rs in ports.items() if proto == "udp" and cidr != ANY for r in rs
+    ]
+    return [
+        {
+            "name": "udp others",
+            "ip_version": "ipv4",
+            "protocol": "udp",
+            "dst_port": _ports(low, high),
+            "action": "discard",
+        }
+        for low, high in _merged(limited)
+        if low <= last and high >= first
+    ]
+
+
+def _ports(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def robot_problems(site_name: str, rules: Sequence[Mapping[str, str]], overlay: bool) -> list[str]:
     if len(rules) <= MAX_INPUT_RULES:
         return []
+    per_host = "WireGuard rule" if overlay else "port range"
+    fix = "list fewer admin_cidrs or balancer sites"
+    if not overlay:
+        fix += " (or turn balancer.overlay back on: one rule per balancer host)"
+    replies = len(REPLY_RULES) + sum(rule["action"] == "discard" for rule in rules)
     return [
         f"sites: {site_name}: the Robot firewall takes at most {MAX_INPUT_RULES} input rules and "
-        f"this site needs {len(rules)} ({len(REPLY_RULES)} for replies, the rest one per admin "
-        "CIDR and per balancer host and port range); list fewer admin_cidrs or balancer sites"
+        f"this site needs {len(rules)} ({replies} for replies, the rest one per admin CIDR and "
+        f"per balancer host and {per_host}); {fix}"
     ]
 
 
@@ -200,9 +241,11 @@ def hetzner_site(
     if USER in secrets and PASSWORD in secrets:
         balancers = context["balancer_addresses"]
         hosts = sorted(balancers)
-        rows = site_ingress_rules(site, context["spec"].recipes, tuple(hosts))
+        overlay = node_overlay_access(context["spec"], site.name)
+        rows = site_ingress_rules(site, context["spec"].recipes, tuple(hosts), overlay)
         # The count does not depend on the addresses, only on how many there are (IPv4 ones).
-        problems = robot_problems(site.name, robot_rules(rows, dict.fromkeys(hosts, "0.0.0.0")))
+        count = robot_rules(rows, dict.fromkeys(hosts, "0.0.0.0"))
+        problems = robot_problems(site.name, count, overlay is not None)
         if problems:
             raise StackError(problems)
         rules = pulumi.Output.all(*(balancers[h] for h in hosts)).apply(

@@ -16,7 +16,12 @@ import pulumi.dynamic as dynamic
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, machine_name, resolved
 from denv_iac.components.secrets import public_key_output
-from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.components.security import (
+    IngressRule,
+    OverlayAccess,
+    node_overlay_access,
+    site_ingress_rules,
+)
 from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.lambda_api import (
     DEFAULT_RETRY,
@@ -49,21 +54,21 @@ def cache_mount_point(stack: str, site: str) -> str:
 
 
 def firewall_rules(
-    rules: Sequence[IngressRule], balancer_addresses: Mapping[str, str]
+    rules: Sequence[IngressRule], addresses: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """Spec FirewallRule objects from the site's ingress rows (Lambda filters IPv4 only).
 
-    A balancer row opens its ports to that balancer host's address; an IPv6 source has no
+    A machine's row opens its port to that machine's address; an IPv6 source has no
     place in a Lambda ruleset and is left to the node's own firewall.
     """
     out = []
     for rule in rules:
-        source = balancer_addresses[rule.source] if rule.from_balancer else rule.source
+        source = addresses[rule.source] if rule.from_machine else rule.source
         if not source or ":" in source:
             continue
         out.append(
             {
-                "protocol": "tcp",
+                "protocol": rule.protocol,
                 "port_range": [rule.from_port, rule.to_port],
                 "source_network": source if "/" in source else f"{source}/32",
                 "description": rule.description[:128],
@@ -400,6 +405,8 @@ class LambdaSiteArgs(TypedDict):
     api_key: pulumi.Input[str]  # the Lambda Cloud API key, a secret
     recipes: NotRequired[Sequence[RecipeSpec]]  # what may run here: the ports to open
     balancer_addresses: NotRequired[Mapping[str, pulumi.Input[str]]]  # balancer site -> address
+    # The nodes join the WireGuard overlay: its port instead of replica and agent ports.
+    overlay: NotRequired[OverlayAccess]
 
 
 class LambdaSite(pulumi.ComponentResource):
@@ -410,8 +417,9 @@ class LambdaSite(pulumi.ComponentResource):
     replaces another finds them there. Drivers come preinstalled (Lambda Stack).
 
     Lambda's firewall allows only SSH and ICMP by default. The site has a firewall ruleset in
-    its region (spec 1.8.3's `/firewall-rulesets`), attached to each instance at launch: the
-    replica and agent ports open to the balancer hosts' addresses, SSH to the admin CIDRs
+    its region (spec 1.8.3's `/firewall-rulesets`), attached to each instance at launch:
+    WireGuard's UDP port open to the balancer hosts' addresses when the overlay is on (replica
+    and agent ports to them when it is off), SSH to the admin CIDRs
     (`denv_iac.components.security.site_ingress_rules`); a balancer moving patches its rules in
     place. The node deploy's host firewall narrows them again on each node.
     """
@@ -445,7 +453,9 @@ class LambdaSite(pulumi.ComponentResource):
             child,
         )
         balancers = args.get("balancer_addresses", {})
-        rows = site_ingress_rules(site, tuple(args.get("recipes", ())), tuple(balancers))
+        rows = site_ingress_rules(
+            site, tuple(args.get("recipes", ())), tuple(balancers), args.get("overlay")
+        )
         hosts = sorted(balancers)
         ruleset = LambdaFirewallRuleset(
             child_name(name, "fw"),
@@ -494,5 +504,8 @@ def lambda_site(
         "recipes": context["spec"].recipes,
         "balancer_addresses": context["balancer_addresses"],
     }
+    overlay = node_overlay_access(context["spec"], site.name)
+    if overlay:
+        args["overlay"] = overlay
     component = LambdaSite(name, args, opts)
     return SiteNodes(component, component.node_addresses)

@@ -1,7 +1,7 @@
 """Nebius: GPU nodes as compute instances of a GPU platform and preset, with a shared cache."""
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import pulumi
 import pulumi_nebius as nebius
@@ -10,7 +10,12 @@ import yaml
 from denv_iac.components.naming import child_name, machine_name, nebius_labels, resolved
 from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_output
-from denv_iac.components.security import IngressRule, site_ingress_rules
+from denv_iac.components.security import (
+    IngressRule,
+    OverlayAccess,
+    node_overlay_access,
+    site_ingress_rules,
+)
 from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.node import CACHE_MOUNT_POINT
 from denv_iac.placement import PlacedNode
@@ -67,6 +72,8 @@ class NebiusSiteArgs(TypedDict):
     nodes: Sequence[PlacedNode]  # the placed nodes of this site
     public_key: pulumi.Input[str]  # OpenSSH public key of the site's SSH key
     balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
+    # The nodes join the WireGuard overlay: its port instead of replica and agent ports.
+    overlay: NotRequired[OverlayAccess]
 
 
 class NebiusSite(pulumi.ComponentResource):
@@ -76,7 +83,8 @@ class NebiusSite(pulumi.ComponentResource):
     `image_family`, `ubuntu22.04-cuda12` by default), runs the offering's platform and preset,
     has a public address, and mounts the site's one shared filesystem, where weights and compile
     caches outlive any node. A security group on the subnet's network opens SSH to the admin
-    CIDRs and the replica and agent ports to the balancer hosts only.
+    CIDRs and, to the balancer hosts only, WireGuard's UDP port with the overlay on (the
+    replica and agent ports with it off).
     """
 
     node_addresses: pulumi.Output[dict[str, str]]
@@ -177,11 +185,13 @@ class NebiusSite(pulumi.ComponentResource):
             opts=child,
         )
         balancers = args["balancer_addresses"]
-        rules = site_ingress_rules(site, tuple(args["recipes"]), tuple(balancers))
+        rules = site_ingress_rules(
+            site, tuple(args["recipes"]), tuple(balancers), args.get("overlay")
+        )
         for rule in rules:
             source = (
                 pulumi.Output.from_input(balancers[rule.source]).apply(lambda a: f"{a}/32")
-                if rule.from_balancer
+                if rule.from_machine
                 else pulumi.Output.from_input(rule.source)
             )
             groups = port_groups(rule)
@@ -191,7 +201,7 @@ class NebiusSite(pulumi.ComponentResource):
                     child_name(name, "in", *suffix),
                     parent_id=group.id,
                     access="ALLOW",
-                    protocol="TCP",
+                    protocol=rule.protocol.upper(),
                     ingress=nebius.VpcV1SecurityRuleIngressArgs(
                         destination_ports=ports, source_cidrs=[source]
                     ),
@@ -222,5 +232,8 @@ def nebius_site(
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "balancer_addresses": context["balancer_addresses"],
     }
+    overlay = node_overlay_access(context["spec"], site.name)
+    if overlay:
+        args["overlay"] = overlay
     component = NebiusSite(name, args, opts)
     return SiteNodes(component, component.node_addresses)

@@ -1,12 +1,19 @@
 """Who may reach what on a site, as plain data: the components turn these rows into rules.
 
-Replica and agent ports are open only to the balancer hosts; SSH (and the balancer's metrics
-port) only to the site's admin CIDRs; the balancer's endpoint port to everyone.
+With the WireGuard overlay on (the default), a node's replica and agent ports are not open on
+its public address at all: the balancer reaches them through the tunnel, and the only port open
+to it is WireGuard's, from its peers' public addresses. With the overlay off, or for a balancer
+that joins none (one on a local site), replica and agent ports are open to the balancer hosts
+only. SSH (and the balancer's metrics port) only from the site's admin CIDRs; the balancer's
+endpoint port to everyone.
 """
 
+import ipaddress
 from dataclasses import dataclass
+from typing import Literal
 
-from denv_iac.spec.model import BalancerSpec, RecipeSpec, SiteSpec
+from denv_iac.overlay import OverlayPlan, node_peer_sites, wireguard_senders
+from denv_iac.spec.model import BalancerSpec, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.ports import (
     AGENT_PORT,
     AGENT_PORTS,
@@ -25,13 +32,18 @@ __all__ = [
     "PORTS_PER_GPU",
     "SSH_PORT",
     "IngressRule",
+    "OverlayAccess",
     "balancer_ingress_rules",
+    "host_overlay_access",
+    "node_overlay_access",
     "recipe_port_range",
     "replica_port",
     "site_ingress_rules",
     "ssh_rules",
+    "wireguard_rules",
 ]
 ANYWHERE = {"v4": "0.0.0.0/0", "v6": "::/0"}
+Protocol = Literal["tcp", "udp"]
 
 
 @dataclass(frozen=True)
@@ -40,8 +52,54 @@ class IngressRule:
     description: str
     from_port: int
     to_port: int
-    source: str  # a CIDR, or the site name of a balancer host when from_balancer
-    from_balancer: bool = False
+    # A CIDR; or, when from_machine, the name of a machine whose public address the wiring is
+    # given: a balancer site on a node's rules, an overlay member on a balancer host's.
+    source: str
+    from_machine: bool = False
+    protocol: Protocol = "tcp"
+
+
+@dataclass(frozen=True)
+class OverlayAccess:
+    """Who may send WireGuard packets to a machine of the overlay, and to which UDP port."""
+
+    port: int
+    peers: tuple[str, ...]  # machines whose public addresses may (names, as in IngressRule)
+    anywhere: bool = False  # a peer is behind NAT, so its address is unknown: any source
+
+
+def node_overlay_access(stack: StackSpec, site_name: str) -> OverlayAccess | None:
+    """What a site's nodes take from the overlay: WireGuard from each balancer host (by site).
+
+    None when its nodes join no overlay. The hosts always have public addresses: a node behind
+    NAT cannot host the balancer (`denv_iac.spec.overlay`).
+    """
+    hosts = node_peer_sites(stack, site_name)
+    return OverlayAccess(stack.balancer.overlay.port, hosts) if hosts else None
+
+
+def host_overlay_access(plan: OverlayPlan, member: str) -> OverlayAccess | None:
+    """What a balancer host (an overlay member) takes: WireGuard from each node it peers with.
+
+    None when the overlay links nothing. From anywhere when a peer is behind NAT, or is listed
+    by a host name, which no provider's rule can hold (as for the node's own firewall,
+    `denv_iac.overlay.wireguard_sources`).
+    """
+    if not plan.on:
+        return None
+    senders = wireguard_senders(plan, member)
+    if senders is None or any(_named(plan.member(s).public_address) for s in senders):
+        return OverlayAccess(plan.spec.port, (), anywhere=True)
+    return OverlayAccess(plan.spec.port, senders)
+
+
+def _named(address: str) -> bool:
+    """A machine listed by a host name; "" is one the stack makes, with an address once made."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return bool(address)
+    return False
 
 
 def _cidr_slug(cidr: str) -> str:
@@ -55,12 +113,59 @@ def ssh_rules(admin_cidrs: tuple[str, ...]) -> list[IngressRule]:
     ]
 
 
+def wireguard_rules(overlay: OverlayAccess) -> list[IngressRule]:
+    """WireGuard's UDP port from each peer's public address, or from anywhere.
+
+    Open to anywhere (a peer behind NAT sends from an address nobody knows), the port still
+    reveals nothing: WireGuard sends no reply to a packet without a valid key, so a scan cannot
+    tell it from a closed port, and only the peers' keys get in.
+    """
+    port = overlay.port
+    if overlay.anywhere:
+        return [
+            IngressRule(
+                f"wireguard-{family}",
+                "WireGuard from anywhere: a peer behind NAT",
+                port,
+                port,
+                cidr,
+                protocol="udp",
+            )
+            for family, cidr in ANYWHERE.items()
+        ]
+    return [
+        IngressRule(
+            f"wireguard-from-{peer}",
+            f"WireGuard from overlay peer {peer}",
+            port,
+            port,
+            peer,
+            from_machine=True,
+            protocol="udp",
+        )
+        for peer in sorted(overlay.peers)
+    ]
+
+
 def site_ingress_rules(
-    site: SiteSpec, recipes: tuple[RecipeSpec, ...], balancer_sites: tuple[str, ...]
+    site: SiteSpec,
+    recipes: tuple[RecipeSpec, ...],
+    balancer_sites: tuple[str, ...],
+    overlay: OverlayAccess | None = None,
 ) -> tuple[IngressRule, ...]:
-    """Ingress to a site's GPU nodes: per recipe that may run there, per balancer host."""
+    """Ingress to a site's GPU nodes from the balancer hosts, and SSH from admins.
+
+    A host that reaches the nodes through the overlay (`overlay.peers`) gets WireGuard's port
+    only; any other (the overlay off) gets the agent port and, per recipe that may run here,
+    its replica ports.
+    """
     rules = ssh_rules(site.admin_cidrs)
+    tunnelled = set(overlay.peers) if overlay else set()
+    if overlay:
+        rules += wireguard_rules(overlay)
     for host in sorted(balancer_sites):
+        if host in tunnelled:
+            continue
         rules.append(
             IngressRule(
                 f"agent-from-{host}",
@@ -68,7 +173,7 @@ def site_ingress_rules(
                 AGENT_PORT,
                 AGENT_PORT,
                 host,
-                from_balancer=True,
+                from_machine=True,
             )
         )
         for recipe in recipes:
@@ -82,16 +187,17 @@ def site_ingress_rules(
                     low,
                     high,
                     host,
-                    from_balancer=True,
+                    from_machine=True,
                 )
             )
     return tuple(rules)
 
 
 def balancer_ingress_rules(
-    balancer: BalancerSpec, admin_cidrs: tuple[str, ...]
+    balancer: BalancerSpec, admin_cidrs: tuple[str, ...], overlay: OverlayAccess | None = None
 ) -> tuple[IngressRule, ...]:
-    """Ingress to a balancer host: the endpoint from anywhere, metrics and SSH from admins."""
+    """Ingress to a balancer host: the endpoint from anywhere, metrics and SSH from admins, and
+    WireGuard from its nodes when it joins the overlay."""
     rules = [
         IngressRule(f"endpoint-{family}", "the endpoint", balancer.port, balancer.port, cidr)
         for family, cidr in ANYWHERE.items()
@@ -106,4 +212,6 @@ def balancer_ingress_rules(
         )
         for c in sorted(admin_cidrs)
     ]
+    if overlay:
+        rules += wireguard_rules(overlay)
     return (*rules, *ssh_rules(admin_cidrs))

@@ -25,8 +25,21 @@ def _run(args: Any, preview: bool = False) -> Run:
     return run_program(lambda: cluster_outputs(args), preview=preview)
 
 
-def test_each_box_gets_its_firewall_from_the_balancer_hosts_addresses() -> None:
-    run = _run(_args())
+@pytest.mark.parametrize(
+    ("overlay", "balancer_ports"),
+    [
+        # The overlay on (the default): WireGuard only; replicas and agent ride the tunnel.
+        ({}, {("udp", "51820")}),
+        ({"enabled": False}, {("tcp", "8000-8007"), ("tcp", "9100")}),
+    ],
+    ids=["overlay", "overlay-off"],
+)
+def test_each_box_gets_its_firewall_from_the_balancer_hosts_addresses(
+    overlay: dict[str, Any], balancer_ports: set[tuple[str, str]]
+) -> None:
+    args = _args()
+    args["balancer"]["overlay"] = overlay
+    run = _run(args)
     firewalls = sorted(run.of_type(FIREWALL), key=lambda r: r.name)
     assert [r.name for r in firewalls] == [
         "prod-hetzner-fsn-robot-firewall-gex-1",
@@ -41,8 +54,11 @@ def test_each_box_gets_its_firewall_from_the_balancer_hosts_addresses() -> None:
         check_rule(n, rule)
     sources = {rule.get("src_ip") for rule in rules}
     hosts = {f"{address}/32" for address in run.outputs["balancer_addresses"]}
-    assert hosts and hosts <= sources
+    assert len(hosts) == 2 and hosts <= sources
     assert sources - hosts == {stacks.ADMIN, None}  # SSH from admins; replies from anywhere
+    for host in hosts:
+        opened = {(r["protocol"], r["dst_port"]) for r in rules if r.get("src_ip") == host}
+        assert opened == balancer_ports, host
 
 
 @pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])

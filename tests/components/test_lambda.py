@@ -2,16 +2,19 @@
 
 import base64
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from denv_iac.components.lambda_cloud import wire_rules
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG
 from denv_iac.components.secrets import public_key_of
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
 from tests.components.snapshots import assert_golden, site_snapshot
+from tests.lambda_spec import check_request
 
 PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
 INSTANCE = "pulumi-python:dynamic/lambda:Instance"
@@ -77,18 +80,42 @@ def test_one_instance_per_node_launched_with_the_sites_key_and_filesystem(previe
         assert key.inputs["public_key"] == public_key_of(SSH_KEY)
 
 
-def test_the_ruleset_opens_replica_and_agent_ports_to_the_balancer_and_ssh_to_admins() -> None:
-    run = _run(preview=False)
+def _overlay_off() -> dict[str, Any]:
+    args = lambda_stack()
+    args["balancer"]["overlay"] = {"enabled": False}
+    return args
+
+
+@pytest.mark.parametrize(
+    ("args", "balancer_rules"),
+    [
+        # The overlay on (the default): WireGuard only; replicas and agent ride the tunnel.
+        (lambda_stack, [("udp", "WireGuard from overlay peer hetzner-fsn", (51820, 51820))]),
+        (
+            _overlay_off,
+            [
+                ("tcp", "agent-check from balancer hetzner-fsn", (9100, 9100)),
+                ("tcp", "voice replicas from balancer hetzner-fsn", (8000, 8007)),
+            ],
+        ),
+    ],
+    ids=["overlay", "overlay-off"],
+)
+def test_the_ruleset_opens_the_balancer_its_ports_and_ssh_to_admins(
+    args: Callable[[], dict[str, Any]], balancer_rules: list[tuple[str, str, tuple[int, int]]]
+) -> None:
+    run = _run(preview=False, args=args())
     firewall = run.named("prod-lambda-use1-fw").inputs
     balancer = run.outputs["balancer_addresses"][0]
-    rules = {
-        (r["description"], tuple(r["port_range"]), r["source_network"]) for r in firewall["rules"]
-    }
+    rules = sorted(
+        (r["protocol"], r["description"], tuple(r["port_range"]), r["source_network"])
+        for r in firewall["rules"]
+    )
     assert (firewall["name"], firewall["region"]) == ("prod-lambda-use1", "us-east-1")
-    assert ("agent-check from balancer hetzner-fsn", (9100, 9100), f"{balancer}/32") in rules
-    assert ("voice replicas from balancer hetzner-fsn", (8000, 8007), f"{balancer}/32") in rules
-    assert any(d.startswith("SSH from admin") and p == (22, 22) for d, p, _ in rules)
-    assert len(rules) == 3
+    ssh = ("tcp", f"SSH from admin {stacks.ADMIN}", (22, 22), stacks.ADMIN)
+    assert rules == sorted([ssh, *((*r, f"{balancer}/32") for r in balancer_rules)])
+    body = {"name": "n", "region": "us-east-1", "rules": wire_rules(firewall["rules"])}
+    check_request("POST", "/api/v1/firewall-rulesets", body)  # the shape Lambda takes
 
 
 def test_the_balancer_routes_voice_to_the_lambda_instances_addresses() -> None:

@@ -1,6 +1,7 @@
 """NebiusSite in a Cluster under Pulumi's mocks: instances, disks, filesystem, security group."""
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -113,29 +114,46 @@ def test_cloud_init_carries_the_public_key_and_mounts_the_cache() -> None:
     ]
 
 
-def test_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins() -> None:
-    run = _run(preview=False)
+def _overlay_off() -> dict[str, Any]:
+    args = nebius_stack()
+    args["balancer"]["overlay"] = {"enabled": False}
+    return args
+
+
+@pytest.mark.parametrize(
+    ("args", "balancer_rules"),
+    [
+        # The overlay on (the default): WireGuard only; replicas and agent ride the tunnel.
+        (nebius_stack, {"in-wireguard-from-hetzner-fsn": ("UDP", [51820])}),
+        (
+            _overlay_off,
+            {
+                "in-agent-from-hetzner-fsn": ("TCP", [9100]),
+                "in-voice-from-hetzner-fsn": ("TCP", list(range(8000, 8008))),
+            },
+        ),
+    ],
+    ids=["overlay", "overlay-off"],
+)
+def test_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins(
+    args: Callable[[], dict[str, Any]], balancer_rules: dict[str, tuple[str, list[int]]]
+) -> None:
+    run = _run(preview=False, args=args())
     (balancer,) = run.outputs["balancer_addresses"]
     rules = {r.name.removeprefix("prod-nebius-eun1-"): r.inputs for r in run.of_type(RULE)}
-    assert sorted(rules) == [
-        "in-agent-from-hetzner-fsn",
-        "in-ssh-198-51-100-0-24",
-        "in-voice-from-hetzner-fsn",
-        "out",
-    ]
-    ingress = {name: rule["ingress"] for name, rule in rules.items() if name != "out"}
+    assert sorted(rules) == sorted(["in-ssh-198-51-100-0-24", "out", *balancer_rules])
+    ingress = {
+        name: (rule["protocol"], rule["ingress"]) for name, rule in rules.items() if name != "out"
+    }
+    ssh = ("TCP", {"destinationPorts": [22], "sourceCidrs": [stacks.ADMIN]})
     assert ingress == {
-        "in-agent-from-hetzner-fsn": {
-            "destinationPorts": [9100],
-            "sourceCidrs": [f"{balancer}/32"],
-        },
-        "in-ssh-198-51-100-0-24": {"destinationPorts": [22], "sourceCidrs": [stacks.ADMIN]},
-        "in-voice-from-hetzner-fsn": {
-            "destinationPorts": list(range(8000, 8008)),
-            "sourceCidrs": [f"{balancer}/32"],
+        "in-ssh-198-51-100-0-24": ssh,
+        **{
+            name: (protocol, {"destinationPorts": ports, "sourceCidrs": [f"{balancer}/32"]})
+            for name, (protocol, ports) in balancer_rules.items()
         },
     }
-    assert all(rules[n]["access"] == "ALLOW" and rules[n]["protocol"] == "TCP" for n in ingress)
+    assert all(rules[n]["access"] == "ALLOW" for n in ingress)
     assert rules["out"]["egress"] == {"destinationCidrs": ["0.0.0.0/0"]}
     group = run.named("prod-nebius-eun1-sg").inputs
     assert group["networkId"] == "vpcnetwork-e00example"  # the site subnet's network
@@ -228,7 +246,7 @@ def test_port_ranges_split_into_rules_of_at_most_eight_ports(
 
 
 def test_eight_gpu_nodes_get_their_replica_ports_in_rules_of_eight() -> None:
-    args = nebius_stack()
+    args = _overlay_off()  # with it on, replica ports are reached through the tunnel only
     args["sites"][0]["preset"] = "8gpu-128vcpu-1600gb"
     run = _run(False, args)
     voice = sorted(
