@@ -492,6 +492,23 @@ REFUSED = [
         "sites[0].nodes[0].behind_nat: a Hetzner box has a public address; remove behind_nat",
     ),
     (
+        "a local balancer beside a balancer host",
+        lambda c: (
+            _no_nat(c)
+            or c["denv:sites"].append(
+                {
+                    "name": "here",
+                    "kind": "local",
+                    "nodes": [{"name": "n", "gpu": "H100", "gpus": 1}],
+                }
+            )
+            or c["denv:balancer"].update(sites=["hetzner-fsn", "here"])
+        ),
+        "balancer.sites[1]: here is a local site, whose balancer does not join the overlay the "
+        "other balancers reach the nodes through; host the balancer on an aws, hetzner or joined "
+        "site, or set balancer.overlay.enabled: false",
+    ),
+    (
         "enabled not a flag",
         lambda c: c["denv:balancer"].update(overlay={"enabled": "no"}),
         "balancer.overlay.enabled: expected true or false, got a string",

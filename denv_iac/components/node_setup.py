@@ -41,9 +41,10 @@ from denv_iac.node.balancer_host import GatewayCredentials
 from denv_iac.node.deploy import connect, quiet_progress
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
+from denv_iac.overlay import plan_overlay, with_private_key
 from denv_iac.placement import Placement
 from denv_iac.plan import imageless_problems
-from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, SiteSpec, StackSpec
+from denv_iac.spec.model import SSH_SITE_KINDS, WIREGUARD_PORT, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.reader import StackError
 
 # Sites that create their machines from a provider's image, with the site's SSH key. The
@@ -64,6 +65,10 @@ UPDATE_ON = (
     "balancer_firewall",
     "tls_certificate",
     "gateway_tls",
+    "overlay_config",
+    "overlay_private_key",
+    "overlay_senders",
+    "overlay_port",
 )
 REPLACE_ON = ("host",)
 
@@ -93,6 +98,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
     problems = imageless_problems(stack, placement)
     if problems:
         raise StackError(problems)
+    overlay = plan_overlay(stack, placement)
     specs = {}
     for node in placement.nodes:
         if stack.site(node.site).kind not in SSH_SITE_KINDS:
@@ -129,6 +135,8 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 cache=CacheDirs() if root is None else CacheDirs.under(root),
                 replicas=replicas,
                 admin_cidrs=site.admin_cidrs,
+                listen_address=overlay.address_of(node.site, node.name) if overlay.on else "",
+                overlay_port=stack.balancer.overlay.port,
             )
         except NodeSpecError as error:
             where = f"sites: {node.site}.{node.name}"
@@ -170,7 +178,29 @@ def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
         del data["admin_cidrs"]
     if data["ssh_port"] == NodeDeploySpec.ssh_port:
         del data["ssh_port"]
+    if not data["listen_address"]:  # off the overlay: neither its address nor its port
+        for key in ("listen_address", "overlay_port", "overlay_senders"):
+            del data[key]
     return data
+
+
+def deploy_node(target: Target, spec: NodeDeploySpec, overlay_config: str | None) -> list[Step]:
+    """The node deploy, with the node's overlay config (its private key filled in) if any."""
+    return prepare_node(target, spec, overlay_config=overlay_config)
+
+
+def deploy_balancer(
+    target: Target,
+    rendered: RenderedConfig,
+    access: BalancerAccess,
+    certificate: str | None,
+    gateway: GatewayCredentials | None,
+    overlay_config: str | None,
+) -> list[Step]:
+    """The balancer host's deploy, with its overlay config (private key filled in) if any."""
+    return prepare_balancer(
+        target, rendered, access, certificate, gateway, overlay_config=overlay_config
+    )
 
 
 def stop_replicas(target: Target, spec: NodeDeploySpec) -> list[Step]:
@@ -186,11 +216,11 @@ def stop_replicas(target: Target, spec: NodeDeploySpec) -> list[Step]:
 class DeployRunner:
     """How the provider reaches machines: the real deploys, or a test's stand-ins."""
 
-    node: Callable[[Target, NodeDeploySpec], list[Step]] = prepare_node
+    node: Callable[[Target, NodeDeploySpec, str | None], list[Step]] = deploy_node
     balancer: Callable[
-        [Target, RenderedConfig, BalancerAccess, str | None, GatewayCredentials | None],
+        [Target, RenderedConfig, BalancerAccess, str | None, GatewayCredentials | None, str | None],
         list[Step],
-    ] = prepare_balancer
+    ] = deploy_balancer
     stop: Callable[[Target, NodeDeploySpec], list[Step]] = stop_replicas
 
 
@@ -220,12 +250,26 @@ def _rendered(props: Mapping[str, Any]) -> RenderedConfig:
 
 def _balancer_access(props: Mapping[str, Any]) -> BalancerAccess:
     given = _integers(props.get("balancer_firewall") or {})
-    return BalancerAccess(tuple(given.get("admin_cidrs", ())), given.get("stats_port", 0))
+    access = BalancerAccess(tuple(given.get("admin_cidrs", ())), given.get("stats_port", 0))
+    if not props.get("overlay_config"):
+        return access
+    senders = tuple(sorted(str(a) for a in props.get("overlay_senders") or ()))
+    port = int(_integers(props["overlay_port"]))
+    return dataclasses.replace(access, overlay_port=port, overlay_senders=senders)
 
 
 def _gateway_credentials(props: Mapping[str, Any]) -> GatewayCredentials | None:
     given = props.get("gateway_tls")
     return GatewayCredentials(str(given["ca"]), str(given["client"])) if given else None
+
+
+def _overlay_config(props: Mapping[str, Any]) -> str | None:
+    """The machine's overlay config as written to it: the private key (a secret) filled in
+    here, on its way to the 0600 file, and nowhere else; None when it is not on the overlay."""
+    config = props.get("overlay_config")
+    if not config:
+        return None
+    return with_private_key(str(config), str(props.get("overlay_private_key") or ""))
 
 
 def _integers(value: Any) -> Any:
@@ -248,6 +292,8 @@ def _node_spec(props: Mapping[str, Any]) -> NodeDeploySpec:
         for r in node.get("replicas", ())
     ]
     node["balancer_addresses"] = sorted(str(a) for a in props.get("balancer_addresses") or ())
+    if node.get("listen_address"):
+        node["overlay_senders"] = sorted(str(a) for a in props.get("overlay_senders") or ())
     if props.get("cache_device"):  # the site's volume, known once it exists; else the spec's own
         node["cache_volume"] = {"device": props["cache_device"]}
     return spec_from_json(node)
@@ -263,7 +309,7 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
     def _converge(self, props: Mapping[str, Any]) -> dict[str, Any]:
         with ssh_target(props) as target:
             if props.get("node") is not None:
-                steps = self.runner.node(target, _node_spec(props))
+                steps = self.runner.node(target, _node_spec(props), _overlay_config(props))
             else:
                 certificate = props.get("tls_certificate") or None
                 steps = self.runner.balancer(
@@ -272,6 +318,7 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
                     _balancer_access(props),
                     certificate,
                     _gateway_credentials(props),
+                    _overlay_config(props),
                 )
         outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
         return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}
@@ -350,6 +397,14 @@ class NodeSetupArgs(TypedDict):
     gateway_tls: NotRequired[pulumi.Input[GatewayTlsFiles]]
     # A recipe's `secure:` env values, by replica id then variable: kept secrets end to end.
     secret_env: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
+    # A machine on the overlay: its wg-quick config, the private key a placeholder (plain), and
+    # the private key (kept a secret end to end, filled in only where the file is written).
+    overlay_config: NotRequired[pulumi.Input[str]]
+    overlay_private_key: NotRequired[pulumi.Input[str]]
+    # On the overlay: the public addresses its WireGuard port admits (its peers'), and, on a
+    # balancer host, that port (a node's is in its spec).
+    overlay_senders: NotRequired[pulumi.Input[Sequence[str]]]
+    overlay_port: NotRequired[int]
 
 
 class NodeSetup(pulumi.ComponentResource):
@@ -370,9 +425,10 @@ class NodeSetup(pulumi.ComponentResource):
             "ssh_private_key": pulumi.Output.secret(args["ssh_private_key"]),
         }
         if "node" in args:
-            # Given on their own: known only once the balancer hosts exist.
+            # Given on their own: known only once the machines exist.
             spec = spec_to_json(args["node"])
-            props["node"] = {k: v for k, v in spec.items() if k != "balancer_addresses"}
+            given = ("balancer_addresses", "overlay_senders")
+            props["node"] = {k: v for k, v in spec.items() if k not in given}
             props["balancer_addresses"] = pulumi.Output.from_input(
                 args.get("balancer_addresses", [])
             ).apply(sorted)
@@ -394,6 +450,15 @@ class NodeSetup(pulumi.ComponentResource):
                 props["tls_certificate"] = pulumi.Output.secret(args["tls_certificate"])
             if "gateway_tls" in args:
                 props["gateway_tls"] = pulumi.Output.secret(args["gateway_tls"])
+        if ("overlay_config" in args) != ("overlay_private_key" in args):
+            raise ValueError(f"NodeSetup {name}: give overlay_config with overlay_private_key")
+        if "overlay_config" in args:
+            props["overlay_config"] = args["overlay_config"]
+            props["overlay_private_key"] = pulumi.Output.secret(args["overlay_private_key"])
+            senders = pulumi.Output.from_input(args.get("overlay_senders", []))
+            props["overlay_senders"] = senders.apply(sorted)
+            if "balancer" in args:  # a node's port is in its spec
+                props["overlay_port"] = args.get("overlay_port", WIREGUARD_PORT)
         deployment = NodeDeployment(
             child_name(name, "deploy"),
             props,
@@ -406,6 +471,7 @@ class NodeSetup(pulumi.ComponentResource):
                     "secret_env",
                     "tls_certificate",
                     "gateway_tls",
+                    "overlay_private_key",
                 ],
             ),
         )

@@ -9,7 +9,7 @@ no config names its own machine's key (see `denv_iac.overlay.render_config`).
 
 import base64
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import pulumi
 import pulumi.dynamic
@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, resolved
-from denv_iac.overlay import OverlayPlan, render_config
+from denv_iac.overlay import OverlayPlan, render_config, wireguard_sources
 
 PRIVATE_KEY = "private_key"
 
@@ -110,4 +110,23 @@ class Overlay(pulumi.ComponentResource):
             return {m.name: render_config(plan, m.name, public, where) for m in plan.members}
 
         self.configs = pulumi.Output.all(self.public_keys, addresses).apply(render)
+        self._plan, self._public_addresses = plan, addresses
         self.register_outputs({"configs": self.configs, "public_keys": self.public_keys})
+
+    def access(self, member: str) -> "MachineOverlay":
+        """What `member`'s deploy needs: its config, its private key, and whom its firewall
+        admits WireGuard packets from (see denv_iac.overlay.wireguard_sources)."""
+        plan = self._plan
+        return {
+            "overlay_config": self.configs.apply(lambda configs: configs[member]),
+            "overlay_private_key": self.private_keys[member],
+            "overlay_senders": self._public_addresses.apply(
+                lambda public: list(wireguard_sources(plan, member, public))
+            ),
+        }
+
+
+class MachineOverlay(TypedDict):
+    overlay_config: pulumi.Output[str]  # the private key a placeholder
+    overlay_private_key: pulumi.Output[str]  # a secret
+    overlay_senders: pulumi.Output[list[str]]

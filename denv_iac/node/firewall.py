@@ -68,10 +68,13 @@ class Guard:
 
 @dataclass(frozen=True)
 class BalancerAccess:
-    """Who administers a balancer host: SSH and HAProxy's stats port from `admin_cidrs` only."""
+    """Who administers a balancer host: SSH and HAProxy's stats port from `admin_cidrs` only;
+    on the overlay (`overlay_port`, 0: not on it), who may send to its WireGuard port."""
 
     admin_cidrs: tuple[str, ...]
     stats_port: int
+    overlay_port: int = 0
+    overlay_senders: tuple[str, ...] = ()
 
 
 def _balancers(spec: NodeDeploySpec, ports: tuple[int, ...]) -> Guard:
@@ -105,10 +108,15 @@ def forwarded_guards(spec: NodeDeploySpec) -> list[Guard]:
 
 
 def balancer_guards(access: BalancerAccess) -> list[Guard]:
-    if not access.admin_cidrs:
-        return []
-    ports = tuple(sorted({SSH_PORT, access.stats_port}))
-    return [Guard("admin_cidrs", access.admin_cidrs, ports)]
+    guards = []
+    if access.admin_cidrs:
+        ports = tuple(sorted({SSH_PORT, access.stats_port}))
+        guards.append(Guard("admin_cidrs", access.admin_cidrs, ports))
+    if access.overlay_port:
+        # As on a node (node_guards): the peers' public addresses, or anywhere behind NAT.
+        port = (access.overlay_port,)
+        guards.append(Guard("overlay_senders", access.overlay_senders, port, protocol="udp"))
+    return guards
 
 
 def ruleset(
@@ -285,7 +293,10 @@ def plan(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
 
 
 def balancer_files(access: BalancerAccess) -> list[FileContent]:
-    title = "denv balancer host: SSH and HAProxy's stats port for the admins only."
+    guarded = ["SSH and HAProxy's stats port for the admins only"] if access.admin_cidrs else []
+    if access.overlay_port:
+        guarded.append("WireGuard for the overlay's peers only")
+    title = f"denv balancer host: {'; '.join(guarded)}."
     table = ruleset("denv-balancer", title, balancer_guards(access))
     unit_file = _unit(BALANCER_UNIT, BALANCER_RULES, "denv-balancer", "SSH, HAProxy stats")
     return [text_file(BALANCER_RULES, table), unit_file]
@@ -300,8 +311,9 @@ def balancer_fact_query() -> FactQuery:
 
 
 def plan_balancer_host(facts: NodeFacts, access: BalancerAccess) -> list[Step]:
-    """A balancer host's table; none when the site lists no admin_cidrs (one left from an
-    earlier deploy is removed, so SSH and stats are as the machine has them again).
+    """A balancer host's table; none when the site lists no admin_cidrs and the host is not on
+    the overlay (one left from an earlier deploy is removed, so SSH and stats are as the
+    machine has them again).
 
     NodeSpecError if the table would shut this deploy's own SSH login out.
     """

@@ -85,6 +85,18 @@ def overlay_problems(problems: Problems, stack: StackSpec) -> None:
         return
     network = ipaddress.IPv4Network(overlay.cidr)  # read_overlay kept a valid one
     machines = _machines(stack)
+    if hubs and machines:
+        # The overlay is on, so every balancer reaches the nodes at their overlay addresses;
+        # a balancer on this machine joins no overlay and would reach none of them.
+        for i, site_name in enumerate(stack.balancer.sites):
+            kind = kinds.get(site_name)
+            if kind is not None and kind not in BALANCER_OVERLAY_KINDS:
+                problems.add(
+                    f"balancer.sites[{i}]",
+                    f"{site_name} is a {kind} site, whose balancer does not join the overlay "
+                    f"the other balancers reach the nodes through; {HOST_ADVICE}, or set "
+                    "balancer.overlay.enabled: false",
+                )
     room = (network.num_addresses - 2) // ADDRESSES_PER_MACHINE
     if machines > room:
         problems.add(

@@ -8,9 +8,10 @@ import pulumi_hcloud
 import pytest
 
 from denv_iac.components import Cluster
-from denv_iac.components.cluster import SITE_BUILDERS
+from denv_iac.components.cluster import SITE_BUILDERS, validate_cluster
 from denv_iac.components.node_setup import CLOUD_SITE_KINDS
 from denv_iac.components.secrets import public_key_of
+from denv_iac.overlay import plan_overlay
 from denv_iac.spec.model import SITE_KINDS
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
@@ -120,7 +121,12 @@ def test_balancer_config_routes_to_every_replica_address_and_port() -> None:
     assert len(run.outputs["replica_ids"]) == 7
     for replica_id in run.outputs["replica_ids"]:
         assert f"server {replica_id} " in config
-    assert "203.0.113.21:8000 " in config and "192.0.2.11:8000 " in config
+    # Nodes reached over SSH are reached through the overlay, at their overlay addresses.
+    stack, placement, _ = validate_cluster("prod", stacks.multicloud())
+    overlay = plan_overlay(stack, placement)
+    for site, node in (("hetzner-fsn", "gex-1"), ("office", "rack-2")):
+        assert f" {overlay.address_of(site, node)}:8000 " in config
+    assert "203.0.113.21:8000 " not in config and "192.0.2.11:8000 " not in config
     assert "agent-port 9100" in config
     assert "/etc/haproxy/denv/api_keys.map" in config
     # the endpoint is the first balancer site's host (hetzner-fsn), TLS on 443

@@ -124,5 +124,10 @@ def test_denv_plan_resources_shows_the_overlay_with_every_private_key_masked(
     assert all(k["inputs"]["private_key"] == SECRET_SHOWN for k in keys)
     assert all(k["parent"] == "voice-multicloud-overlay" for k in keys)
     shown_on_screen = CliRunner().invoke(main, args, terminal_width=300).output
-    masked = re.findall(r"(?<!ssh_)private_key=\[secret\]", shown_on_screen)
+    masked = re.findall(r"(?<!ssh_)(?<!overlay_)private_key=\[secret\]", shown_on_screen)
     assert len(masked) == len(members)
+    # Each member's deploy takes its key as a secret too.
+    deploys = [r for r in document["resources"] if "overlay_private_key" in r["inputs"]]
+    assert len(deploys) == len(members)
+    assert all(r["inputs"]["overlay_private_key"] == SECRET_SHOWN for r in deploys)
+    assert len(re.findall(r"overlay_private_key=\[secret\]", shown_on_screen)) == len(members)
