@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, resolved
-from denv_iac.overlay import OverlayPlan, render_config, wireguard_sources
+from denv_iac.overlay import OverlayMember, OverlayPlan, render_config, wireguard_sources
 
 PRIVATE_KEY = "private_key"
 
@@ -36,6 +36,15 @@ def wireguard_public_key(private_key: str) -> str:
     """The public half of a base64 WireGuard private key."""
     key = X25519PrivateKey.from_private_bytes(base64.b64decode(private_key, validate=True))
     return _base64(key.public_key().public_bytes_raw())
+
+
+def key_name(member: OverlayMember) -> str:
+    """The member's key resource's name: a node's member name, `<site>-balancer-host` for a
+    machine made for the balancer (a ':' in a resource name is hard to type in a URN that
+    `pulumi up --replace` takes)."""
+    if member.node:
+        return member.name
+    return f"{member.site}-balancer-host"
 
 
 class WireGuardKeyProvider(pulumi.dynamic.ResourceProvider):
@@ -96,7 +105,9 @@ class Overlay(pulumi.ComponentResource):
     ) -> None:
         super().__init__("denv:index:Overlay", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        keys = {m.name: WireGuardKey(child_name(name, m.name), m.name, child) for m in plan.members}
+        keys = {
+            m.name: WireGuardKey(child_name(name, key_name(m)), m.name, child) for m in plan.members
+        }
         self.private_keys: dict[str, pulumi.Output[str]] = {
             member: pulumi.Output.secret(key.private_key) for member, key in keys.items()
         }

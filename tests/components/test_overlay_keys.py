@@ -88,7 +88,11 @@ def test_one_key_per_machine_each_private_key_masked() -> None:
     plan, program = _overlay_program()
     run = run_program(program, preview=True)
     keys = run.of_type(KEY_TYPE)
-    assert sorted(r.name for r in keys) == sorted(f"s-overlay-{m.name}" for m in plan.members)
+    # Named by the member, a machine made for the balancer without the ':' of its member name.
+    names = [m.name if m.node else f"{m.site}-balancer-host" for m in plan.members]
+    assert sorted(r.name for r in keys) == sorted(f"s-overlay-{name}" for name in names)
+    assert HUB not in names and not any(":" in r.name for r in keys)
+    assert sorted(r.inputs["member"] for r in keys) == sorted(m.name for m in plan.members)
     for registration in keys:
         assert shown(registration.inputs)["private_key"] == SECRET_SHOWN
         assert registration.inputs["private_key"][SECRET_SIG] == SECRET_MARK
