@@ -229,6 +229,69 @@ def test_adding_or_removing_a_machine_renumbers_no_other(change: Any) -> None:
     assert kept and {n: after[n] for n in kept} == {n: before[n] for n in kept}
 
 
+def deploy_inputs(plan: OverlayPlan, **rotated: str) -> dict[str, tuple[Any, ...]]:
+    """Per member, all that its deploy takes from the overlay: its address, its config, whom
+    its firewall admits WireGuard and balancer traffic from."""
+    addresses = public(plan)
+    texts = configs(plan, keys(plan, **rotated))
+    return {
+        m.name: (
+            m.address,
+            texts[m.name],
+            wireguard_sources(plan, m.name, addresses),
+            plan.hub_addresses,
+        )
+        for m in plan.members
+    }
+
+
+def _replace_office_machine(c: dict[str, Any]) -> None:
+    c["denv:sites"][1]["nodes"][0] = {
+        "name": "rack-3",
+        "address": "192.0.2.12",
+        "gpu": "L40S",
+        "gpus": 1,
+    }
+
+
+def _swap_office_machine(c: dict[str, Any]) -> None:
+    c["denv:sites"][1]["nodes"][0]["address"] = "192.0.2.99"  # the same node on a new box
+
+
+MINIMAL = [
+    # (change, the members whose deploy inputs change or appear; every other one's stay)
+    (CHANGES[0][1], {HUB, "office.rack-3"}),
+    (CHANGES[1][1], {HUB, "aws-use1.node-2"}),
+    (_replace_office_machine, {HUB, "office.rack-3"}),
+    (_swap_office_machine, {HUB}),  # the hub dials its new address; its own inputs stay
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "affected"),
+    MINIMAL,
+    ids=["add-office-machine", "add-aws-node", "replace-office-machine", "swap-office-box"],
+)
+def test_adding_or_replacing_a_node_changes_only_the_hubs_and_its_own_deploy(
+    change: Any, affected: set[str]
+) -> None:
+    before = deploy_inputs(overlay_of(config()))
+    cfg = config()
+    change(cfg)
+    after = deploy_inputs(overlay_of(cfg))
+    changed = {name for name in after if before.get(name) != after[name]}
+    assert changed == affected
+
+
+@pytest.mark.parametrize("rotated", ["office.rack-2", "aws-use1.node-0", HUB])
+def test_rotating_a_key_changes_only_its_peers_deploys_besides_its_own_key(rotated: str) -> None:
+    plan = overlay_of(config())
+    before, after = deploy_inputs(plan), deploy_inputs(plan, **{rotated: "rotated="})
+    changed = {name for name in after if before[name] != after[name]}
+    # Its own deploy changes by its private key alone, which no config holds.
+    assert changed == {p.name for p in plan.peers(rotated)}
+
+
 def test_allocation_is_stable_as_machines_are_added_one_by_one() -> None:
     names = [f"office.node-{i}" for i in range(300)]
     previous = allocate("10.99.0.0/16", names[:1])
