@@ -128,6 +128,36 @@ def test_a_secret_input_shows_as_secret_never_its_value() -> None:
     assert "hunter2" not in json.dumps(inputs)
 
 
+@pytest.mark.parametrize(
+    ("rule", "shown_as"),
+    [
+        # Lambda's ruleset
+        (
+            {"protocol": "udp", "port_range": [51820.0, 51820.0], "source_network": "1.2.3.4/32"},
+            "udp/51820 from 1.2.3.4/32",
+        ),
+        (
+            {"protocol": "tcp", "port_range": [8000, 8007], "source_network": "1.2.3.4/32"},
+            "tcp/8000-8007 from 1.2.3.4/32",
+        ),
+        # Robot's, a discard rule among them, and a reply rule with no source
+        (
+            {"protocol": "udp", "dst_port": "51820", "action": "discard"},
+            "deny udp/51820 from any",
+        ),
+        ({"protocol": "icmp", "action": "accept"}, "icmp from any"),
+        # hcloud's
+        (
+            {"direction": "in", "protocol": "udp", "port": "51820", "sourceIps": ["::/0"]},
+            "udp/51820 from ::/0",
+        ),
+    ],
+)
+def test_a_firewalls_rules_show_at_a_glance(rule: dict[str, Any], shown_as: str) -> None:
+    resource = PreviewResource("test:index:Firewall", "fw", "", {"rules": [rule, rule]})
+    assert key_inputs(resource) == f"rules=[{shown_as}, {shown_as}]"
+
+
 def test_voice_multicloud_lists_every_site_kinds_resources_with_secrets_masked(
     tmp_path: Path,
 ) -> None:

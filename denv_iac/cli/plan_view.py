@@ -29,6 +29,8 @@ KEY_INPUTS = (
     "toPort",
     "cidrIpv4",
     "cidrIpv6",
+    "protocol",
+    "rules",
 )
 
 
@@ -103,15 +105,12 @@ def render_overlay(plan: Plan, console: Console) -> None:
         console.print(f"Overlay: off ({why})")
         return
     spec = overlay.spec
+    # On: `pulumi up` brings each machine's interface up in its deploy, and the balancer reaches
+    # every node at its overlay address.
     console.print(
-        f"Overlay: planned, WireGuard {spec.cidr} on udp/{spec.port}, "
-        f"{len(overlay.members)} machines, {len(overlay.links())} links"
-    )
-    # `pulumi up` makes the keys and configs, but no deploy brings the tunnel up yet: saying
-    # "on" would tell the user their traffic is encrypted when it is not.
-    console.print(
-        "[yellow]warning:[/yellow] the deploy does not bring the overlay up yet; "
-        "traffic between the balancer and the nodes is still plain HTTP"
+        f"Overlay: on, WireGuard {spec.cidr} on udp/{spec.port}, "
+        f"{len(overlay.members)} machines, {len(overlay.links())} links; the balancer reaches "
+        "these nodes through it"
     )
     table = Table(title="Overlay", title_justify="left")
     for column in ("machine", "address", "role", "reached"):
@@ -131,7 +130,23 @@ def _brief(value: Any) -> str:
     # Integers reach the engine as floats (22.0); show them as the stack wrote them.
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "[" + ", ".join(_rule(v) for v in value) + "]"
     return str(value)
+
+
+def _rule(rule: dict[str, Any]) -> str:
+    """A firewall rule at a glance, whichever provider's shape (Lambda, Robot, hcloud):
+    protocol/ports from its sources; a Robot discard rule reads "deny"."""
+    low_high = rule.get("port_range")
+    ports = rule.get("port") or rule.get("dst_port") or ""
+    if isinstance(low_high, list) and len(low_high) == 2:
+        low, high = (_brief(p) for p in low_high)
+        ports = low if low == high else f"{low}-{high}"
+    sources = rule.get("sourceIps") or [rule.get("source_network") or rule.get("src_ip") or "any"]
+    deny = "deny " if rule.get("action") == "discard" else ""
+    where = f"/{ports}" if ports else ""
+    return f"{deny}{rule.get('protocol', '?')}{where} from {' '.join(map(str, sources))}"
 
 
 def key_inputs(resource: PreviewResource) -> str:
