@@ -609,14 +609,14 @@ def _plan_cli(tmp_path: Path, cfg: dict[str, Any]) -> Result:
     return CliRunner().invoke(main, ["plan", "--stack", "s", "--stacks-dir", str(tmp_path)])
 
 
-def test_denv_plan_lists_the_planned_overlay_and_says_it_is_not_up_yet(tmp_path: Path) -> None:
+def test_denv_plan_lists_the_overlay_the_deploy_brings_up(tmp_path: Path) -> None:
     result = _plan_cli(tmp_path, config())
     assert result.exit_code == 0, result.output
     assert (
-        "Overlay: planned, WireGuard 10.99.0.0/16 on udp/51820, 6 machines, 5 links"
-        in result.output
+        "Overlay: on, WireGuard 10.99.0.0/16 on udp/51820, 6 machines, 5 links; the balancer "
+        "reaches these nodes through it" in " ".join(result.output.split())
     )
-    assert "does not bring the overlay up yet" in result.output
+    assert "plain HTTP" not in result.output and "overlay up yet" not in result.output
     assert "dials out (behind NAT)" in result.output
     assert "overlay" not in result.stderr
 
