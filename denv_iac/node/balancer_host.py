@@ -178,6 +178,22 @@ def _put_live(rendered: RenderedConfig, private: dict[str, tuple[str, str]]) -> 
     return steps
 
 
+def plan_host(
+    facts: NodeFacts,
+    rendered: RenderedConfig,
+    access: BalancerAccess,
+    certificate: str | None = None,
+    gateway: GatewayCredentials | None = None,
+    overlay_config: str | None = None,
+) -> list[Step]:
+    """A balancer host's steps: its firewall, then its overlay interface (when it is on the
+    overlay), then HAProxy, which reaches the nodes through that interface."""
+    steps = firewall.plan_balancer_host(facts, access) + overlay.plan(facts, overlay_config)
+    if any(step.uses_apt for step in steps):
+        steps.insert(0, Step("base", "refresh the package index", (APT_UPDATE,)))
+    return steps + plan_balancer(facts, rendered, certificate, gateway)
+
+
 def prepare_balancer(
     target: Target,
     rendered: RenderedConfig,
@@ -195,11 +211,7 @@ def prepare_balancer(
     with connect(target) as session:
         query = fact_query(rendered) | firewall.balancer_fact_query() | overlay.fact_query()
         facts = session.facts(query)
-        # The overlay comes up behind the firewall, and before HAProxy reaches nodes through it.
-        steps = firewall.plan_balancer_host(facts, access) + overlay.plan(facts, overlay_config)
-        if any(step.uses_apt for step in steps):
-            steps.insert(0, Step("base", "refresh the package index", (APT_UPDATE,)))
-        steps += plan_balancer(facts, rendered, certificate, gateway)
+        steps = plan_host(facts, rendered, access, certificate, gateway, overlay_config)
         if not dry:
             session.apply(steps, progress)
         return steps

@@ -19,9 +19,17 @@ from denv_iac.balancer import (
     render_haproxy_config,
 )
 from denv_iac.node import plan_balancer
-from denv_iac.node.balancer_host import CONFIG, DROP_IN, STAGING, TLS_CERT_PATH, fact_query
+from denv_iac.node.balancer_host import (
+    CONFIG,
+    DROP_IN,
+    STAGING,
+    TLS_CERT_PATH,
+    fact_query,
+    plan_host,
+)
 from denv_iac.node.deploy import apply_step
 from denv_iac.node.facts import NodeFacts
+from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.steps import Step, text_file
 
 POOL = BalancerPool(
@@ -213,3 +221,27 @@ def test_a_private_file_is_never_readable_by_others_on_its_way_even_through_sudo
     commands = list(apply_step._inner(plain))
     assert len(commands) == 3 and isinstance(commands[1], FileUploadCommand)
     assert commands[1].remote_temp_filename is None
+
+
+OVERLAY_CONFIG = (
+    "[Interface]\nAddress = 10.99.0.9/16\nListenPort = 51820\n"
+    "PrivateKey = yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk=\n"
+)
+ON_OVERLAY = BalancerAccess((), 8405, 51820, ("198.18.0.1",))
+
+
+def test_a_host_on_the_overlay_brings_it_up_behind_its_firewall_before_haproxy() -> None:
+    facts = NodeFacts(systemd=True, packages={"nftables": "1.0.9"})
+    steps = plan_host(facts, RENDERED, ON_OVERLAY, overlay_config=OVERLAY_CONFIG)
+    areas = [step.area for step in steps]
+    assert steps[0].title == "refresh the package index"  # before wireguard-tools
+    last_firewall = max(i for i, a in enumerate(areas) if a == "firewall")
+    assert last_firewall < areas.index("overlay") < areas.index("balancer")
+    assert [s.title for s in steps if s.area == "overlay"] == [
+        "install wireguard-tools",
+        "write the denv0 config",
+        "bring denv0 up",
+    ]
+    # Off the overlay: no interface, no refresh of its own, HAProxy as before.
+    off = plan_host(facts, RENDERED, BalancerAccess((), 8405))
+    assert "overlay" not in {s.area for s in off} and off == plan_balancer(facts, RENDERED)

@@ -259,8 +259,16 @@ def _nft_check(path: Path) -> subprocess.CompletedProcess[str]:
         balancer_files(BalancerAccess(ADMINS, 8405))[0].content,
         rules(overlay_spec()).content,
         rules(overlay_spec(overlay_senders=ANYWHERE, replicas=())).content,
+        balancer_files(BalancerAccess(ADMINS, 8405, 51820, ANYWHERE))[0].content,
     ],
-    ids=["node", "node-open-ssh-no-balancers", "balancer-host", "overlay", "overlay-anywhere"],
+    ids=[
+        "node",
+        "node-open-ssh-no-balancers",
+        "balancer-host",
+        "overlay",
+        "overlay-anywhere",
+        "balancer-host-overlay",
+    ],
 )
 def test_the_rules_are_valid_nftables(tmp_path: Path, content: bytes) -> None:
     if shutil.which("nft") is None or shutil.which("unshare") is None:
@@ -414,3 +422,45 @@ def test_the_probe_finds_the_login_above_a_sudo_that_cleared_the_environment() -
     ).stdout
     facts = parse_facts(out.splitlines())
     assert (facts.ssh_client, facts.ssh_port) == ("198.51.100.7", 22)
+
+
+@pytest.mark.parametrize(
+    ("access", "present", "absent"),
+    [
+        # On the overlay without admins: a table for WireGuard alone, SSH left as it is.
+        (
+            BalancerAccess((), 8405, 51820, ("198.18.0.1",)),
+            [
+                "# denv balancer host: WireGuard for the overlay's peers only.",
+                "udp dport { 51820 } ip saddr @overlay_senders_v4 accept",
+                "udp dport { 51820 } drop",
+            ],
+            ["tcp dport"],
+        ),
+        # A node behind NAT: from anywhere.
+        (
+            BalancerAccess(("198.51.100.0/24",), 8405, 51820, ANYWHERE),
+            [
+                "SSH and HAProxy's stats port for the admins only; WireGuard for the overlay's",
+                "elements = { 0.0.0.0/0 }",
+                "tcp dport { 22, 8405 } drop",
+            ],
+            [],
+        ),
+    ],
+    ids=["overlay-only", "overlay-and-admins"],
+)
+def test_balancer_host_rules_on_the_overlay(
+    access: BalancerAccess, present: list[str], absent: list[str]
+) -> None:
+    rendered = balancer_files(access)[0].content.decode()
+    for line in present:
+        assert line in rendered
+    for line in absent:
+        assert line not in rendered
+
+
+def test_a_balancer_host_on_the_overlay_keeps_a_table_without_admins() -> None:
+    access = BalancerAccess((), 8405, 51820, ("198.18.0.1",))
+    steps = plan_balancer_host(_balancer_facts(), access)
+    assert f"write {BALANCER_RULES}" in [s.title for s in steps]
