@@ -84,6 +84,11 @@ def props(bed: Bed, node: Vm, admin_cidrs: tuple[str, ...] = (f"{HOST}/32",)) ->
         nvidia_repo=f"file://{standin.REPO_IN_ROOT}",
         admin_cidrs=admin_cidrs,
     )
+    return spec_props(bed, node, spec)
+
+
+def spec_props(bed: Bed, node: Vm, spec: NodeDeploySpec) -> dict[str, Any]:
+    """NodeSetup's inputs for `spec` on the VM, reached over SSH from the bed's own address."""
     data = spec_to_json(spec)
     return {
         "host": node.address,
