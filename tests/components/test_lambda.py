@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.lambda_cloud import wire_rules
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG
 from denv_iac.components.secrets import public_key_of
+from denv_iac.overlay import plan_overlay
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
@@ -118,17 +120,23 @@ def test_the_ruleset_opens_the_balancer_its_ports_and_ssh_to_admins(
     check_request("POST", "/api/v1/firewall-rulesets", body)  # the shape Lambda takes
 
 
-def test_the_balancer_routes_voice_to_the_lambda_instances_addresses() -> None:
-    run = _run(preview=False)
+@pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "overlay-off"])
+def test_the_balancer_routes_voice_to_the_lambda_instances_addresses(overlay: bool) -> None:
+    args = lambda_stack() if overlay else _overlay_off()
+    run = _run(preview=False, args=args)
     config = run.outputs["haproxy_config"]
     servers = [line.split()[1:3] for line in config.splitlines() if "server voice." in line]
     # Each replica is one server of its tier and one of the tier's realtime twin.
     names = [f"voice.lambda-use1.node-{i}.0" for i in range(3)]
     assert [s[0] for s in servers] == names * 2
-    assert all(
-        address.startswith("198.18.") and address.endswith(":8000") for _, address in servers
-    )
-    assert len({address for _, address in servers}) == 3
+    # Through the tunnel at the nodes' overlay addresses; with it off, at their public ones.
+    if overlay:
+        stack, placement, _ = validate_cluster("prod", args)
+        plan = plan_overlay(stack, placement)
+        expected = {f"{plan.address_of('lambda-use1', f'node-{i}')}:8000" for i in range(3)}
+    else:
+        expected = {a for _, a in servers if a.startswith("198.18.") and a.endswith(":8000")}
+    assert {address for _, address in servers} == expected and len(expected) == 3
 
 
 def test_registered_inputs_match_the_golden_snapshot() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
+from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.nebius import (
     CACHE_MOUNT_POINT,
     CACHE_MOUNT_TAG,
@@ -17,6 +18,7 @@ from denv_iac.components.nebius import (
 from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_of
 from denv_iac.components.security import IngressRule
+from denv_iac.overlay import plan_overlay
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
@@ -160,8 +162,10 @@ def test_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins(
     assert all(rule["parentId"] == "prod-nebius-eun1-sg-id" for rule in rules.values())
 
 
-def test_the_balancer_routes_voice_to_the_instances_public_addresses() -> None:
-    run = _run(preview=False)
+@pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "overlay-off"])
+def test_the_balancer_routes_voice_to_the_instances_addresses(overlay: bool) -> None:
+    args = nebius_stack() if overlay else _overlay_off()
+    run = _run(preview=False, args=args)
     servers = [
         line.split()[1:3]
         for line in run.outputs["haproxy_config"].splitlines()
@@ -170,8 +174,15 @@ def test_the_balancer_routes_voice_to_the_instances_public_addresses() -> None:
     # Each replica is one server of its tier and one of the tier's realtime twin.
     names = [f"voice.nebius-eun1.node-{i}.0" for i in range(3)]
     assert sorted(s[0] for s in servers) == sorted(names * 2)
-    # the address without Nebius's /32 suffix
-    assert all(a.startswith("198.18.") and a.endswith(":8000") and "/" not in a for _, a in servers)
+    if overlay:  # through the tunnel, at the nodes' overlay addresses
+        stack, placement, _ = validate_cluster("prod", args)
+        plan = plan_overlay(stack, placement)
+        expected = {f"{plan.address_of('nebius-eun1', f'node-{i}')}:8000" for i in range(3)}
+        assert {a for _, a in servers} == expected
+    else:  # the public address, without Nebius's /32 suffix
+        assert all(
+            a.startswith("198.18.") and a.endswith(":8000") and "/" not in a for _, a in servers
+        )
 
 
 def test_registered_inputs_match_the_golden_snapshot() -> None:
