@@ -1,6 +1,8 @@
 """AWS sites as EC2 behaves: a cache volume attached to one instance at a time, detached only
 from a stopped instance, and public addresses that exist in any subnet and survive stop/start."""
 
+import re
+
 import pytest
 
 from denv_iac.components.preview import _address as mock_address
@@ -34,12 +36,14 @@ def test_every_instance_has_an_elastic_ip_and_its_address_is_what_everyone_uses(
     for eip in eips:
         assert eip.inputs["domain"] == "vpc"
         assert eip.inputs["instance"] == f"{eip.name.removesuffix('-eip')}-id"
-    # the mocks give an Elastic IP and its instance different addresses: the EIP's must win
-    config = run.outputs["haproxy_config"]
+    # the mocks give an Elastic IP and its instance different addresses: the EIP's must win,
+    # where the deploy logs in and where the balancer hosts dial the nodes' overlay interface
     eip_addresses = {mock_address(e.name) for e in eips}
     instance_addresses = {mock_address(i.name) for i in instances.values()}
-    served = {
-        line.split()[2].rsplit(":", 1)[0] for line in config.splitlines() if "server voice." in line
-    }
-    assert served and served <= eip_addresses and not served & instance_addresses
+    deploys = run.of_type("pulumi-python:dynamic/denv:NodeDeployment")
+    logins = {d.inputs["host"] for d in deploys if d.name.startswith("prod-aws-use1-node-")}
+    hub = next(d for d in deploys if d.name == "prod-balancer-hetzner-fsn-setup-deploy")
+    dialled = set(re.findall(r"Endpoint = ([0-9.]+):", hub.inputs["overlay_config"]))
+    for used in (logins, dialled & (eip_addresses | instance_addresses)):
+        assert used and used <= eip_addresses and not used & instance_addresses
     assert set(run.outputs["balancer_addresses"]) & eip_addresses  # the AWS balancer host too
