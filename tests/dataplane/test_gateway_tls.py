@@ -1,0 +1,245 @@
+"""The balancer and a Kubernetes site's gateway, both real HAProxy, linked by mutual TLS.
+
+The gateway runs its rendered config (listeners and agent frontend bound with `ssl ... verify
+required`), the balancer its rendered config (server line with the client certificate, agent
+checks through the loopback relay), a simulated replica stands behind the gateway as its pod,
+and an agent stand-in as the pod's node agent; all on 127.0.0.1. A stream goes through both,
+the agent's verdicts come back through the relay, and the gateway refuses every client that
+lacks the stack's client certificate, plaintext included.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from denv_iac.balancer import (
+    BalancerPool,
+    BalancerServer,
+    BalancerSettings,
+    BalancerTier,
+    render_haproxy_config,
+)
+from denv_iac.balancer.files import write_config
+from denv_iac.balancer.runtime import HaproxyProcess, stats_command
+from denv_iac.kube_manifests import GATEWAY_HEALTH_PORT, GatewayRoute, gateway_haproxy_config
+from denv_iac.local.replica_sim import ReplicaProcess
+from denv_iac.spec.gateway_link import gateway_tls_name
+from denv_iac.spec.ports import AGENT_PORT
+from denv_iac.spec.reader import read_stack
+from tests.gateway_pki import GatewayPki, reading_tls_from, write_pki
+
+from .dataplane_harness import FAST_REPLICA, AgentStandIn, free_port, stream_chat
+
+REPLICA = "voice.k8s.node-0.0"
+SITE = {
+    "name": "k8s",
+    "kind": "kubernetes",
+    "kubeconfig": {"secure": "sealed"},
+    "gpu": "H100",
+    "gpus_per_node": 8,
+    "max_nodes": 1,
+}
+EDGE = {"name": "edge", "kind": "local", "nodes": [{"name": "lb", "gpu": "L4", "gpus": 1}]}
+RECIPE = {"name": "voice", "min_warm": 1, "spare": 0, "sites": ["k8s"], "image": "x/y:1"}
+
+
+@dataclasses.dataclass
+class Link:
+    pki: GatewayPki
+    endpoint: str
+    replica_port: int  # the gateway's listener for the replica
+    agent_port: int  # the gateway's agent frontend
+    agent: AgentStandIn
+    balancer: HaproxyProcess
+
+    def server_row(self) -> dict[str, str]:
+        rows = csv.DictReader(io.StringIO(stats_command(self.balancer.stats_socket, "show stat")))
+        return next(r for r in rows if (r["# pxname"], r["svname"]) == ("voice.tier10", REPLICA))
+
+
+def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+    except OSError:
+        return False
+    return True
+
+
+def _gateway_config(pki: GatewayPki, replica: int, listen: int, agent: int, agents: int) -> str:
+    """The gateway's rendered config on local ports, its node agents found at `agents`."""
+    stack = read_stack(
+        "prod",
+        {
+            "denv:sites": [SITE, EDGE],
+            "denv:recipes": [RECIPE],
+            "denv:balancer": {"sites": ["edge"]},
+        },
+    )
+    route = GatewayRoute(REPLICA, "node-0", 8000, listen, "127.0.0.1", replica)
+    config = gateway_haproxy_config(stack.site("k8s"), [route], tls=True)
+    config = config.replace("bind :", "bind 127.0.0.1:")
+    config = config.replace(f"bind 127.0.0.1:{AGENT_PORT} ", f"bind 127.0.0.1:{agent} ")
+    config = config.replace(f":{GATEWAY_HEALTH_PORT}\n", f":{free_port()}\n")
+    # In the cluster the agents are found through their headless Service; here, at one port.
+    lines = [
+        f"    server agent0 127.0.0.1:{agents} check inter 1s rise 1 fall 1"
+        if "server-template" in line
+        else line
+        for line in config.splitlines()
+    ]
+    return reading_tls_from("\n".join(lines) + "\n", pki.folder)
+
+
+@pytest.fixture
+def link(tmp_path: Path) -> Iterator[Link]:
+    pki = write_pki(tmp_path / "tls", "k8s")
+    replica = ReplicaProcess(
+        dataclasses.replace(FAST_REPLICA, replica_id=REPLICA), log_path=tmp_path / "replica.log"
+    )
+    agent = AgentStandIn()
+    started: list[Callable[[], object]] = [agent.close]
+    try:
+        replica.spawn()
+        replica.wait_ready()
+        started.append(replica.stop)
+        listen, agent_port = free_port(), free_port()
+        gateway_cfg = tmp_path / "gateway.cfg"
+        gateway_cfg.write_text(_gateway_config(pki, replica.port, listen, agent_port, agent.port))
+        with (tmp_path / "gateway.log").open("wb") as log:
+            gateway = subprocess.Popen(
+                ["haproxy", "-db", "-f", str(gateway_cfg)], stdout=log, stderr=subprocess.STDOUT
+            )
+        started.append(lambda: (gateway.terminate(), gateway.wait(timeout=10)))
+        _wait(lambda: _listening(listen) and _listening(agent_port), "the gateway listening")
+        settings = BalancerSettings(
+            bind_address="127.0.0.1",
+            port=free_port(),
+            stats_socket=str(tmp_path / "balancer.sock"),
+            prometheus_port=None,
+            gateway_ca_file=str(pki.ca),
+            gateway_client_cert=str(pki.client_pem),
+            agent_relay_port_base=free_port(),
+            # Generous on a loaded build machine: a TLS handshake there can take a few hundred
+            # milliseconds, and what is measured here is the link, not its speed.
+            check_timeout_ms=3000,
+            connect_timeout_ms=1000,
+        )
+        server = BalancerServer(
+            REPLICA,
+            "k8s",
+            "node-0",
+            "127.0.0.1",
+            listen,
+            agent_port,
+            gateway=gateway_tls_name("k8s"),
+        )
+        pool = BalancerPool("voice", (BalancerTier(10, ("k8s",), (server,)),))
+        balancer_dir = tmp_path / "balancer"
+        rendered = render_haproxy_config([pool], settings, str(balancer_dir))
+        balancer = HaproxyProcess(
+            write_config(rendered, balancer_dir),
+            Path(settings.stats_socket),
+            tmp_path / "balancer.log",
+        )
+        balancer.start()
+        started.append(balancer.stop)
+        yield Link(pki, f"http://127.0.0.1:{settings.port}", listen, agent_port, agent, balancer)
+    finally:
+        for stop in reversed(started):
+            stop()
+
+
+def _serving(link: Link) -> Callable[[], bool]:
+    """UP on a passed health check (over TLS), with an agent verdict read through the relay."""
+
+    def serving() -> bool:
+        row = link.server_row()
+        return (row["status"], row["check_status"], row["agent_status"]) == ("UP", "L7OK", "L7OK")
+
+    return serving
+
+
+def test_a_stream_flows_through_the_gateway_and_agent_verdicts_through_the_relay(
+    link: Link,
+) -> None:
+    # Health checks passed over TLS (L7OK), and agent checks reached the agent through the relay.
+    _wait(_serving(link), "the health check passing and the agent's verdict read")
+    with httpx.Client(base_url=link.endpoint, timeout=10) as client:
+        outcome = stream_chat(
+            client, {"model": "voice", "messages": [{"role": "user", "content": "hi"}]}
+        )
+    assert (outcome.status, outcome.replica, outcome.done, outcome.error) == (
+        200,
+        REPLICA,
+        True,
+        None,
+    )
+    assert len(outcome.chunks) >= FAST_REPLICA.tokens
+    # The agent's word travels back the same way: a drain shows on the balancer.
+    link.agent.set_reply(REPLICA, "drain")
+    _wait(lambda: link.server_row()["status"].startswith("DRAIN"), "the agent's drain")
+    link.agent.set_reply(REPLICA, "up ready 100%")
+    _wait(lambda: link.server_row()["status"] == "UP", "the agent's ready")
+
+
+def _tls_exchange(port: int, pki: GatewayPki, client_pem: Path | None, send: bytes) -> bytes:
+    """What a TLS client gets back for `send`: verifying the gateway, with `client_pem` if any."""
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    if client_pem is not None:
+        context.load_cert_chain(str(client_pem))
+    try:
+        raw = socket.create_connection(("127.0.0.1", port), timeout=3)
+        with context.wrap_socket(raw, server_hostname=gateway_tls_name("k8s")) as conn:
+            conn.sendall(send)
+            return conn.recv(4096)
+    except (ssl.SSLError, OSError):
+        return b""
+
+
+def _plain_exchange(port: int, send: bytes) -> bytes:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as conn:
+            conn.sendall(send)
+            return conn.recv(4096)
+    except OSError:
+        return b""
+
+
+REQUEST = b"GET /health HTTP/1.1\r\nHost: replica\r\nConnection: close\r\n\r\n"
+
+
+def test_the_gateway_answers_only_clients_with_the_stacks_client_certificate(link: Link) -> None:
+    _wait(_serving(link), "the health check passing and the agent's verdict read")
+    # With it: the replica answers through the gateway.
+    assert _tls_exchange(link.replica_port, link.pki, link.pki.client_pem, REQUEST).startswith(
+        b"HTTP/1.1 200"
+    )
+    agent_check = f"{REPLICA}\n".encode()
+    assert _tls_exchange(link.agent_port, link.pki, link.pki.client_pem, agent_check).startswith(
+        b"up"
+    )
+    # Without it, or with the gateway's own certificate (server authentication only): nothing.
+    for client in (None, link.pki.gateway_pem):
+        assert _tls_exchange(link.replica_port, link.pki, client, REQUEST) == b""
+        assert _tls_exchange(link.agent_port, link.pki, client, agent_check) == b""
+    # Plaintext never reaches the replica or the agent: no HTTP answer, no verdict.
+    assert not _plain_exchange(link.replica_port, REQUEST).startswith(b"HTTP/")
+    assert not _plain_exchange(link.agent_port, agent_check).startswith(b"up")
