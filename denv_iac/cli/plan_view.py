@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from denv_iac.plan import HOURS_PER_MONTH, Plan
+from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
 
 if TYPE_CHECKING:
     # Only for annotations: the preview module imports Pulumi, which a plain `denv plan` skips.
@@ -78,6 +79,7 @@ def render_plan(plan: Plan, console: Console) -> None:
         )
         console.print(f"MIG layout: {layouts}")
     render_overlay(plan, console)
+    render_gateway_link(plan, console)
     hourly = plan.usd_per_hour
     read = sorted({c.price_read for c in plan.costs if c.price_read})
     basis = f" (list prices read {', '.join(read)})" if read else ""
@@ -90,6 +92,23 @@ def render_plan(plan: Plan, console: Console) -> None:
             f"source: {escape(price.source)}",
             soft_wrap=True,
         )
+
+
+def render_gateway_link(plan: Plan, console: Console) -> None:
+    """How the balancer reaches each Kubernetes site's gateway; nothing when there is none."""
+    sites = ", ".join(kubernetes_sites(plan.stack))
+    if not sites:
+        return
+    if gateway_tls_on(plan.stack):
+        console.print(
+            f"Kubernetes link: mutual TLS to the gateway of {sites} (TLS 1.3, the stack's own "
+            "CA, a client certificate required; agent checks relayed over the same TLS)"
+        )
+        return
+    console.print(
+        f"[yellow]warning:[/yellow] Kubernetes link: plain TCP to the gateway of {sites} "
+        "(balancer.overlay.enabled: false); prompts, streams and agent checks cross unencrypted"
+    )
 
 
 def render_overlay(plan: Plan, console: Console) -> None:
