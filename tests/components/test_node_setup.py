@@ -20,10 +20,14 @@ from denv_iac.components.node_setup import (
     node_deploy_specs,
     spec_to_json,
 )
+from denv_iac.components.overlay import new_key_pair
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
 from denv_iac.node.balancer_host import TLS_CERT_PATH, GatewayCredentials
 from denv_iac.node.firewall import BalancerAccess
+from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
+from denv_iac.node.steps import wants_link
+from denv_iac.overlay import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
 from denv_iac.placement import place_replicas
 from denv_iac.spec.reader import StackError, read_stack
 from tests.components import stacks
@@ -427,12 +431,23 @@ def test_create_then_update_through_chroot_converges_and_the_second_run_applies_
     root: Path, spec: NodeDeploySpec
 ) -> None:
     provider = NodeSetupProvider()
+    # wireguard-tools comes from the distribution's repository, before cuda-keyring's is added:
+    # here the stand-ins' offline one.
+    sources = root / "etc/apt/sources.list.d/distribution.list"
+    sources.write_text(f"deb [trusted=yes] file:{chroot.standin.REPO_IN_ROOT} ./\n")
+    # On the overlay, as a Cluster's NodeSetup is: the key filled in only in the file written.
+    on_overlay = dataclasses.replace(spec, listen_address="10.99.4.7")
+    private_key, _ = new_key_pair()
+    config = f"[Interface]\nAddress = 10.99.4.7/16\nPrivateKey = {PRIVATE_KEY_PLACEHOLDER}\n"
     props = {
         "host": f"@chroot{root}",
         "ssh_user": "root",
         "ssh_private_key": "",
-        "node": spec_to_json(spec),
-        "balancer_addresses": list(spec.balancer_addresses),
+        "node": spec_to_json(on_overlay),
+        "balancer_addresses": ["10.99.0.9"],
+        "overlay_config": config,
+        "overlay_private_key": private_key,
+        "overlay_senders": ["203.0.113.10"],
     }
     started = time.monotonic()
     created = provider.create(props)
@@ -450,6 +465,12 @@ def test_create_then_update_through_chroot_converges_and_the_second_run_applies_
     units = [root / "etc/systemd/system" / r.unit for r in spec.replicas]
     assert all(unit.is_file() for unit in units)
     assert (root / "etc/denv/firewall.nft").is_file()
+    written = root / CONFIG_PATH.lstrip("/")
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
+    assert written.read_text() == config.replace(PRIVATE_KEY_PLACEHOLDER, private_key)
+    assert (root / wants_link(OVERLAY_UNIT).lstrip("/")).is_symlink()
+    assert 'agent_check = "10.99.4.7:9100"' in (root / "etc/denv/agent.toml").read_text()
+    assert private_key not in str(created.outs["applied"])
     provider.delete(created.id, updated.outs)
     assert not any(unit.exists() for unit in units)
     assert not (root / "etc/denv/firewall.nft").exists()  # nor the firewall that guarded them

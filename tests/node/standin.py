@@ -169,6 +169,7 @@ exit 2
 
 # A daemon stays up, as the real one does: on a booted machine an exited one would be started
 # again by every deploy.
+_ECHO = '#!/bin/sh\necho {name} "$@"\n'
 _UNIT = "[Unit]\nDescription={name} (stand-in)\n[Service]\nExecStart=/bin/sleep infinity\n"
 _UNIT += "[Install]\nWantedBy=multi-user.target\n"
 # An NVIDIA daemon also holds the device open while it runs, as the real ones hold /dev/nvidia*.
@@ -230,10 +231,22 @@ def _package(
     )
 
 
-def build_repo(out: Path, kernel: str | None = None) -> None:
+def build_repo(out: Path, kernel: str | None = None, wireguard: bool = False) -> None:
     """A flat apt repository (Packages index) of the stand-ins in `out`; with `kernel` (a
-    booted machine's `uname -r`), the headers a driver install asks for first."""
+    booted machine's `uname -r`), the headers a driver install asks for first; with
+    `wireguard`, a wireguard-tools whose commands only echo (a chroot's: a VM takes Debian's)."""
     out.mkdir(parents=True, exist_ok=True)
+    if wireguard:
+        _package(
+            out,
+            "wireguard-tools",
+            "1.0.20210914-1",
+            {
+                "/usr/bin/wg": (_ECHO.format(name="wg"), 0o755),
+                "/usr/bin/wg-quick": (_ECHO.format(name="wg-quick"), 0o755),
+                "/lib/systemd/system/wg-quick@.service": (_UNIT.format(name="wg-quick"), 0o644),
+            },
+        )
     if kernel:
         headers = f"linux-headers-{kernel}"
         _package(out, headers, "1-1", {f"/usr/src/{headers}/Makefile": ("", 0o644)})

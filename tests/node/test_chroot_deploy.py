@@ -53,7 +53,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     subprocess.run(["cp", "-a", str(pristine), str(work)], check=True)
     # Offline: only the stand-in repository, once cuda-keyring has added it.
     (work / "etc/apt/sources.list").unlink(missing_ok=True)
-    standin.build_repo(work / standin.REPO_IN_ROOT.lstrip("/"))
+    standin.build_repo(work / standin.REPO_IN_ROOT.lstrip("/"), wireguard=True)
     standin.fake_pci_bus(work, gpus=2, nvswitches=2)
     print(
         f"\nroot ready in {time.monotonic() - started:.1f} s (debootstrap {built - started:.1f} s)"
