@@ -243,8 +243,10 @@ def hetzner_site(
         hosts = sorted(balancers)
         overlay = node_overlay_access(context["spec"], site.name)
         rows = site_ingress_rules(site, context["spec"].recipes, tuple(hosts), overlay)
-        # The count does not depend on the addresses, only on how many there are (IPv4 ones).
-        count = robot_rules(rows, dict.fromkeys(hosts, "0.0.0.0"))
+        # The count does not depend on the addresses, only on how many there are (IPv4 ones):
+        # one stand-in each, distinct, as rules from one source would merge into one.
+        stand_ins = {host: f"0.0.0.{n}" for n, host in enumerate(hosts, start=1)}
+        count = robot_rules(rows, stand_ins)
         problems = robot_problems(site.name, count, overlay is not None)
         if problems:
             raise StackError(problems)

@@ -77,6 +77,25 @@ def test_without_credentials_no_robot_firewall_is_set() -> None:
     assert _run(stacks.multicloud()).of_type(FIREWALL) == []
 
 
+@pytest.mark.parametrize(
+    ("overlay", "admins"),
+    [({}, 5), ({"enabled": False}, 4)],
+    ids=["overlay", "overlay-off"],
+)
+def test_each_balancer_host_counts_towards_robots_ten_rules(
+    overlay: dict[str, Any], admins: int
+) -> None:
+    """Eleven rules with two balancer hosts, ten if both were counted as one source."""
+    args = _args(admin_cidrs=[f"192.0.2.{i * 8}/29" for i in range(admins)])
+    args["balancer"]["overlay"] = overlay
+    run = Run()
+    with pytest.raises(StackError) as raised:
+        run_program(lambda: cluster_outputs(args), preview=False, run=run)
+    (problem,) = raised.value.problems
+    assert problem.startswith("sites: hetzner-fsn: the Robot firewall takes at most 10 input rules")
+    assert "needs 11 " in problem and run.of_type(FIREWALL) == []
+
+
 def test_more_rules_than_robot_takes_is_one_line_and_no_firewall() -> None:
     admins = [f"192.0.2.{i * 8}/29" for i in range(7)]
     run = Run()
