@@ -35,6 +35,7 @@ from denv_iac.components.secrets import (
 )
 from denv_iac.components.security import (
     AGENT_PORT,
+    node_overlay_access,
     replica_port,
 )
 from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
@@ -66,6 +67,9 @@ def _aws_site(
         "public_key": public_key_output(context["secrets"]["ssh_private_key"]),
         "balancer_addresses": context["balancer_addresses"],
     }
+    overlay = node_overlay_access(context["spec"], site.name)
+    if overlay:
+        args["overlay"] = overlay
     component = AwsSite(name, args, opts)
     return SiteNodes(component, component.node_addresses, component.cache_devices)
 

@@ -200,17 +200,16 @@ def test_gpu_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins() -> None:
     assert len(balancers) == 2
     for site in ("aws-use1", "aws-usw2"):
         rules = _cidr_rules(run, site)
-        assert {(r["fromPort"], r["toPort"]) for r in rules} == {
-            (22, 22),
-            (9100, 9100),
-            (8000, 8007),
+        # On the overlay: no replica or agent port on the public side, WireGuard instead.
+        assert {(r["ipProtocol"], r["fromPort"], r["toPort"]) for r in rules} == {
+            ("tcp", 22, 22),
+            ("udp", 51820, 51820),
         }
-        assert all(r["ipProtocol"] == "tcp" and "cidrIpv6" not in r for r in rules)
+        assert all("cidrIpv6" not in r for r in rules)
         assert {r["cidrIpv4"] for r in rules if r["fromPort"] == 22} == {stacks.ADMIN}
-        # agent and replica ports: each balancer host, and nothing else
-        for ports in ((9100, 9100), (8000, 8007)):
-            sources = [r["cidrIpv4"] for r in rules if (r["fromPort"], r["toPort"]) == ports]
-            assert sorted(sources) == sorted(balancers)
+        # WireGuard: each balancer host, and nothing else
+        sources = [r["cidrIpv4"] for r in rules if r["fromPort"] == 51820]
+        assert sorted(sources) == sorted(balancers)
 
 
 def test_balancer_host_takes_the_endpoint_from_anywhere_and_ssh_from_admins() -> None:
@@ -324,7 +323,9 @@ def test_explicit_providers_reach_every_child() -> None:
     # Dynamic resources (NodeSetup's deploys) run in the program's own provider.
     own = ("pulumi:providers:", "pulumi-python:dynamic")
     children = [r for r in run.registrations if r.custom and not r.type.startswith(own)]
-    assert len(children) == 43  # with an Elastic IP per AWS node and balancer host
+    # With an Elastic IP per AWS node and balancer host, and one WireGuard rule per balancer
+    # host on each AWS site's group where the replica and agent ports' two were.
+    assert len(children) == 39
     for registration in children:
         package = registration.type.split(":")[0]
         assert f"::{package}-team::" in registration.provider, registration.name
