@@ -521,7 +521,7 @@ def test_e_a_second_run_of_every_deploy_changes_nothing(stack: Stack) -> None:
         assert applied == [], (machine, applied)
 
 
-def test_f_delete_leaves_no_unit_rule_or_mount(stack: Stack) -> None:
+def test_f_delete_leaves_no_unit_rule_or_mount_on_the_nodes(stack: Stack) -> None:
     start = time.monotonic()
     _parallel(
         {
@@ -538,5 +538,7 @@ def test_f_delete_leaves_no_unit_rule_or_mount(stack: Stack) -> None:
             check=False,
         )
         assert left.strip() == "", (vm.name, left)
-    left = stack.balancer.ssh("nft list tables | grep denv", check=False)
-    assert left.strip() == "", left
+    # The balancer host's machine goes with its BalancerHost (made on AWS here): its deploy's
+    # delete leaves it serving until then, its firewall with it.
+    tables = stack.balancer.ssh("nft list tables").splitlines()
+    assert "table inet denv-balancer" in tables, tables
