@@ -78,6 +78,17 @@ def plan(facts: NodeFacts, config: str | None) -> list[Step]:
     return steps
 
 
+def removal_steps(facts: NodeFacts) -> list[Step]:
+    """A machine leaving the stack: its interface goes down and its config, which holds its
+    private key, is removed; [] when neither is there. wireguard-tools stays, like the driver."""
+    up = UNIT in facts.active_units or wants_link(UNIT) in facts.links
+    if CONFIG_PATH not in facts.files and not up:
+        return []
+    stop = (f"systemctl disable --now {UNIT}",) if facts.systemd else ()
+    remove = f"rm -f {CONFIG_PATH} {wants_link(UNIT)}"
+    return [Step(AREA, f"take {INTERFACE} down and remove its key", (*stop, remove))]
+
+
 def _apply(config: str) -> tuple[str, ...]:
     """Reload (syncconf: only the changed peers); restart only when the address moved."""
     found = _ADDRESS.search(config)

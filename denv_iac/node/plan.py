@@ -93,12 +93,13 @@ def plan_node(
 
 def removal_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     """What leaving the stack removes: every replica unit, then the MIG boot unit they
-    Require, then the firewall that guarded their ports; the driver, runtime and agent stay
-    for whatever the machine does next."""
+    Require, then the overlay interface and its key, then the firewall that guarded their
+    ports; the driver, runtime and agent stay for whatever the machine does next."""
     bare = dataclasses.replace(spec, replicas=(), mig=())
     return (
         replicas.stale_steps(facts, bare)
         + mig.boot_steps(facts, bare)
+        + overlay.removal_steps(facts)
         + firewall.removal_steps(facts)
     )
 

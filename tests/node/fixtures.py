@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from denv_iac.node import agent, driver, fabric, firewall, holders, mig, replicas
+from denv_iac.node import agent, driver, fabric, firewall, holders, mig, overlay, replicas
 from denv_iac.node.facts import AGENT_VENV, GpuInfo, MigDevice, NodeFacts
 from denv_iac.node.plan import BASE_PACKAGES, fact_query
 from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.steps import wants_link
 
 UBUNTU_2204 = ("ubuntu", "22.04")
 UBUNTU_2404 = ("ubuntu", "24.04")
@@ -75,6 +76,8 @@ def converged(
     `removed`: what it purged.
     """
     query = fact_query(spec)
+    # The overlay's interface is the deploy's only on a node that listens on it.
+    off_overlay = set() if spec.listen_address else {overlay.UNIT, wants_link(overlay.UNIT)}
     files = {
         c.path: c.sha256 for c in (*agent.files(spec), *replicas.files(spec), *mig.files(spec))
     }
@@ -107,12 +110,12 @@ def converged(
         gpus=tuple(gpus),
         files=files,
         links={
-            **dict.fromkeys(query.links, "target"),
+            **dict.fromkeys(set(query.links) - off_overlay, "target"),
             agent.COMMAND_LINK: agent.AGENT_BIN,
         },
         dirs=frozenset(query.dirs) | {AGENT_VENV},
         # Everything the deploy starts runs; DCGM is not the deploy's: it runs where it ran.
-        active_units=(frozenset(query.units) - {*holders.DCGM, holders.DCGM_EXPORTER})
+        active_units=(frozenset(query.units) - {*holders.DCGM, holders.DCGM_EXPORTER} - off_overlay)
         | (facts.active_units & {*holders.DCGM, holders.DCGM_EXPORTER})
         if facts.systemd
         else frozenset(),

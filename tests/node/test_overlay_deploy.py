@@ -9,7 +9,7 @@ import pytest
 from denv_iac.node import NodeDeploySpec, NodeSpecError, ReplicaSpec, agent, plan_node, replicas
 from denv_iac.node.facts import NodeFacts
 from denv_iac.node.overlay import PACKAGE, UNIT, config_file, plan
-from denv_iac.node.plan import fact_query
+from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.node.steps import Step, wants_link
 from denv_iac.overlay import CONFIG_PATH
 
@@ -150,6 +150,25 @@ def test_the_node_deploy_brings_the_overlay_up_after_the_firewall_and_before_its
     after = applied(converged(node_facts(), NODE, FRESH_PACKAGES), steps)
     assert plan_node(after, NODE, CONFIG) == []
     assert CONFIG_PATH in fact_query(NODE).files and UNIT in fact_query(NODE).units
+
+
+def test_leaving_the_stack_takes_the_interface_down_and_its_key_off_the_machine() -> None:
+    up = applied(
+        converged(node_facts(), NODE, FRESH_PACKAGES), plan_node(node_facts(), NODE, CONFIG)
+    )
+    steps = removal_steps(up, NODE)
+    areas = [step.area for step in steps]
+    # After the replicas (they Require the interface), before the firewall that guards it.
+    assert areas.index("overlay") < areas.index("firewall")
+    (down,) = [step for step in steps if step.area == "overlay"]
+    assert down.commands == (
+        f"systemctl disable --now {UNIT}",
+        f"rm -f {CONFIG_PATH} {wants_link(UNIT)}",
+    )
+    files = {k: v for k, v in up.files.items() if k != CONFIG_PATH}
+    links = {k: v for k, v in up.links.items() if k != wants_link(UNIT)}
+    gone = dataclasses.replace(up, files=files, links=links, active_units=up.active_units - {UNIT})
+    assert [step for step in removal_steps(gone, NODE) if step.area == "overlay"] == []
 
 
 def test_off_the_overlay_the_node_deploy_has_no_overlay_step() -> None:
