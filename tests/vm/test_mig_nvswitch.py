@@ -10,6 +10,8 @@ own, beside a later 580 release and the 590 branch's unsuffixed packages, neithe
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
 import time
 from typing import Any
 
@@ -19,7 +21,7 @@ from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec
 from denv_iac.node.holders import AGENT, FABRICMANAGER, PERSISTENCED
 from denv_iac.node.mig import UNIT as MIG_UNIT
 from tests.node import standin
-from tests.vm.bed import HOST, Bed, Vm
+from tests.vm.bed import BOOT_TIMEOUT_S, HOST, Bed, Vm
 from tests.vm.conftest import TIMINGS
 from tests.vm.standin_vm import make_gpu_machine
 from tests.vm.test_join import agent_healthz, provider, spec_props
@@ -48,6 +50,7 @@ LAYOUT = {
 }
 FABRIC = ("nvidia-fabricmanager-580", "libnvidia-nscq-580")
 HOLDERS = (AGENT, FABRICMANAGER, PERSISTENCED)
+JOINED: dict[str, Any] = {}  # the provider's outputs after the join, as the engine keeps them
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,35 @@ def agent_mig(node: Vm) -> dict[int, list[str]]:
     return {gpu["index"]: gpu["mig"]["devices"] for gpu in doc["gpus"] if gpu["mig"]["devices"]}
 
 
+def monotonic_us(node: Vm, unit: str, field: str) -> int:
+    return int(node.ssh(f"systemctl show -P {field} {unit}").strip())
+
+
+def reboot(node: Vm) -> float:
+    """Reboot the VM and wait until SSH answers from the new boot; when the reboot began."""
+    boot_id = "cat /proc/sys/kernel/random/boot_id"
+    before = node.ssh(boot_id).strip()
+    node.ssh("systemctl reboot", check=False)
+    start = time.monotonic()
+    # The shared SSH connection would answer from the old boot, then hang once it is gone:
+    # close it, and ask each time over a connection of its own until the new boot answers.
+    *options, login = node.ssh_args()
+    subprocess.run([*options, "-O", "exit", login], capture_output=True, timeout=30)
+    own = [
+        "ControlPath=none" if arg.startswith("ControlPath=") else arg
+        for arg in node.ssh_args(boot_id)
+    ]
+    while time.monotonic() - start < BOOT_TIMEOUT_S:
+        try:
+            done = subprocess.run(own, capture_output=True, text=True, timeout=30)
+            if done.returncode == 0 and done.stdout.strip() not in ("", before):
+                return start
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"no SSH from a new boot after {BOOT_TIMEOUT_S:.0f} s")
+
+
 def test_1_join_makes_the_layout_with_the_holders_stopped_and_fabric_manager_at_the_driver(
     bed: Bed, node: Vm
 ) -> None:
@@ -103,6 +135,7 @@ def test_1_join_makes_the_layout_with_the_holders_stopped_and_fabric_manager_at_
     created = provider(bed, "create", spec_props(bed, node, SPEC))
     TIMINGS["HGX: join with MIG and fabric manager (provider create)"] = time.monotonic() - start
     assert created["outs"]["applied"], "a fresh machine needs steps"
+    JOINED.update(created)
 
     # The reset under each mode change is refused while anything holds the device, so the
     # layout being there means persistenced and fabric manager (started earlier in this run)
@@ -150,3 +183,71 @@ def test_1_join_makes_the_layout_with_the_holders_stopped_and_fabric_manager_at_
         " /tmp/branch-pin/ && " + upgrade.format("-o Dir::Etc::PreferencesParts=/tmp/branch-pin")
     )
     assert f"Inst {FABRIC[0]} [{fabric}] ({standin.LATER_FABRIC}-" in branch_pin_only
+
+
+def test_2_reboot_brings_the_layout_back_before_the_replicas(node: Vm) -> None:
+    start = reboot(node)
+    TIMINGS["HGX: reboot to SSH"] = time.monotonic() - start
+    units = [r.unit for r in SPEC.replicas]
+    deadline = time.monotonic() + 300
+    layout_back = None
+    while time.monotonic() < deadline:
+        if layout_back is None and instances(node) == LAYOUT:
+            layout_back = time.monotonic() - start
+        if layout_back is not None and active(node, *units) == ["active"] * len(units):
+            break
+        time.sleep(1)
+    replicas_back = time.monotonic() - start
+    assert layout_back is not None, "the MIG layout did not come back"
+    assert active(node, *units) == ["active"] * len(units), node.ssh("systemctl --failed")
+    TIMINGS["HGX: reboot to MIG layout back (seen over SSH)"] = layout_back
+    TIMINGS["HGX: reboot to replicas active (seen over SSH)"] = replicas_back
+
+    # Made in this boot by the boot unit (the reboot lost them), before any replica started,
+    # and no replica failed for want of its instance.
+    made = node.ssh(f"journalctl -b -o cat -u {MIG_UNIT}")
+    assert made.count("Successfully created GPU instance") == 4, made
+    ready = monotonic_us(node, MIG_UNIT, "ActiveEnterTimestampMonotonic")
+    for replica in SPEC.replicas:
+        started = monotonic_us(node, replica.unit, "InactiveExitTimestampMonotonic")
+        if replica.mig_profile:
+            assert ready <= started, (replica.unit, ready, started)
+        assert node.ssh(f"systemctl show -P NRestarts {replica.unit}").strip() == "0"
+    assert [replica_devices(node, r, "-b") for r in SLICED] == [
+        LAYOUT[0][0],
+        LAYOUT[0][1],
+        LAYOUT[1][1],
+    ]
+    last = max(monotonic_us(node, r.unit, "ActiveEnterTimestampMonotonic") for r in SPEC.replicas)
+    TIMINGS["HGX: kernel start to MIG layout made (guest clock)"] = ready / 1e6
+    TIMINGS["HGX: kernel start to last replica active (guest clock)"] = last / 1e6
+    assert active(node, *HOLDERS) == ["active"] * len(HOLDERS)
+    assert agent_mig(node) == LAYOUT
+
+
+def test_3_a_second_run_changes_nothing(bed: Bed, node: Vm) -> None:
+    inputs = spec_props(bed, node, SPEC)
+    start = time.monotonic()
+    again = provider(bed, "update", JOINED["id"], JOINED["outs"], inputs)
+    TIMINGS["HGX: second run after the reboot (provider update)"] = time.monotonic() - start
+    assert again["outs"]["applied"] == []
+
+
+def test_4_a_mode_change_with_the_agent_running_stops_it_and_starts_it_after(
+    bed: Bed, node: Vm
+) -> None:
+    # The agent holds the device through NVML now: the reset under GPU 3's mode change is
+    # refused unless it is stopped too. The replicas on other GPUs keep running.
+    changed = dataclasses.replace(SPEC, mig=(*SPEC.mig, MigSlice(3, "7g.80gb", 1)))
+    pids = {r.unit: node.ssh(f"systemctl show -P MainPID {r.unit}") for r in SPEC.replicas}
+    agent_starts = node.ssh(f"journalctl -o cat -u {AGENT}").count("Started ")
+    start = time.monotonic()
+    out = provider(bed, "update", JOINED["id"], JOINED["outs"], spec_props(bed, node, changed))
+    TIMINGS["HGX: MIG mode change with the agent running (provider update)"] = (
+        time.monotonic() - start
+    )
+    assert [title for title in out["outs"]["applied"] if "GPU" in title] == ["mig: GPU 3: 7g.80gb"]
+    assert instances(node) == {**LAYOUT, 3: ["MIG-3-0-7g.80gb"]}
+    assert active(node, *HOLDERS) == ["active"] * len(HOLDERS)
+    assert node.ssh(f"journalctl -o cat -u {AGENT}").count("Started ") == agent_starts + 1
+    assert {r.unit: node.ssh(f"systemctl show -P MainPID {r.unit}") for r in SPEC.replicas} == pids
