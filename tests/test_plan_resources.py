@@ -100,8 +100,9 @@ def test_secrets_given_to_the_components_stay_masked_in_tree_and_json() -> None:
     resources = preview_cluster("prod", stacks.multicloud)
     # 50 (an Elastic IP per AWS machine among them; the AWS nodes' groups take one WireGuard
     # rule per balancer host), a NodeSetup and its deploy per machine reached over SSH, and the
-    # overlay with a key per machine (9)
-    assert len(resources) == 78
+    # overlay with a key per machine (9), and the balancer hosts' WireGuard rules: one per node
+    # on the AWS host (7), the hcloud host's overlay firewall and its attachment
+    assert len(resources) == 87
     screen = io.StringIO()
     render_resources(resources, Console(file=screen, width=300))
     printed = screen.getvalue()

@@ -1,5 +1,6 @@
 """A machine that runs HAProxy for the endpoint, on one of the balancer's sites."""
 
+from collections.abc import Mapping, Sequence
 from typing import NotRequired, TypedDict
 
 import pulumi
@@ -14,9 +15,10 @@ from denv_iac.components.aws import (
     site_key_pair,
     vpc_of,
 )
+from denv_iac.components.hcloud_firewall import hcloud_rules, overlay_firewall
 from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
-from denv_iac.components.security import balancer_ingress_rules
+from denv_iac.components.security import IngressRule, balancer_ingress_rules
 from denv_iac.spec.model import BalancerSpec, SiteSpec
 
 AWS_INSTANCE_TYPE = "c7i.large"
@@ -47,6 +49,10 @@ class BalancerHost(pulumi.ComponentResource):
     ) -> None:
         super().__init__("denv:index:BalancerHost", name, None, opts)
         site = args["site"]
+        self._name = name
+        self._security: SecurityGroupWiring | None = None
+        self._server: hcloud.Server | None = None
+        self._labels: dict[str, str] = {}
         if site.kind == "aws":
             address = self._aws(name, args)
         elif site.kind == "hetzner":
@@ -59,6 +65,19 @@ class BalancerHost(pulumi.ComponentResource):
             raise ValueError(f"balancer site {site.name}: kind {site.kind} cannot host it yet")
         self.address = address
         self.register_outputs({"address": self.address})
+
+    def allow_overlay(
+        self, rules: Sequence[IngressRule], addresses: Mapping[str, pulumi.Input[str]]
+    ) -> None:
+        """The overlay's WireGuard rules (`security.host_overlay_access`), once its nodes exist.
+
+        A joined site's first node gets them from the node deploy's own firewall.
+        """
+        if self._security is not None:
+            self._security.allow(rules, addresses)
+        if self._server is not None:
+            server_id = self._server.id.apply(int)
+            overlay_firewall(self, self._name, self._labels, rules, addresses, server_id)
 
     def _aws(self, name: str, args: BalancerHostArgs) -> pulumi.Output[str]:
         site, stack = args["site"], args["stack"]
@@ -73,6 +92,7 @@ class BalancerHost(pulumi.ComponentResource):
             vpc_of(site.subnet_id, site.region, self),
             site.region,
         )
+        self._security = security
         key = site_key_pair(self, name, stack, site, args["public_key"])
         instance = aws.ec2.Instance(
             child_name(name, "vm"),
@@ -96,16 +116,7 @@ class BalancerHost(pulumi.ComponentResource):
         firewall = hcloud.Firewall(
             child_name(name, "fw"),
             labels=labels,
-            rules=[
-                hcloud.FirewallRuleArgs(
-                    direction="in",
-                    protocol="tcp",
-                    port=str(rule.from_port),
-                    source_ips=[rule.source],
-                    description=rule.description,
-                )
-                for rule in rules
-            ],
+            rules=hcloud_rules(rules, {}),
             opts=child,
         )
         key = hcloud.SshKey(
@@ -121,4 +132,5 @@ class BalancerHost(pulumi.ComponentResource):
             labels=labels,
             opts=child,
         )
+        self._server, self._labels = server, labels
         return server.ipv4_address

@@ -35,12 +35,14 @@ from denv_iac.components.secrets import (
 )
 from denv_iac.components.security import (
     AGENT_PORT,
+    host_overlay_access,
     node_overlay_access,
     replica_port,
+    wireguard_rules,
 )
 from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
 from denv_iac.node import NodeDeploySpec
-from denv_iac.overlay import host_member, node_member, plan_overlay
+from denv_iac.overlay import host_member, node_member, overlay_hosts, plan_overlay
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.plan import deploy_problems
 from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
@@ -209,6 +211,7 @@ class Cluster(pulumi.ComponentResource):
     def _balancer_hosts(self) -> dict[str, pulumi.Output[str]]:
         """Balancer site -> host address; made first, since every site's rules name them."""
         hosts = {}
+        self._host_components: dict[str, BalancerHost] = {}
         for site_name in self._stack.balancer.sites:
             site = self._stack.site(site_name)
             args: BalancerHostArgs = {
@@ -226,6 +229,7 @@ class Cluster(pulumi.ComponentResource):
                 pulumi.ResourceOptions(parent=self),
             )
             hosts[site_name] = host.address
+            self._host_components[site_name] = host
         return hosts
 
     def _host_access(self, site_name: str, overlay: Overlay | None) -> HostAccess:
@@ -338,6 +342,12 @@ class Cluster(pulumi.ComponentResource):
                 public[member.name] = addresses[member.site].apply(_node_address(member.node_name))
             else:
                 public[member.name] = hosts[member.site]
+        # Each host's WireGuard rules name its nodes' addresses, known now that they exist.
+        known = {m.name: public.get(m.name, m.public_address) for m in plan.members}
+        for site_name, host in overlay_hosts(self._stack).items():
+            access = host_overlay_access(plan, host)
+            if access:
+                self._host_components[site_name].allow_overlay(wireguard_rules(access), known)
         return Overlay(
             child_name(self._name, "overlay"), plan, public, pulumi.ResourceOptions(parent=self)
         )

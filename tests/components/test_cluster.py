@@ -10,6 +10,7 @@ import pytest
 from denv_iac.components import Cluster
 from denv_iac.components.cluster import SITE_BUILDERS, validate_cluster
 from denv_iac.components.node_setup import CLOUD_SITE_KINDS
+from denv_iac.components.preview import _address as mock_address
 from denv_iac.components.secrets import public_key_of
 from denv_iac.overlay import plan_overlay
 from denv_iac.spec.model import SITE_KINDS
@@ -147,9 +148,11 @@ def test_raising_min_warm_only_adds_the_new_node() -> None:
     raised["recipes"][0]["min_warm"] = 3
     after = _multicloud(False, raised).by_urn()
     changed = sorted(urn.rsplit("::", 1)[-1] for urn in before if after[urn] != before[urn])
-    # The balancer hosts get the config that lists the new replica.
+    # The balancer hosts get the config that lists the new replica, and take WireGuard from
+    # the new node: the hcloud host's overlay firewall gains its address.
     assert changed == [
         "prod-balancer-aws-use1-setup-deploy",
+        "prod-balancer-hetzner-fsn-fw-overlay",
         "prod-balancer-hetzner-fsn-setup-deploy",
     ]
     added = sorted(urn.rsplit("::", 1)[-1] for urn in set(after) - set(before))
@@ -160,9 +163,12 @@ def test_raising_min_warm_only_adds_the_new_node() -> None:
         "prod-aws-use1-node-3-eip",
         "prod-aws-use1-node-3-setup",
         "prod-aws-use1-node-3-setup-deploy",
+        # the AWS host's rule for the new node's WireGuard packets
+        "prod-balancer-aws-use1-in-wireguard-from-aws-use1.node-3",
         "prod-overlay-aws-use1.node-3",  # its overlay key; no other key changes
     ]
-    assert {urn.split("::")[-2].split("$")[-1] for urn in set(after) - set(before)} == NODE_CREATES
+    added_types = {urn.split("::")[-2].split("$")[-1] for urn in set(after) - set(before)}
+    assert added_types == NODE_CREATES | {INGRESS}
 
 
 def test_adding_a_site_only_adds_that_sites_resources() -> None:
@@ -223,6 +229,47 @@ def test_balancer_host_takes_the_endpoint_from_anywhere_and_ssh_from_admins() ->
     assert rules["endpoint-v6"]["cidrIpv6"] == "::/0"
     assert rules["ssh-198-51-100-0-24"]["cidrIpv4"] == stacks.ADMIN
     assert rules["metrics-198-51-100-0-24"]["fromPort"] == 8405
+
+
+@pytest.mark.parametrize("nat", [False, True], ids=["public", "behind-nat"])
+def test_balancer_hosts_take_wireguard_from_their_nodes_or_anyone_behind_nat(nat: bool) -> None:
+    args = stacks.multicloud()
+    office = next(s for s in args["sites"] if s["name"] == "office")
+    office["nodes"][1]["behind_nat"] = nat
+    run = _multicloud(preview=False, args=args)
+    nodes = {
+        f"{site}.{node}": address
+        for site, node, address in (
+            ("hetzner-fsn", "gex-1", "203.0.113.21"),
+            ("hetzner-fsn", "gex-2", "203.0.113.22"),
+            ("office", "rack-1", "192.0.2.10"),
+            ("office", "rack-2", "192.0.2.11"),
+        )
+    }
+    eips = {r.name: r for r in run.of_type("aws:ec2/eip:Eip")}
+    wireguard = {
+        r.name.removeprefix("prod-balancer-aws-use1-in-"): r.inputs
+        for r in run.of_type(INGRESS)
+        if r.name.startswith("prod-balancer-aws-use1-in-wireguard")
+    }
+    expected = (
+        {"wireguard-v4": "0.0.0.0/0", "wireguard-v6": "::/0"}
+        if nat
+        else {f"wireguard-from-{n}": f"{a}/32" for n, a in nodes.items()}
+    )
+    if not nat:  # the AWS nodes, by their Elastic IPs
+        for site in ("aws-use1", "aws-usw2"):
+            for eip in (e for e in eips if e.startswith(f"prod-{site}-node-")):
+                node = eip.removeprefix(f"prod-{site}-").removesuffix("-eip")
+                expected[f"wireguard-from-{site}.{node}"] = f"{mock_address(eip)}/32"
+    assert {n: r.get("cidrIpv4") or r.get("cidrIpv6") for n, r in wireguard.items()} == expected
+    assert {(r["ipProtocol"], r["fromPort"]) for r in wireguard.values()} == {("udp", 51820)}
+    (firewall,) = [
+        f for f in run.of_type("hcloud:index/firewall:Firewall") if f.name.endswith("fw-overlay")
+    ]
+    sources = sorted(s for rule in firewall.inputs["rules"] for s in rule["sourceIps"])
+    assert sources == sorted(expected.values())
+    assert {(r["protocol"], r["port"]) for r in firewall.inputs["rules"]} == {("udp", "51820")}
 
 
 @PREVIEW
@@ -323,9 +370,11 @@ def test_explicit_providers_reach_every_child() -> None:
     # Dynamic resources (NodeSetup's deploys) run in the program's own provider.
     own = ("pulumi:providers:", "pulumi-python:dynamic")
     children = [r for r in run.registrations if r.custom and not r.type.startswith(own)]
-    # With an Elastic IP per AWS node and balancer host, and one WireGuard rule per balancer
-    # host on each AWS site's group where the replica and agent ports' two were.
-    assert len(children) == 39
+    # With an Elastic IP per AWS node and balancer host, one WireGuard rule per balancer host
+    # on each AWS site's group where the replica and agent ports' two were, and the balancer
+    # hosts' own WireGuard rules: one per node on the AWS host, a firewall and its attachment
+    # on the hcloud one.
+    assert len(children) == 48
     for registration in children:
         package = registration.type.split(":")[0]
         assert f"::{package}-team::" in registration.provider, registration.name
