@@ -251,8 +251,10 @@ def test_an_env_value_is_one_line_of_the_env_file_or_refused(kind: str, value: s
     spec = _node(env={"HF_TOKEN": value})
     text = replicas.env_file(spec, spec.replicas[0]).content.decode()
     lines = text.splitlines()
-    assert len(lines) == 4  # the token and the three cache variables
+    # the token, the three cache variables and the replica's own port
+    assert len(lines) == 5
     assert f"HF_TOKEN={value}" in lines
+    assert f"PORT={spec.replicas[0].port}" in lines
 
 
 @pytest.mark.parametrize("value", HOSTILE.values(), ids=IDS)
