@@ -1,18 +1,21 @@
 """A balancer host and two nodes, one behind NAT, serving over the WireGuard overlay in VMs.
 
 The stack is a real one (a balancer host made on an `aws` site, a `joined` office of two
-machines, the second `behind_nat`) read and placed by the product, with the VMs' addresses as
-the machines'. Its overlay plan gives each machine's denv0.conf (`render_config`, the private key
-filled in by `with_private_key`), which the overlay area's own steps put live over SSH; the
-balancer host is NodeSetup's provider, called as the engine calls it, with the HAProxy config the
-stack renders for the replicas' overlay addresses. The replicas are the simulator, run on each
-node's overlay address.
+machines with a stand-in GPU each, the second `behind_nat`) read and placed by the product, with
+the VMs' addresses as the machines'. All three machines are deployed by NodeSetup's provider at
+once, as the engine calls it, with the inputs the components register: each machine's overlay
+config (`render_config`, its key a placeholder) and its private key apart, the nodes' deploy
+specs (driver, agent, replica units, host firewall) and the HAProxy config the stack renders for
+the replicas' overlay addresses. The replicas are the simulator on each node's replica port,
+where only the node's firewall keeps them off the public side (the stand-in Docker runs nothing).
 
 Every frame on the links between sites (node1's port on the bridge, the office NAT's public leg)
 is captured while a marker goes through the balancer: the marker reaches the replicas (their
 /stats count it) and never shows on those links. The same capture finds it when a request takes
 a plain path to node1 (the negative control: the check can fail). node2 needs no inbound port:
 the balancer has no endpoint for it and learns one from node2's own handshake, through the NAT.
+The node ports time out from every public address and answer through the tunnel; a restart of
+the balancer's interface loses node2 only until node2's own packets renew the session.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +44,31 @@ from denv_iac.balancer import (
     render_haproxy_config,
 )
 from denv_iac.components.balancer import balancer_settings
-from denv_iac.components.node_setup import node_deploy_specs
+from denv_iac.components.node_setup import node_deploy_specs, spec_to_json
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.dataplane import balancer_pools
 from denv_iac.local.netns import call_in
 from denv_iac.node.balancer_host import CONFIG_DIR
 from denv_iac.node.spec import NodeDeploySpec
-from denv_iac.overlay import INTERFACE, OverlayPlan, render_config, with_private_key
+from denv_iac.overlay import (
+    INTERFACE,
+    OverlayPlan,
+    node_member,
+    render_config,
+    wireguard_sources,
+)
 from denv_iac.placement import Placement
 from denv_iac.plan import make_plan
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.reader import read_stack
 from tests.dataplane.overlay_lab import Capture
-from tests.vm.bed import HOST, NAT_ADDRESS, NAT_LINK, Bed, Vm
+from tests.node import standin
+from tests.vm.bed import HOST, NAT_ADDRESS, NAT_LINK, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
 from tests.vm.debian_repo import offer_packages
-from tests.vm.standin_vm import send_folder
-from tests.vm.test_join import in_netns, provider
+from tests.vm.standin_vm import make_gpu_machine, send_folder
+from tests.vm.test_join import STATS_PORT, provider, reach
+from tests.vm.test_nat import connect
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = {"secure": "v1:dGVzdC1jaXBoZXJ0ZXh0"}  # never read: the keys come from the bed
@@ -74,7 +86,11 @@ SIM_MODULES = (
     "denv_iac/spec/model.py",
 )
 STREAMS = 8
+Keys = dict[str, tuple[str, str]]  # member name -> (private, public) WireGuard key
 TTFT_PAIRS = 10
+# WireGuard renews a session at most 120 s old with the next packet its initiator sends, and
+# node2's keepalive goes every 25 s: the longest a node behind NAT stays cut off.
+NAT_RECOVERY_S = 120 + 25 + 30
 
 
 def stack_config(node1: Vm, node2: Vm) -> dict[str, Any]:
@@ -124,6 +140,8 @@ class Site:
     overlay: OverlayPlan
     specs: dict[str, NodeDeploySpec]  # by node id
     hub: str  # the balancer host's overlay member name
+    public: dict[str, str]  # each member's public address (where SSH reaches it)
+    created: list[dict[str, Any]] = field(default_factory=list)  # provider create results
 
     def overlay_address(self, node: str) -> str:
         return self.overlay.address_of(OFFICE, node)
@@ -134,24 +152,16 @@ class Site:
         return replica.id, replica.port
 
 
-def put_overlay(bed: Bed, vm: Vm, config: str) -> list[str]:
-    code, out, err = in_netns(
-        bed, "tests.vm.overlay_call", {"host": vm.address, "key": str(bed.key), "config": config}
-    )
-    assert code == 0, err[-3000:]
-    applied: list[str] = json.loads(out)
-    return applied
-
-
-def start_sim(vm: Vm, replica: str, address: str, port: int) -> None:
-    """The simulated replica on `address` only, as a transient unit; back when it answers."""
+def start_sim(vm: Vm, replica: str, address: str, port: int, reached_at: str) -> None:
+    """The simulated replica on `address`, as a transient unit; back when it answers at
+    `reached_at`."""
     argv = [
         "systemd-run", f"--unit=denv-sim-{port}", f"--setenv=PYTHONPATH={SIM_IN_VM}",
         "python3", "-m", "denv_iac.local.replica_sim", "--id", replica, "--host", address,
         "--port", str(port), "--ttft-ms", "20", "--itl-ms", "5", "--tokens", "8",
     ]  # fmt: skip
     vm.ssh(" ".join(map(shlex.quote, argv)))
-    health = f"curl -sf -o /dev/null http://{address}:{port}/health"
+    health = f"curl -sf -o /dev/null http://{reached_at}:{port}/health"
     vm.ssh(f"for _ in $(seq 100); do {health} && exit 0; sleep 0.2; done; exit 1")
 
 
@@ -225,6 +235,49 @@ def captured(site: Site, calls: list[tuple[str, str]]) -> tuple[list[Capture], l
     return links, answers
 
 
+def machine_props(site: Site, vm: Vm, member: str, keys: Keys) -> dict[str, Any]:
+    """What NodeSetup registers for any machine on the overlay: how to reach it, its overlay
+    config (the private key a placeholder) and that key apart, as the engine hands them over."""
+    public_keys = {name: pair[1] for name, pair in keys.items()}
+    return {
+        "host": vm.address,
+        "ssh_user": "root",
+        "ssh_private_key": site.bed.key.read_text(),
+        "overlay_config": render_config(site.overlay, member, public_keys, site.public),
+        "overlay_private_key": keys[member][0],
+        "applied": None,
+    }
+
+
+def node_props(site: Site, node: str, keys: Keys) -> dict[str, Any]:
+    """A node's: its deploy spec as the stack makes it (the stand-in NVIDIA repository its only
+    change), the balancer hosts' overlay addresses, and who may send it WireGuard packets."""
+    member = node_member(OFFICE, node)
+    spec = replace(site.specs[member], nvidia_repo=f"file://{standin.REPO_IN_ROOT}")
+    data = spec_to_json(spec)
+    return machine_props(site, site.nodes[node], member, keys) | {
+        "node": {
+            k: v for k, v in data.items() if k not in ("balancer_addresses", "overlay_senders")
+        },
+        "balancer_addresses": list(site.overlay.hub_addresses),
+        "overlay_senders": list(wireguard_sources(site.overlay, member, site.public)),
+    }
+
+
+def balancer_props(site: Site, keys: Keys) -> dict[str, Any]:
+    rendered = rendered_config(site, site.nodes["node1"])
+    return machine_props(site, site.balancer, site.hub, keys) | {
+        "balancer": {
+            "haproxy_config": rendered.haproxy_cfg,
+            "map_files": dict(sorted(rendered.files.items())),
+            "map_dir": rendered.map_dir,
+        },
+        "balancer_firewall": {"admin_cidrs": [f"{HOST}/32"], "stats_port": STATS_PORT},
+        "overlay_senders": list(wireguard_sources(site.overlay, site.hub, site.public)),
+        "overlay_port": site.overlay.spec.port,
+    }
+
+
 @pytest.fixture(scope="module")
 def site(bed: Bed) -> Iterator[Site]:
     balancer = bed.start("balancer1")
@@ -236,6 +289,8 @@ def site(bed: Bed) -> Iterator[Site]:
     stack = read_stack("vm", stack_config(node1, node2))
     plan = make_plan(stack)
     hub = next(m.name for m in plan.overlay.members if m.hub)
+    machines = {hub: balancer, node_member(OFFICE, "node1"): node1}
+    machines[node_member(OFFICE, "node2")] = node2
     site = Site(
         bed,
         balancer,
@@ -245,12 +300,16 @@ def site(bed: Bed) -> Iterator[Site]:
         plan.overlay,
         node_deploy_specs(stack, plan.placement),
         hub,
+        {name: vm.address for name, vm in machines.items()},
     )
     assert {r.node for r in plan.placement.replicas} == {"node1", "node2"}
 
     start = time.monotonic()
     offer_packages(balancer, bed.workdir, "haproxy", "wireguard-tools")
     for vm in (node1, node2):
+        folder = bed.workdir / vm.name  # the stand-in repository is built per machine
+        folder.mkdir()
+        make_gpu_machine(vm, folder, gpus=1)
         offer_packages(vm, bed.workdir, "wireguard-tools")
     with tempfile.TemporaryDirectory() as tmp:
         for module in SIM_MODULES:
@@ -258,50 +317,42 @@ def site(bed: Bed) -> Iterator[Site]:
             (Path(tmp) / module).write_bytes((ROOT / module).read_bytes())
         for vm in (node1, node2):
             send_folder(vm, Path(tmp), SIM_IN_VM)
-    TIMINGS["overlay stack: packages offered, simulator sent"] = time.monotonic() - start
+    TIMINGS["overlay stack: stand-in GPUs, packages, simulator"] = time.monotonic() - start
 
-    # The overlay: keys as the Overlay component makes them, configs as the plan renders them.
+    # Keys as the Overlay component makes them; the three deploys at once, as `pulumi up` runs
+    # them once the machines exist.
     keys = {m.name: new_key_pair() for m in plan.overlay.members}
-    public_keys = {name: pair[1] for name, pair in keys.items()}
-    machines = {hub: balancer, "office.node1": node1, "office.node2": node2}
-    public = {name: vm.address for name, vm in machines.items()}
+    calls = [balancer_props(site, keys), *(node_props(site, n, keys) for n in site.nodes)]
     start = time.monotonic()
-    for name, vm in machines.items():  # the hub first: the nodes' first handshakes find it up
-        config = render_config(plan.overlay, name, public_keys, public)
-        applied = put_overlay(bed, vm, with_private_key(config, keys[name][0]))
-        assert f"overlay: bring {INTERFACE} up" in applied, applied
-    for node in ("node1", "node2"):
-        # The node's sshd through the tunnel: the first packet makes the handshake (no ping in
-        # the image).
-        probe = shlex.quote(f"</dev/tcp/{site.overlay_address(node)}/22")
+    with ThreadPoolExecutor(len(calls)) as pool:
+        created = list(pool.map(lambda props: provider(bed, "create", props), calls))
+    TIMINGS["overlay stack: balancer host and two joins (provider create, at once)"] = (
+        time.monotonic() - start
+    )
+    for outs in (c["outs"] for c in created):
+        assert f"overlay: bring {INTERFACE} up" in outs["applied"], outs["applied"]
+    site.created = created
+    start = time.monotonic()
+    for node in site.nodes:
+        # The node's agent through the tunnel (its SSH is for the admins only): the first packet
+        # makes the handshake (no ping in the image).
+        agent_port = site.specs[node_member(OFFICE, node)].agent_port
+        probe = shlex.quote(f"</dev/tcp/{site.overlay_address(node)}/{agent_port}")
         balancer.ssh(
-            f"for _ in $(seq 60); do timeout 2 bash -c {probe} 2>/dev/null && exit 0; done; exit 1"
+            f"for _ in $(seq 60); do timeout 2 bash -c {probe} 2>/dev/null && exit 0; done; exit 1",
+            timeout=180,
         )
-    TIMINGS["overlay up (three machines) to both nodes answering the balancer"] = (
+    TIMINGS["overlay stack: both nodes answer the balancer through the tunnel"] = (
         time.monotonic() - start
     )
 
+    # The replicas: the simulator where the deploy's replica units would listen (their stand-in
+    # Docker runs nothing), on every address: only the node's firewall keeps them off the
+    # public side.
     for node, vm in site.nodes.items():
         replica, port = site.replica_of(node)
-        start_sim(vm, replica, site.overlay_address(node), port)
-    start_sim(node1, "plain.office.node1.0", node1.address, PLAIN_PORT)
-
-    rendered = rendered_config(site, node1)
-    props = {
-        "host": balancer.address,
-        "ssh_user": "root",
-        "ssh_private_key": bed.key.read_text(),
-        "balancer": {
-            "haproxy_config": rendered.haproxy_cfg,
-            "map_files": dict(sorted(rendered.files.items())),
-            "map_dir": rendered.map_dir,
-        },
-        "balancer_firewall": {"admin_cidrs": [f"{HOST}/32"], "stats_port": 8405},
-        "applied": None,
-    }
-    start = time.monotonic()
-    provider(bed, "create", props)
-    TIMINGS["overlay stack: balancer host (provider create)"] = time.monotonic() - start
+        start_sim(vm, replica, "0.0.0.0", port, site.overlay_address(node))
+    start_sim(node1, "plain.office.node1.0", node1.address, PLAIN_PORT, node1.address)
     yield site
 
 
@@ -390,3 +441,46 @@ def test_ttft_through_the_overlay_and_on_a_direct_path(site: Site) -> None:
     # TCG-emulated guests on a shared machine: a loose bound that still catches a tunnel that
     # stalls (a handshake per request, a lost keepalive).
     assert overlay - direct < 0.5
+
+
+@pytest.mark.vm
+def test_node_ports_are_closed_on_the_public_side(site: Site) -> None:
+    """Replica and agent ports answer the balancer through the tunnel only: from the outside
+    address, the deployer's and the balancer VM's public one, a connection times out."""
+    guarded = sorted({site.specs[node_member(OFFICE, n)].agent_port for n in site.nodes})
+    guarded += sorted({site.replica_of(n)[1] for n in site.nodes})
+    node1, node2 = site.nodes["node1"], site.nodes["node2"]
+    tries = [(source, port) for source in (OUTSIDE, HOST) for port in guarded]
+    seen = reach(site.bed, node1, [*tries, (HOST, 22), (OUTSIDE, 22)])
+    assert seen == {**dict.fromkeys(tries, "timeout"), (HOST, 22): "open", (OUTSIDE, 22): "timeout"}
+    # Behind NAT only the deployer gets through the router at all; the node's own firewall
+    # keeps even it off those ports.
+    seen = reach(site.bed, node2, [(HOST, port) for port in guarded] + [(HOST, 22)])
+    assert seen == {**{(HOST, port): "timeout" for port in guarded}, (HOST, 22): "open"}
+    for port in guarded:
+        assert connect(site.balancer, node1.address, port) == "timeout", port
+        # Through the tunnel the same ports answer the balancer.
+        assert connect(site.balancer, site.overlay_address("node1"), port) == "open", port
+        assert connect(site.balancer, site.overlay_address("node2"), port) == "open", port
+
+
+@pytest.mark.vm
+def test_a_node_behind_nat_comes_back_after_the_balancer_hosts_tunnel_restarts(
+    site: Site,
+) -> None:
+    """A restart of the balancer's interface (a reboot, a changed address) loses the session
+    and node2's endpoint, which the balancer cannot dial: node2 is back once its own keepalives
+    renew the session; node1, which the balancer dials, serves all along."""
+    node1, _ = site.replica_of("node1")
+    node2, _ = site.replica_of("node2")
+    site.balancer.ssh(f"systemctl restart wg-quick@{INTERFACE}.service")
+    start = time.monotonic()
+    served: Counter[str] = Counter()
+    while served[node2] == 0:
+        assert time.monotonic() - start < NAT_RECOVERY_S, f"node2 not back: {served}"
+        served += served_by(streams(site.bed, site.balancer, [("voice", "after")] * 2))
+        time.sleep(1)
+    TIMINGS["balancer's tunnel restarted to node2 (behind NAT) serving again"] = (
+        time.monotonic() - start
+    )
+    assert served[node1] > 0
