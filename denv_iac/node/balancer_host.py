@@ -12,7 +12,15 @@ from denv_iac.node import firewall, overlay
 from denv_iac.node.deploy import Progress, Target, connect, quiet_progress
 from denv_iac.node.facts import FactQuery, NodeFacts
 from denv_iac.node.firewall import BalancerAccess
-from denv_iac.node.steps import APT_UPDATE, UNIT_DIR, FileContent, Step, apt_install, text_file
+from denv_iac.node.steps import (
+    APT_UPDATE,
+    UNIT_DIR,
+    FileContent,
+    Step,
+    apt_install,
+    text_file,
+    with_package_index,
+)
 
 CONFIG = "/etc/haproxy/haproxy.cfg"
 CONFIG_DIR = "/etc/haproxy/denv"  # the map files and the certificate the config reads
@@ -189,9 +197,7 @@ def plan_host(
     """A balancer host's steps: its firewall, then its overlay interface (when it is on the
     overlay), then HAProxy, which reaches the nodes through that interface."""
     steps = firewall.plan_balancer_host(facts, access) + overlay.plan(facts, overlay_config)
-    if any(step.uses_apt for step in steps):
-        steps.insert(0, Step("base", "refresh the package index", (APT_UPDATE,)))
-    return steps + plan_balancer(facts, rendered, certificate, gateway)
+    return with_package_index(steps) + plan_balancer(facts, rendered, certificate, gateway)
 
 
 def prepare_balancer(

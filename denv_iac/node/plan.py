@@ -19,7 +19,7 @@ from denv_iac.node.driver import UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
 from denv_iac.node.holders import STOP_ORDER
 from denv_iac.node.spec import NodeDeploySpec
-from denv_iac.node.steps import APT_UPDATE, Step, apt_install, wants_link
+from denv_iac.node.steps import Step, apt_install, wants_link, with_package_index
 
 # Tools the deploy itself runs on the node: curl (the keyring), venv (the agent), nft, ss.
 BASE_PACKAGES = ("ca-certificates", "curl", "python3", "python3-venv", "nftables", "iproute2")
@@ -86,9 +86,7 @@ def plan_node(
     steps += runtime.plan(facts, spec)
     steps += agent.plan(facts, spec)
     steps += replicas.plan(facts, spec)
-    if any(step.uses_apt for step in steps):
-        steps.insert(0, Step("base", "refresh the package index", (APT_UPDATE,)))
-    return steps
+    return with_package_index(steps)
 
 
 def removal_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:

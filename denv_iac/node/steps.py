@@ -63,6 +63,13 @@ def text_file(path: str, text: str, mode: str = "0644") -> FileContent:
     return FileContent(path, text.encode(), mode)
 
 
+def with_package_index(steps: list[Step]) -> list[Step]:
+    """`steps`, led by one refresh of the package index when any of them installs from it."""
+    if any(step.uses_apt for step in steps):
+        return [Step("base", "refresh the package index", (APT_UPDATE,)), *steps]
+    return steps
+
+
 def apt_install(*packages: str) -> str:
     return f"{APT} install --no-install-recommends " + " ".join(map(shlex.quote, packages))
 
