@@ -5,7 +5,8 @@ from typing import Any
 
 import pytest
 
-from denv_iac.spec.model import Secret
+from denv_iac.components.balancer import balancer_settings
+from denv_iac.spec.model import AGENT_INTER_MS, Secret
 from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import SECRET, valid_config
 
@@ -303,6 +304,22 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "balancer.dns.zone_id: missing; add zone_id: Z0123456789ABC",
     ),
     (
+        "check timeout past its interval",
+        lambda c: c["denv:balancer"].update(timers={"check_timeout_ms": 2000}),
+        "balancer.timers.check_timeout_ms: 2000 exceeds check_inter_ms (1000); a check would"
+        " still wait when the next is due: lower it or raise check_inter_ms",
+    ),
+    (
+        "timer misspelt",
+        lambda c: c["denv:balancer"].update(timers={"connect_timeout": 300}),
+        'balancer.timers.connect_timeout: unknown key; did you mean "connect_timeout_ms"?',
+    ),
+    (
+        "timer zero",
+        lambda c: c["denv:balancer"].update(timers={"connect_timeout_ms": 0}),
+        "balancer.timers.connect_timeout_ms: 0 is out of range; use a number from 1 to 60000",
+    ),
+    (
         "endpoint on ssh",
         lambda c: c["denv:balancer"].update(port=22),
         "balancer.port: 22 is SSH's port, and the balancer opens its ports to the internet; use "
@@ -502,3 +519,14 @@ def test_a_recipe_picks_espeak_ng_for_its_simulated_speech() -> None:
     speech = [r.simulate.speech for r in read_stack("t", config).recipes]
     assert speech[0] == "espeak-ng"
     assert set(speech[1:]) <= {"tone"}
+
+
+def test_balancer_timers_reach_the_haproxy_config() -> None:
+    config = valid_config()
+    timers = {"connect_timeout_ms": 300, "check_timeout_ms": 1500, "check_inter_ms": 3000}
+    config["denv:balancer"]["timers"] = timers
+    settings = balancer_settings(read_stack("t", config))
+    assert (settings.connect_timeout_ms, settings.check_timeout_ms) == (300, 1500)
+    assert (settings.check_inter_ms, settings.agent_inter_ms) == (3000, AGENT_INTER_MS)
+    default = balancer_settings(read_stack("t", valid_config()))
+    assert (default.connect_timeout_ms, default.check_timeout_ms) == (80, 500)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
+from denv_iac.spec.model import (
+    AGENT_INTER_MS,
+    CHECK_INTER_MS,
+    CHECK_TIMEOUT_MS,
+    CONNECT_TIMEOUT_MS,
+    FIRST_TOKEN_TIMEOUT_MS,
+    STALL_TIMEOUT_MS,
+)
 
 # HAProxy's runtime API on a balancer host. Its folder is made by the haproxy unit at each
 # start (the balancer host deploy's RuntimeDirectory), so it is the one place that names it.
@@ -65,15 +72,11 @@ class BalancerSettings:
     api_key_digests: tuple[str, ...] = ()  # SHA-256 hex digests of API keys; empty = no auth
     stats_socket: str = STATS_SOCKET
     prometheus_port: int | None = 8405
-    agent_inter_ms: int = 200
-    check_inter_ms: int = 1000
-    # How long a health check may wait for its answer. Without it a check may take `inter`, so a
-    # replica that hangs is found later, and one that answers again waits for the check that
-    # hung to give up before it can come back.
-    check_timeout_ms: int = 500
-    # Also the wait before retrying a refused connect, i.e. what a replica that just died costs
-    # the next request: keep it small, but above the round trip to every site.
-    connect_timeout_ms: int = 80
+    # The stack's `timers` (see BalancerTimers for why each default).
+    agent_inter_ms: int = AGENT_INTER_MS
+    check_inter_ms: int = CHECK_INTER_MS
+    check_timeout_ms: int = CHECK_TIMEOUT_MS
+    connect_timeout_ms: int = CONNECT_TIMEOUT_MS
     # The timer of requests that do not ask for a stream (their answer comes whole, at the end),
     # and of the client side of every stream.
     stream_idle_timeout_s: int = 300

@@ -205,7 +205,8 @@ def repair(
             def show(step: StepReport) -> None:
                 done.append(step)
                 detail = f": {step.detail.splitlines()[-1]}" if step.detail else ""
-                bar.finished(len(done), None, step.name, f"{step.status}{detail}")
+                took = f" ({step.seconds:.0f} s)" if step.seconds >= 1 else ""
+                bar.finished(len(done), None, step.name, f"{step.status}{took}{detail}")
 
             result = repair_node(target, spec, RepairLevel(level), report=show)
     except RepairRefused as error:

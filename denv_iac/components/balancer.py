@@ -37,6 +37,10 @@ def balancer_settings(stack: StackSpec) -> BalancerSettings:
     gateway_tls = gateway_tls_on(stack)
     return BalancerSettings(
         port=spec.port,
+        connect_timeout_ms=spec.timers.connect_timeout_ms,
+        check_timeout_ms=spec.timers.check_timeout_ms,
+        check_inter_ms=spec.timers.check_inter_ms,
+        agent_inter_ms=spec.timers.agent_inter_ms,
         tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
         api_key_digests=spec.api_key_digests,
         prometheus_port=spec.prometheus_port,

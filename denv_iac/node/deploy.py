@@ -14,6 +14,7 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
+from paramiko import SSHException
 from pyinfra.api.command import FileUploadCommand, StringCommand
 from pyinfra.api.config import Config
 from pyinfra.api.exceptions import ConnectError, PyinfraError
@@ -179,6 +180,9 @@ def _private_upload(content: bytes, path: str, mode: str) -> Iterator[Any]:
     yield StringCommand("rm", "-rf", folder, _sudo=False)
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # new at every boot
+
+
 class NodeSession:
     """One connected node: facts, commands and steps go through pyinfra's host."""
 
@@ -205,16 +209,25 @@ class NodeSession:
         return bool(ok), text
 
     def reboot(self, timeout_s: int = 900) -> None:
-        """Reboot the node and wait until it answers again (SSH nodes only)."""
+        """Reboot the node and wait until it answers from its new boot (SSH nodes only)."""
+        _, before = self.run(f"cat {BOOT_ID}")
         self.run("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
         self.host.disconnect()
-        time.sleep(20)  # the old sshd would otherwise still accept connections
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.host.connect(show_errors=False)
-            if self.host.connected:
-                return
             time.sleep(5)
+            self.host.connect(show_errors=False)
+            if not self.host.connected:
+                continue
+            # The old system's sshd may still answer for a moment, or drop the session as it
+            # goes: only a new boot id is back.
+            try:
+                ok, now = self.run(f"cat {BOOT_ID}")
+            except (SSHException, OSError, EOFError):
+                ok, now = False, ""
+            if ok and now and now != before:
+                return
+            self.host.disconnect()
         raise NodeUnreachable(
             f"{self.host.name}: did not come back within {timeout_s} s of a reboot"
         )

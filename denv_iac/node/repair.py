@@ -7,6 +7,7 @@ node still drained: it never goes back into rotation unverified.
 from __future__ import annotations
 
 import shlex
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -39,6 +40,7 @@ class StepReport:
     name: str
     status: str  # "ok", "skipped" or "failed"
     detail: str = ""
+    seconds: float = 0.0  # how long the step took
 
 
 @dataclass
@@ -224,12 +226,14 @@ def repair_session(
     facts = session.facts(fact_query(spec))
     repair = _Repair(driver.branch_for(facts, spec), level)
     for name, action in repair.steps():
+        start = time.monotonic()
         try:
-            step = StepReport(name, "ok", action(session, facts))
+            status, detail = "ok", action(session, facts)
         except _Skip as skip:
-            step = StepReport(name, "skipped", str(skip))
+            status, detail = "skipped", str(skip)
         except _Fail as failure:
-            step = StepReport(name, "failed", str(failure))
+            status, detail = "failed", str(failure)
+        step = StepReport(name, status, detail, round(time.monotonic() - start, 1))
         result.steps.append(step)
         report(step)
         if step.status == "failed":

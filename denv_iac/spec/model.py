@@ -24,6 +24,17 @@ WHOLE_GPU = "whole"
 # retried (before its first byte) or cut (after it) than left waiting on a frozen GPU process.
 FIRST_TOKEN_TIMEOUT_MS = 1000
 STALL_TIMEOUT_MS = 1000
+# The balancer's timers, for replicas on a data-centre network.
+# How often the agent's verdict (GPU faults, drains) is asked for: it is a fault's way out.
+AGENT_INTER_MS = 200
+CHECK_INTER_MS = 1000
+# How long a health check may wait for its answer. Without it a check may take `inter`, so a
+# replica that hangs is found later, and one that answers again waits for the check that hung
+# to give up before it can come back.
+CHECK_TIMEOUT_MS = 500
+# Also the wait before retrying a refused connect, i.e. what a replica that just died costs the
+# next request: keep it small, but above the round trip to every site.
+CONNECT_TIMEOUT_MS = 80
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,17 @@ class OverlaySpec:
 
 
 @dataclass(frozen=True)
+class BalancerTimers:
+    """How fast the balancer gives up on a replica: a connect or a health check past its
+    timeout takes the replica out of rotation until two checks pass again."""
+
+    connect_timeout_ms: int = CONNECT_TIMEOUT_MS
+    check_timeout_ms: int = CHECK_TIMEOUT_MS
+    check_inter_ms: int = CHECK_INTER_MS
+    agent_inter_ms: int = AGENT_INTER_MS
+
+
+@dataclass(frozen=True)
 class BalancerSpec:
     sites: tuple[str, ...]  # where HAProxy instances run
     port: int = 8080
@@ -175,6 +197,7 @@ class BalancerSpec:
     prometheus_port: int = 8405
     dns: DnsSpec | None = None
     overlay: OverlaySpec = OverlaySpec()
+    timers: BalancerTimers = BalancerTimers()
 
 
 @dataclass(frozen=True)

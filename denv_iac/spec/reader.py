@@ -16,6 +16,7 @@ from denv_iac.spec.model import (
     STALL_TIMEOUT_MS,
     WHOLE_GPU,
     BalancerSpec,
+    BalancerTimers,
     DnsSpec,
     NodeSpec,
     OverlaySpec,
@@ -377,6 +378,8 @@ def _read_balancer(f: Fields) -> BalancerSpec:
         dns_fields.finish()
     overlay_fields = f.child("overlay")
     overlay = read_overlay(overlay_fields) if overlay_fields is not None else OverlaySpec()
+    timers_fields = f.child("timers")
+    timers = _read_timers(timers_fields) if timers_fields is not None else BalancerTimers()
     balancer = BalancerSpec(
         sites=sites,
         port=f.integer("port", 8080, 1, 65535),
@@ -385,11 +388,32 @@ def _read_balancer(f: Fields) -> BalancerSpec:
         prometheus_port=f.integer("prometheus_port", 8405, 1, 65535),
         dns=dns,
         overlay=overlay,
+        timers=timers,
     )
     if balancer.port == balancer.prometheus_port:
         f.problem("prometheus_port", f"{balancer.port} is also the endpoint port; pick another")
     f.finish()
     return balancer
+
+
+def _read_timers(f: Fields) -> BalancerTimers:
+    """The balancer's timers: each from 1 ms to a minute; a check's timeout within its
+    interval, since a check still waiting when the next is due delays the verdict."""
+    default = BalancerTimers()
+    timers = BalancerTimers(
+        connect_timeout_ms=f.integer("connect_timeout_ms", default.connect_timeout_ms, 1, 60000),
+        check_timeout_ms=f.integer("check_timeout_ms", default.check_timeout_ms, 1, 60000),
+        check_inter_ms=f.integer("check_inter_ms", default.check_inter_ms, 10, 60000),
+        agent_inter_ms=f.integer("agent_inter_ms", default.agent_inter_ms, 10, 60000),
+    )
+    if timers.check_timeout_ms > timers.check_inter_ms:
+        f.problem(
+            "check_timeout_ms",
+            f"{timers.check_timeout_ms} exceeds check_inter_ms ({timers.check_inter_ms}); a"
+            " check would still wait when the next is due: lower it or raise check_inter_ms",
+        )
+    f.finish()
+    return timers
 
 
 def _duplicates(names: list[str]) -> list[str]:
