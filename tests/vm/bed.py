@@ -33,6 +33,7 @@ NAT_SUBNET = "192.168.77"
 NAT_ADDRESS = f"{SUBNET}.250"  # the NAT router's public address: what the bridge sees of the LAN
 NAT_LINK = "nat-wan"  # the router's port on the bridge (in the bed's namespace): the LAN's uplink
 BOOT_TIMEOUT_S = 300.0
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # new at every boot
 _KVM_PROBE_S = 12.0
 _accel: str | None = None
 
@@ -146,6 +147,37 @@ class Vm:
                 pass
             time.sleep(1)
         raise TimeoutError(f"{self.name}: no SSH after {timeout:.0f} s: {self.console_tail()}")
+
+    def boot_id(self) -> str:
+        return self.ssh(f"cat {BOOT_ID}").strip()
+
+    def reboot(self) -> float:
+        """Reboot the VM and wait until SSH answers from the new boot; when the reboot began."""
+        before = self.boot_id()
+        self.ssh("systemctl reboot", check=False)
+        start = time.monotonic()
+        # The shared SSH connection would answer from the old boot, then hang once it is gone:
+        # close it, and ask each time over a connection of its own until the new boot answers.
+        *options, login = self.ssh_args()
+        subprocess.run([*options, "-O", "exit", login], capture_output=True, timeout=30)
+        own = [
+            "ControlPath=none" if arg.startswith("ControlPath=") else arg
+            for arg in self.ssh_args(f"cat {BOOT_ID}")
+        ]
+        while time.monotonic() - start < BOOT_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: QEMU exited: {self.console_tail()}")
+            try:
+                done = subprocess.run(own, capture_output=True, text=True, timeout=30)
+                if done.returncode == 0 and done.stdout.strip() not in ("", before):
+                    return start
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(2)
+        raise TimeoutError(
+            f"{self.name}: no SSH from a new boot after {BOOT_TIMEOUT_S:.0f} s:"
+            f" {self.console_tail()}"
+        )
 
     def console_tail(self, lines: int = 15) -> str:
         text = self.console.read_text(errors="replace") if self.console.exists() else ""

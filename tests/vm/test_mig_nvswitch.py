@@ -11,7 +11,6 @@ own, beside a later 580 release and the 590 branch's unsuffixed packages, neithe
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import time
 from typing import Any
 
@@ -21,7 +20,7 @@ from denv_iac.node import MigSlice, NodeDeploySpec, ReplicaSpec
 from denv_iac.node.holders import AGENT, FABRICMANAGER, PERSISTENCED
 from denv_iac.node.mig import UNIT as MIG_UNIT
 from tests.node import standin
-from tests.vm.bed import BOOT_TIMEOUT_S, HOST, Bed, Vm
+from tests.vm.bed import HOST, Bed, Vm
 from tests.vm.conftest import TIMINGS
 from tests.vm.standin_vm import make_gpu_machine
 from tests.vm.test_join import agent_healthz, provider, spec_props
@@ -103,31 +102,6 @@ def monotonic_us(node: Vm, unit: str, field: str) -> int:
     return int(node.ssh(f"systemctl show -P {field} {unit}").strip())
 
 
-def reboot(node: Vm) -> float:
-    """Reboot the VM and wait until SSH answers from the new boot; when the reboot began."""
-    boot_id = "cat /proc/sys/kernel/random/boot_id"
-    before = node.ssh(boot_id).strip()
-    node.ssh("systemctl reboot", check=False)
-    start = time.monotonic()
-    # The shared SSH connection would answer from the old boot, then hang once it is gone:
-    # close it, and ask each time over a connection of its own until the new boot answers.
-    *options, login = node.ssh_args()
-    subprocess.run([*options, "-O", "exit", login], capture_output=True, timeout=30)
-    own = [
-        "ControlPath=none" if arg.startswith("ControlPath=") else arg
-        for arg in node.ssh_args(boot_id)
-    ]
-    while time.monotonic() - start < BOOT_TIMEOUT_S:
-        try:
-            done = subprocess.run(own, capture_output=True, text=True, timeout=30)
-            if done.returncode == 0 and done.stdout.strip() not in ("", before):
-                return start
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(2)
-    raise AssertionError(f"no SSH from a new boot after {BOOT_TIMEOUT_S:.0f} s")
-
-
 def test_1_join_makes_the_layout_with_the_holders_stopped_and_fabric_manager_at_the_driver(
     bed: Bed, node: Vm
 ) -> None:
@@ -186,7 +160,7 @@ def test_1_join_makes_the_layout_with_the_holders_stopped_and_fabric_manager_at_
 
 
 def test_2_reboot_brings_the_layout_back_before_the_replicas(node: Vm) -> None:
-    start = reboot(node)
+    start = node.reboot()
     TIMINGS["HGX: reboot to SSH"] = time.monotonic() - start
     units = [r.unit for r in SPEC.replicas]
     deadline = time.monotonic() + 300

@@ -465,7 +465,7 @@ def test_b_a_replica_killed_comes_back_by_systemd(stack: Stack) -> None:
 def test_c_a_rebooted_node_comes_back_in_rotation_by_itself(stack: Stack) -> None:
     node = stack.nodes["node2"]
     theirs = [r for r, (n, _) in stack.replicas.items() if n == "node2"]
-    boot_id = node.ssh("cat /proc/sys/kernel/random/boot_id").strip()
+    boot_id = node.boot_id()
     with under_load(stack, "c reboot node2") as counted:
         start = time.monotonic()
         node.ssh("systemctl reboot", check=False)
@@ -476,7 +476,7 @@ def test_c_a_rebooted_node_comes_back_in_rotation_by_itself(stack: Stack) -> Non
         TIMINGS["c: reboot to node2 out of rotation"] = time.monotonic() - start
         stack.wait(stack.at_full_strength, "node2 back in rotation")
         took = time.monotonic() - start
-    assert node.ssh("cat /proc/sys/kernel/random/boot_id").strip() != boot_id
+    assert node.boot_id() != boot_id
     for unit in ("denv-agent.service", *(f"denv-replica-{r}.service" for r in theirs)):
         assert node.ssh(f"systemctl is-active {unit}", check=False).strip() == "active", unit
     (done,) = counted
