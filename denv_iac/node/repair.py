@@ -103,14 +103,20 @@ class _Repair:
         if not ports:
             raise _Skip("no replicas on this node")
         match = " or ".join(f"sport = :{port}" for port in ports)
-        # Bounded: past the timeout the repair goes on and the remaining streams get cut.
+        established = f"ss -Htn state established '( {match} )'"
+        # Bounded by the clock, not by rounds (a round takes longer on a busy machine): past
+        # the timeout the repair goes on and what is left gets cut, and the operator is told
+        # who held the connections (peer address and count).
+        timeout = self.spec.drain_timeout_s
         command = (
             "command -v ss >/dev/null || { echo 'ss missing: not waited'; exit 0; }; "
-            f"i=0; while [ $i -lt {self.spec.drain_timeout_s} ]; do "
-            f"n=$(ss -Htn state established '( {match} )' | wc -l); "
+            f"end=$(( $(date +%s) + {timeout} )); while :; do "
+            f"n=$({established} | wc -l); "
             '[ "$n" -eq 0 ] && { echo "no streams open"; exit 0; }; '
-            "i=$((i+1)); sleep 1; done; "
-            f'echo "$n streams still open after {self.spec.drain_timeout_s} s: cut"'
+            '[ "$(date +%s)" -lt "$end" ] || break; sleep 1; done; '
+            f"peers=$({established} | awk '{{sub(/:[0-9]+$/, \"\", $4); print $4}}'"
+            " | sort | uniq -c | awk '{printf \" %s x%s\", $2, $1}'); "
+            f'echo "$n connections still open after {timeout} s (from$peers): cut"'
         )
         return self._run(session, command)
 

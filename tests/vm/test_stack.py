@@ -522,7 +522,8 @@ def test_d_every_repair_level_under_load_loses_nothing(stack: Stack, level: str)
         took = time.monotonic() - start
     (done,) = counted
     steps = ", ".join(f"{s['name']} {s['seconds']:.0f} s" for s in report["steps"] if s["seconds"])
-    TIMINGS[f"d: repair {level} (denv node repair: {steps})"] = repaired
+    waited = next(s["detail"] for s in report["steps"] if s["name"] == "wait for in-flight streams")
+    TIMINGS[f"d: repair {level} (denv node repair: {steps}; the wait: {waited})"] = repaired
     TIMINGS[f"d: repair {level} to full strength ({done.line})"] = took
     assert (done.lost, done.cut, done.replayed) == ([], 0, 0), done.why
 
