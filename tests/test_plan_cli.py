@@ -37,6 +37,10 @@ def test_local_plan_table() -> None:
     ):
         assert replica in result.output
     assert "Warm capacity: $0.00/hour" in result.output
+    assert (
+        "Balancer timers: connect 80 ms, health check 500 ms every 1000 ms, agent every 200 ms;"
+        " a replica that has just died costs the next request up to 80 ms"
+    ) in " ".join(result.output.split())
 
 
 def test_multicloud_plan_json(tmp_path: Path) -> None:

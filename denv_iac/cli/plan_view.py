@@ -80,6 +80,7 @@ def render_plan(plan: Plan, console: Console) -> None:
         console.print(f"MIG layout: {layouts}")
     render_overlay(plan, console)
     render_gateway_link(plan, console)
+    render_timers(plan, console)
     hourly = plan.usd_per_hour
     read = sorted({c.price_read for c in plan.costs if c.price_read})
     basis = f" (list prices read {', '.join(read)})" if read else ""
@@ -92,6 +93,17 @@ def render_plan(plan: Plan, console: Console) -> None:
             f"source: {escape(price.source)}",
             soft_wrap=True,
         )
+
+
+def render_timers(plan: Plan, console: Console) -> None:
+    """How fast the balancer gives up on a replica, and what that costs when one dies."""
+    timers = plan.stack.balancer.timers
+    console.print(
+        f"Balancer timers: connect {timers.connect_timeout_ms} ms, health check"
+        f" {timers.check_timeout_ms} ms every {timers.check_inter_ms} ms, agent every"
+        f" {timers.agent_inter_ms} ms; a replica that has just died costs the next request up"
+        f" to {timers.connect_timeout_ms} ms"
+    )
 
 
 def render_gateway_link(plan: Plan, console: Console) -> None:
