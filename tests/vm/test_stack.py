@@ -352,11 +352,14 @@ class Counted:
     # What HAProxy showed while the load ran: (seconds into the load, {replica: status weight})
     # at each change; in a failure's message with when the lost requests started.
     seen: list[tuple[float, dict[str, str]]]
+    # HAProxy's own log of servers going down or up while the load ran (its journal on the
+    # balancer host): what the samples above miss between two of them.
+    log: list[str]
 
     @property
     def why(self) -> str:
         starts = [round(r.started_s, 1) for r in self.lost]
-        return f"{self.line}; lost at {starts}; HAProxy: {self.seen}"
+        return f"{self.line}; lost at {starts}; HAProxy: {self.seen}; its log: {self.log}"
 
     @property
     def line(self) -> str:
@@ -397,6 +400,7 @@ def under_load(stack: Stack, label: str, max_s: float = 900.0) -> Iterator[list[
     ]  # fmt: skip
     process = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
+    since = stack.balancer.ssh("date +%s").strip()
     states: list[tuple[float, dict[str, str]]] = []
     done = threading.Event()
 
@@ -428,7 +432,13 @@ def under_load(stack: Stack, label: str, max_s: float = 900.0) -> Iterator[list[
     seen = stack.seen_by_replicas()
     cut = [r for r in results if r.error == "aborted"]
     lost = [r for r in results if r.error and r.error != "aborted"]
-    counted.append(Counted(results, lost, len(cut), count_replayed(results, seen), states))
+    log = stack.balancer.ssh(
+        f"journalctl -u haproxy.service -o short-precise --since @{since}"
+        " | grep -E 'Server .* is (DOWN|UP)|no server available' | tail -n 40",
+        check=False,
+    ).splitlines()
+    replayed = count_replayed(results, seen)
+    counted.append(Counted(results, lost, len(cut), replayed, states, log))
 
 
 def test_a_traffic_reaches_replicas_on_both_nodes(stack: Stack) -> None:
