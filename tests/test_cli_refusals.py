@@ -12,6 +12,8 @@ import yaml
 from click.testing import CliRunner, Result
 
 from denv_iac.cli import main
+from denv_iac.spec.reader import StackError
+from denv_iac.spec.stackfile import check_stack_name
 from tests.stacks import SECRET
 
 WORLD_OPEN: dict[str, Any] = {
@@ -253,3 +255,13 @@ def test_the_example_stacks_plan_without_warnings() -> None:
     for name in ("local", "k8s", "voice-multicloud"):
         result = denv("plan", "--stack", name, "--stacks-dir", str(stacks), "--strict")
         assert result.exit_code == 0, (name, result.output)
+
+
+def test_a_stack_name_with_a_trailing_newline_is_refused_in_one_line() -> None:
+    # A regular expression's $ matches before a final newline: the name must match whole.
+    with pytest.raises(StackError) as raised:
+        check_stack_name("voice\n")
+    assert raised.value.problems == [
+        "--stack: 'voice\\n' is not a stack name; use letters, digits, '.', '_' and '-', starting "
+        "with a letter or digit"
+    ]
