@@ -115,7 +115,7 @@ def _ssh_target_problems(target: Target) -> list[str]:
     if not is_host(name):
         problems.append(f"HOST {target.host!r}: not an IP address or host name; {HOST_RULE}")
     user = data.get("ssh_user")
-    if user is not None and not USER_NAME.match(user):
+    if user is not None and not USER_NAME.fullmatch(user):
         problems.append(f"user {user!r}: not a login name; {USER_RULE}")
     return problems
 

@@ -174,7 +174,7 @@ def _has_blank(text: str) -> bool:
 
 def _problems(spec: NodeDeploySpec) -> list[str]:
     problems: list[str] = []
-    if not _ID.match(spec.node_id):
+    if not _ID.fullmatch(spec.node_id):
         problems.append(f"node_id {spec.node_id!r}: use letters, digits, '.', '_' or '-'")
     if not spec.driver_branch.isdigit():
         problems.append(f"driver_branch {spec.driver_branch!r}: give the branch number, e.g. '580'")
@@ -184,7 +184,7 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
     for mig_slice in spec.mig:
         if mig_slice.gpu < 0:
             problems.append(f"mig gpu {mig_slice.gpu}: use an nvidia-smi index, 0 or more")
-        if not _MIG_PROFILE.match(mig_slice.profile):
+        if not _MIG_PROFILE.fullmatch(mig_slice.profile):
             problems.append(f"mig profile {mig_slice.profile!r}: use a MIG profile such as 1g.10gb")
         if mig_slice.instances < 1:
             problems.append(f"mig {mig_slice.profile} instances: give 1 or more")
@@ -250,7 +250,11 @@ def _agent_config_problems(config: Mapping[str, Any]) -> list[str]:
     """Tables of scalar settings only: a key is written bare, a value as a TOML scalar."""
     problems = []
     for table, values in config.items():
-        if not isinstance(table, str) or not _TOML_KEY.match(table) or not isinstance(values, dict):
+        if (
+            not isinstance(table, str)
+            or not _TOML_KEY.fullmatch(table)
+            or not isinstance(values, dict)
+        ):
             problems.append(f"agent config {table!r}: give a table name and a mapping of settings")
             continue
         for key, value in values.items():
@@ -258,7 +262,7 @@ def _agent_config_problems(config: Mapping[str, Any]) -> list[str]:
             scalar = isinstance(value, str | int | bool) or (
                 isinstance(value, float) and math.isfinite(value)
             )
-            if not isinstance(key, str) or not _TOML_KEY.match(key) or not scalar:
+            if not isinstance(key, str) or not _TOML_KEY.fullmatch(key) or not scalar:
                 problems.append(
                     f"agent config {table}.{key!r}: use a name of letters, digits, '_' and '-' "
                     "and a string, number or boolean"
@@ -273,12 +277,12 @@ def _replica_problems(spec: NodeDeploySpec) -> list[str]:
     seen: set[str] = set()
     for replica in spec.replicas:
         where = f"replica {replica.id!r}"
-        if not _ID.match(replica.id):
+        if not _ID.fullmatch(replica.id):
             problems.append(f"{where}: id must use letters, digits, '.', '_' or '-'")
         if replica.id in seen:
             problems.append(f"{where}: id used twice; give each replica its own id")
         seen.add(replica.id)
-        if not IMAGE.match(replica.image):
+        if not IMAGE.fullmatch(replica.image):
             problems.append(f"{where} image {replica.image!r}: {IMAGE_RULE}")
         if not 1 <= replica.port <= 65535:
             problems.append(f"{where} port {replica.port}: give a TCP port, 1-65535")
@@ -287,7 +291,7 @@ def _replica_problems(spec: NodeDeploySpec) -> list[str]:
         ports.setdefault(replica.port, where)
         problems += _share_problems(where, replica, layout)
         for name, value in replica.env.items():
-            if not ENV_NAME.match(name) or control_character(value):
+            if not ENV_NAME.fullmatch(name) or control_character(value):
                 problems.append(f"{where} env {name!r}: use NAME=value without newlines")
             elif name in DEPLOY_ENV:
                 problems.append(f"{where} env {name}: set by the deploy; remove it")

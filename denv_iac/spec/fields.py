@@ -115,7 +115,7 @@ class Fields:
 
     def name(self, key: str = "name") -> str:
         value = self.text(key)
-        if value and not NAME_PATTERN.match(value):
+        if value and not NAME_PATTERN.fullmatch(value):
             self.problem(key, f'"{value}" is not a valid name; {NAME_RULE}')
         return value
 
@@ -187,7 +187,7 @@ class Fields:
             return (), ()
         plain, secret = [], []
         for name, raw in value.items():
-            if not ENV_NAME.match(name):
+            if not ENV_NAME.fullmatch(name):
                 self.problem(key, f"{name!r} is not a variable name; {ENV_RULE}")
             elif name in DEPLOY_ENV:
                 self.problem(f"{key}.{name}", "set by the deploy for every replica; remove it")

@@ -94,7 +94,7 @@ def _read_node(problems: Problems, path: str, raw: object, kind: str, catalog: C
     if address and not is_host(address):
         f.problem("address", f'"{address}" is not an IP address or host name; {HOST_RULE}')
     ssh_user = "root" if kind == "local" else f.text("ssh_user", "root")
-    if ssh_user and not USER_NAME.match(ssh_user):
+    if ssh_user and not USER_NAME.fullmatch(ssh_user):
         f.problem("ssh_user", f'"{ssh_user}" is not a login name; {USER_RULE}')
     if kind == "hetzner":
         if f.flag("behind_nat", False):
@@ -237,7 +237,7 @@ def _read_cloud_site(
 def _region(f: Fields, kind: str) -> str:
     pattern, example = REGION_FORMATS[kind]
     region = f.text("region", example=example)
-    if region and not pattern.match(region):
+    if region and not pattern.fullmatch(region):
         f.problem("region", f'"{region}" is not a region name on {kind}; write it like {example}')
     return region
 
@@ -269,7 +269,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     f = Fields(problems, path, raw)
     name = f.name()
     share = f.text("gpu", WHOLE_GPU)
-    if share != WHOLE_GPU and not re.match(r"^\d+g\.\d+gb$", share):
+    if share != WHOLE_GPU and not re.fullmatch(r"^\d+g\.\d+gb$", share):
         f.problem(
             "gpu", f'"{share}" is not a GPU share; use "whole" or a MIG profile like "1g.10gb"'
         )
@@ -288,11 +288,11 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         )
         sim.finish()
     health_path = f.text("health_path", "/health")
-    if health_path and not re.match(r"^/[A-Za-z0-9._~/-]*$", health_path):
+    if health_path and not re.fullmatch(r"^/[A-Za-z0-9._~/-]*$", health_path):
         f.problem("health_path", f'"{health_path}" is not a URL path; write it like /health')
     models = f.text_list("models")
     for model in models:
-        if not re.match(r"^[A-Za-z0-9._:/-]{1,128}$", model):
+        if not re.fullmatch(r"^[A-Za-z0-9._:/-]{1,128}$", model):
             f.problem(
                 "models",
                 f'"{model}" has characters a model name may not have; '
@@ -337,7 +337,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
 
 def _image(f: Fields) -> str:
     image = f.text("image", "")
-    if image and not IMAGE.match(image):
+    if image and not IMAGE.fullmatch(image):
         f.problem("image", f'"{image}" is not a container image; {IMAGE_RULE}')
     return image
 
@@ -360,7 +360,7 @@ def _read_balancer(f: Fields) -> BalancerSpec:
         f.problem("sites", "is empty; name the site or sites that run the balancer")
     digests = f.text_list("api_key_digests")
     for digest in digests:
-        if not DIGEST.match(digest):
+        if not DIGEST.fullmatch(digest):
             f.problem(
                 "api_key_digests",
                 "entries must be SHA-256 hex digests (64 lower-case hex "
@@ -500,7 +500,7 @@ def _check_provider_names(problems: Problems, stack: StackSpec) -> None:
                     f"Lambda names of this site, like {longest}, take {len(longest)} characters, "
                     f"past Lambda's {LAMBDA_NAME_LENGTH}; shorten the site or the stack name",
                 )
-        if site.kind == "kubernetes" and not LABEL_VALUE.match(stack.name):
+        if site.kind == "kubernetes" and not LABEL_VALUE.fullmatch(stack.name):
             problems.add(
                 f"sites[{i}]",
                 f'the stack name "{stack.name}" labels every object of this Kubernetes site, and '

@@ -32,7 +32,7 @@ STACK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 def check_stack_name(name: str) -> str:
     """The name, when it names a stack; StackError otherwise (it becomes a file or folder name)."""
-    if not STACK_NAME.fullmatch(name):  # match's $ would let a trailing newline through
+    if not STACK_NAME.fullmatch(name):
         raise StackError(
             [
                 f"--stack: {name!r} is not a stack name; use letters, digits, '.', '_' and '-', "

@@ -8,6 +8,9 @@ write as well; these checks are what makes a refusal name the field instead of a
 import ipaddress
 import re
 
+# Check every value against these patterns with `fullmatch`: `$` also matches before a final
+# newline, so `match` would pass a value that starts a line of its own where it is written.
+
 # A host name (RFC 1123 labels) or an IP address. A leading '-' would be read as an option by
 # ssh and every other tool that takes a host, so no label may start with one.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -69,5 +72,5 @@ def is_host(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
     except ValueError:
-        return bool(HOST_NAME.match(text))
+        return bool(HOST_NAME.fullmatch(text))
     return True
