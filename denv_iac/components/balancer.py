@@ -1,6 +1,7 @@
 """GlobalBalancer: the HAProxy config of the one endpoint, from the pools' replica addresses."""
 
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import NotRequired, TypedDict
 
 import pulumi
@@ -37,10 +38,7 @@ def balancer_settings(stack: StackSpec) -> BalancerSettings:
     gateway_tls = gateway_tls_on(stack)
     return BalancerSettings(
         port=spec.port,
-        connect_timeout_ms=spec.timers.connect_timeout_ms,
-        check_timeout_ms=spec.timers.check_timeout_ms,
-        check_inter_ms=spec.timers.check_inter_ms,
-        agent_inter_ms=spec.timers.agent_inter_ms,
+        **asdict(spec.timers),  # BalancerSettings names each timer as the stack does
         tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
         api_key_digests=spec.api_key_digests,
         prometheus_port=spec.prometheus_port,

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from denv_iac.node.deploy import BOOT_ID
 from tests.vm.image import Image, vm_disk
 
 SUBNET = "10.77.0"
@@ -33,7 +34,6 @@ NAT_SUBNET = "192.168.77"
 NAT_ADDRESS = f"{SUBNET}.250"  # the NAT router's public address: what the bridge sees of the LAN
 NAT_LINK = "nat-wan"  # the router's port on the bridge (in the bed's namespace): the LAN's uplink
 BOOT_TIMEOUT_S = 300.0
-BOOT_ID = "/proc/sys/kernel/random/boot_id"  # new at every boot
 _KVM_PROBE_S = 12.0
 _accel: str | None = None
 
