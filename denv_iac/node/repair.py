@@ -106,14 +106,15 @@ class _Repair:
         established = f"ss -Htn state established '( {match} )'"
         # Bounded by the clock, not by rounds (a round takes longer on a busy machine): past
         # the timeout the repair goes on and what is left gets cut, and the operator is told
-        # who held the connections (peer address and count).
+        # who held the connections (peer address and count). `date +%s` counts whole seconds,
+        # so the loop runs while the clock reads at most the end: never less than the timeout.
         timeout = self.spec.drain_timeout_s
         command = (
             "command -v ss >/dev/null || { echo 'ss missing: not waited'; exit 0; }; "
             f"end=$(( $(date +%s) + {timeout} )); while :; do "
             f"n=$({established} | wc -l); "
             '[ "$n" -eq 0 ] && { echo "no streams open"; exit 0; }; '
-            '[ "$(date +%s)" -lt "$end" ] || break; sleep 1; done; '
+            '[ "$(date +%s)" -le "$end" ] || break; sleep 1; done; '
             f"peers=$({established} | awk '{{sub(/:[0-9]+$/, \"\", $4); print $4}}'"
             " | sort | uniq -c | awk '{printf \" %s x%s\", $2, $1}'); "
             f'echo "$n connections still open after {timeout} s (from$peers): cut"'
