@@ -197,7 +197,7 @@ class _Repair:
             f"deadline=$(( $(date +%s) + {self.spec.ready_timeout_s} )); "
             f"for url in {urls}; do "
             'until curl -fsS -o /dev/null --max-time 5 "$url"; do '
-            '[ "$(date +%s)" -lt "$deadline" ] || { echo "not ready: $url"; exit 1; }; '
+            '[ "$(date +%s)" -le "$deadline" ] || { echo "not ready: $url"; exit 1; }; '
             "sleep 2; done; done; echo ready"
         )
         return self._run(session, command)
