@@ -11,11 +11,9 @@ import re
 from collections.abc import Sequence
 
 from denv_iac.balancer.model import BalancerPool, BalancerServer, BalancerSettings, BalancerTier
+from denv_iac.spec.values import MODEL_NAME
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
-# An OpenAI model name (`openai/whisper-large-v3`, `tts-1:hd`): safe in a map file, in JSON and
-# in a single-quoted HAProxy string.
-_MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 _HOSTNAME = re.compile(
     r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*"
 )
@@ -73,7 +71,7 @@ def _check_model_names(pools: Sequence[BalancerPool]) -> None:
     for p, pool in enumerate(pools):
         for m, model in enumerate(pool.models):
             field = f"pools[{p}].models[{m}]"
-            if not _MODEL_NAME.fullmatch(model):
+            if not MODEL_NAME.fullmatch(model):
                 raise BalancerConfigError(
                     field,
                     f"{model!r} has characters a model name may not have",

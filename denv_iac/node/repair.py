@@ -70,6 +70,17 @@ class _Fail(Exception):
 _Action = Callable[[NodeSession, NodeFacts], str]
 
 
+# A deadline in the node's shell, `seconds` from now. `date +%s` counts whole seconds, so a
+# deadline passes only once the clock reads past it: never less than `seconds` after it is set.
+def _set_deadline(var: str, seconds: int) -> str:
+    return f"{var}=$(( $(date +%s) + {seconds} ))"
+
+
+def _before(var: str) -> str:
+    """A shell test: the deadline in `var` has not passed."""
+    return f'[ "$(date +%s)" -le "${var}" ]'
+
+
 class _Repair:
     def __init__(self, spec: NodeDeploySpec, level: RepairLevel) -> None:
         self.spec, self.level = spec, level
@@ -106,15 +117,14 @@ class _Repair:
         established = f"ss -Htn state established '( {match} )'"
         # Bounded by the clock, not by rounds (a round takes longer on a busy machine): past
         # the timeout the repair goes on and what is left gets cut, and the operator is told
-        # who held the connections (peer address and count). `date +%s` counts whole seconds,
-        # so the loop runs while the clock reads at most the end: never less than the timeout.
+        # who held the connections (peer address and count).
         timeout = self.spec.drain_timeout_s
         command = (
             "command -v ss >/dev/null || { echo 'ss missing: not waited'; exit 0; }; "
-            f"end=$(( $(date +%s) + {timeout} )); while :; do "
+            f"{_set_deadline('end', timeout)}; while :; do "
             f"n=$({established} | wc -l); "
             '[ "$n" -eq 0 ] && { echo "no streams open"; exit 0; }; '
-            '[ "$(date +%s)" -le "$end" ] || break; sleep 1; done; '
+            f"{_before('end')} || break; sleep 1; done; "
             f"peers=$({established} | awk '{{sub(/:[0-9]+$/, \"\", $4); print $4}}'"
             " | sort | uniq -c | awk '{printf \" %s x%s\", $2, $1}'); "
             f'echo "$n connections still open after {timeout} s (from$peers): cut"'
@@ -194,10 +204,11 @@ class _Repair:
             shlex.quote(f"http://127.0.0.1:{r.port}{r.health_path}") for r in self.spec.replicas
         )
         command = (
-            f"deadline=$(( $(date +%s) + {self.spec.ready_timeout_s} )); "
+            f"{_set_deadline('deadline', self.spec.ready_timeout_s)}; "
             f"for url in {urls}; do "
             'until curl -fsS -o /dev/null --max-time 5 "$url"; do '
-            '[ "$(date +%s)" -le "$deadline" ] || { echo "not ready: $url"; exit 1; }; '
+            f"{_before('deadline')}"
+            ' || { echo "not ready: $url"; exit 1; }; '
             "sleep 2; done; done; echo ready"
         )
         return self._run(session, command)

@@ -34,6 +34,7 @@ from denv_iac.spec.values import (
     IMAGE_RULE,
     LABEL_VALUE,
     LAMBDA_NAME_LENGTH,
+    MODEL_NAME,
     USER_NAME,
     USER_RULE,
     is_host,
@@ -269,7 +270,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     f = Fields(problems, path, raw)
     name = f.name()
     share = f.text("gpu", WHOLE_GPU)
-    if share != WHOLE_GPU and not re.fullmatch(r"^\d+g\.\d+gb$", share):
+    if share != WHOLE_GPU and not re.fullmatch(r"\d+g\.\d+gb", share):
         f.problem(
             "gpu", f'"{share}" is not a GPU share; use "whole" or a MIG profile like "1g.10gb"'
         )
@@ -288,11 +289,11 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         )
         sim.finish()
     health_path = f.text("health_path", "/health")
-    if health_path and not re.fullmatch(r"^/[A-Za-z0-9._~/-]*$", health_path):
+    if health_path and not re.fullmatch(r"/[A-Za-z0-9._~/-]*", health_path):
         f.problem("health_path", f'"{health_path}" is not a URL path; write it like /health')
     models = f.text_list("models")
     for model in models:
-        if not re.fullmatch(r"^[A-Za-z0-9._:/-]{1,128}$", model):
+        if not MODEL_NAME.fullmatch(model):
             f.problem(
                 "models",
                 f'"{model}" has characters a model name may not have; '

@@ -25,6 +25,9 @@ IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
 IMAGE_RULE = "give a container image reference like vllm/vllm-openai:v0.11.0"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 ENV_RULE = "use letters, digits and '_', not starting with a digit"
+# An OpenAI model name (`openai/whisper-large-v3`, `tts-1:hd`): safe in a map file, in JSON and
+# in a single-quoted HAProxy string.
+MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 # What the deploy itself sets in every replica: the caches on the node's lasting storage.
 CACHE_ENV = ("HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
 # ... and the replica's own GPU; a recipe's env may set none of these.
