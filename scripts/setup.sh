@@ -30,7 +30,7 @@ if ((${#missing[@]})); then
   fi
 fi
 
-if ! command -v uv >/dev/null; then
+if ! uv --version >/dev/null 2>&1; then
   echo "setup: installing uv"
   python3 -m pip install --quiet uv || python3 -m pip install --quiet --user uv
   export PATH="$HOME/.local/bin:$PATH"
@@ -43,5 +43,10 @@ fi
 grep -v '^-e ' requirements.lock > .venv/requirements.hashed
 uv pip sync --quiet --python .venv/bin/python --require-hashes .venv/requirements.hashed
 uv pip install --quiet --python .venv/bin/python --no-deps -e . -e ./agent
+# A wheelhouse of every locked wheel, for the install tests: they build fresh environments with no
+# index at all. uv's cache is no such store: on a new machine `uv pip install --offline` found
+# none of the locked packages that the sync above had just put in it. pip checks every hash.
+.venv/bin/python -m pip download --quiet --quiet --disable-pip-version-check --require-hashes \
+  --no-deps --only-binary :all: --dest .venv/wheelhouse --requirement .venv/requirements.hashed
 touch .venv/.installed
 echo "setup: environment ready (.venv)"

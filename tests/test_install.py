@@ -1,8 +1,9 @@
 """The two packages install the way a team installs them, each into a fresh virtual environment.
 
-Offline: third-party packages come from the uv cache `make setup` filled, at requirements.lock's
-pins; denv-iac and denv-agent come from this tree, built by uv or by pip itself. No index is
-consulted, so denv-agent (on none) must be found the way the install line finds it.
+With no index: third-party packages come from the wheelhouse `make setup` filled, at
+requirements.lock's pins; denv-iac and denv-agent come from this tree, built by uv or by pip
+itself. No index is consulted, so denv-agent (on none) must be found the way the install line
+finds it.
 """
 
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.components.stacks import SSH_KEYS
+from tests.wheelhouse import no_index
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).with_name("team_program_probe.py")
@@ -41,11 +43,11 @@ def _run(*args: str | Path, cwd: Path | None = None) -> str:
 
 
 def _venv(path: Path, *requirements: str | Path) -> Path:
-    """A fresh environment holding `requirements` (uv's arguments), from the cache; its python."""
+    """A fresh environment with `requirements` (uv's arguments), from the wheelhouse; its python."""
     _run(_uv(), "venv", "--quiet", "--python", sys.executable, path)
     python = path / "bin" / "python"
     if requirements:
-        _run(_uv(), "pip", "install", "--offline", "--quiet", "--python", python, *requirements)
+        _run(_uv(), "pip", "install", *no_index(), "--quiet", "--python", python, *requirements)
     return python
 
 
@@ -61,7 +63,8 @@ def third_party(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    _run(_uv(), "build", "--all-packages", "--offline", "--quiet", "--out-dir", out, cwd=ROOT)
+    # The build backend (setuptools, locked) comes from the wheelhouse too.
+    _run(_uv(), "build", "--all-packages", *no_index(), "--quiet", "--out-dir", out, cwd=ROOT)
     return out
 
 

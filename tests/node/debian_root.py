@@ -7,7 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-CACHE_DIR = Path("/var/cache/denv-test/debian12-root")
+from tests.build_cache import TEST_CACHE
+
+CACHE_DIR = TEST_CACHE / "debian12-root"
 SUITE = "bookworm"
 # What a cloud image of Ubuntu or Debian already carries, so the deploy finds its prerequisites
 # installed and the stand-in repository only has to provide NVIDIA's and Docker's packages.

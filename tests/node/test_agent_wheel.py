@@ -14,6 +14,7 @@ import pytest
 from denv_iac.node import plan_node
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.spec import AgentSettings, NodeDeploySpec, NodeSpecError, ReplicaSpec
+from tests.wheelhouse import no_index
 
 from .fixtures import node_facts
 
@@ -64,7 +65,7 @@ def test_the_packed_wheel_installs_and_runs(tmp_path: Path) -> None:
     assert uv, "uv is not on PATH; `make setup` installs it"
     _run(uv, "venv", "--quiet", "--python", sys.executable, tmp_path / "venv")
     python = tmp_path / "venv" / "bin" / "python"
-    _run(uv, "pip", "install", "--offline", "--quiet", "--python", python, wheel)
+    _run(uv, "pip", "install", *no_index(), "--quiet", "--python", python, wheel)
     _run(python, "-m", "denv_agent", "--help")
     assert "GPU and replica health" in _run(tmp_path / "venv" / "bin" / "denv-agent", "--help")
     listed = _run(uv, "pip", "show", "--files", "--python", python, "denv-agent")

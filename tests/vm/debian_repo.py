@@ -14,10 +14,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tests.build_cache import TEST_CACHE
 from tests.vm.bed import Vm
 from tests.vm.standin_vm import send_folder
 
-CACHE_DIR = Path("/var/cache/denv-test/debs")
+CACHE_DIR = TEST_CACHE / "debs"
 REPO_IN_VM = "/srv/denv-debs"
 _SOURCES = "/etc/apt/sources.list.d/denv-debs.list"
 

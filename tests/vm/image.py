@@ -14,9 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.build_cache import TEST_CACHE
 from tests.node.debian_root import SUITE, debian_mirror
 
-CACHE_DIR = Path("/var/cache/denv-test/debian12-vm")
+CACHE_DIR = TEST_CACHE / "debian12-vm"
 IMAGE_SIZE = "3G"
 INCLUDE = (
     "linux-image-cloud-amd64",
