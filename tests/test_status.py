@@ -104,6 +104,7 @@ def test_pools_without_a_stack_are_never_judged() -> None:
     assert (pool.pool, pool.healthy, pool.min_warm, pool.ok) == ("side", 0, None, True)
 
 
+@pytest.mark.timing
 def test_a_silent_agent_never_hangs_the_read() -> None:
     # Connections land in the backlog and are never answered: the read must give up on time.
     with socket.socket() as silent:
@@ -229,6 +230,7 @@ def test_status_of_a_running_stack_then_xid_79(running: LocalCluster) -> None:
     assert bare.exit_code == 0 and "min_warm unknown" in bare.output
 
 
+@pytest.mark.timing
 @needs_haproxy
 def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     state = running.state

@@ -46,6 +46,7 @@ def server() -> Iterator[AgentCheckServer]:
     server.stop()
 
 
+@pytest.mark.timing
 def test_known_id_is_answered_at_once_even_without_newline(server: AgentCheckServer) -> None:
     with socket.create_connection(server.address, timeout=5) as s:
         started = time.monotonic()

@@ -89,6 +89,7 @@ def test_each_xid_class_end_to_end(
     assert b'denv_agent_xid_events_total{class="' in metrics
 
 
+@pytest.mark.timing
 def test_critical_xid_leaves_rotation_within_half_a_second(agent: Agent, fake: FakeNvml) -> None:
     started = time.monotonic()
     fake.inject_xid(1, 79)

@@ -97,6 +97,7 @@ def test_xid_reaches_registered_event_sets_and_waits_time_out() -> None:
     fake.nvmlEventSetFree(event_set)
 
 
+@pytest.mark.timing
 def test_slowdown_delays_every_call_and_close_cuts_it_short() -> None:
     fake = FakeNvml(1)
     fake.nvmlInit()

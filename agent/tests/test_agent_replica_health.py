@@ -51,6 +51,7 @@ def test_probe_measures_the_longest_gap_between_tokens(server: ReplicaServer) ->
     assert timing.max_gap_ms is not None and 200 <= timing.max_gap_ms < 1000
 
 
+@pytest.mark.timing
 def test_with_a_stall_budget_the_probe_ends_once_a_pause_outlasts_it(
     server: ReplicaServer,
 ) -> None:

@@ -19,7 +19,7 @@ from denv_iac.local.runner import (
     StackLock,
     run_dir,
     running_recorded,
-    stop_recorded,
+    stop_stack,
 )
 from denv_iac.ops.demo import run_demo
 from denv_iac.spec.reader import StackError
@@ -116,14 +116,15 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
     if detach:
         return
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGTERM is what `denv local down` sends. SIGINT too, explicitly: a shell starts a
+    # background job with SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.set())
     if not quiet:
         console.print("serving; a process that dies is restarted; Ctrl-C stops everything")
     try:
         # Lines about restarts go to stderr when stdout carries only the endpoint or JSON.
         cluster.supervise_until(stop, lambda line: console.print(line, highlight=False))
-    except KeyboardInterrupt:
-        pass
     finally:
         cluster.down()
         lock.release()
@@ -132,9 +133,9 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
 @local.command()
 @STACK
 def down(stack_name: str) -> None:
-    """Stop a detached local data plane, process by recorded pid."""
+    """Stop a local data plane: its supervising `local up` first, then what it recorded."""
     try:
-        stopped = stop_recorded(run_dir(find_stacks_dir().parent, stack_name))
+        stopped = stop_stack(run_dir(find_stacks_dir().parent, stack_name))
     except StackError as error:
         fail(error.problems)
     click.echo(f"stopped {stopped} processes" if stopped else f"{stack_name} is not running")

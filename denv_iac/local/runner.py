@@ -157,6 +157,23 @@ class StackLock:
             os.close(self._file)  # closing drops the lock
             self._file = None
 
+    def holder(self) -> int | None:
+        """The pid of the process holding the lock (a foreground `denv local up` supervising the
+        stack), or None when it is free. The lock dies with its process, so a pid read while it
+        is held is never a recycled one."""
+        try:
+            descriptor = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.read(descriptor, 32).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else None
+        finally:
+            os.close(descriptor)  # closing drops a shared lock taken just to look
+        return None
+
 
 @dataclass
 class RestartBackoff:
@@ -647,13 +664,44 @@ def running_recorded(directory: Path) -> bool:
     return any(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
 
 
-def stop_recorded(directory: Path) -> int:
-    """`denv local down`: stop what state.json records; returns how many processes it stopped."""
+def stop_stack(directory: Path, timeout_s: float = 30.0) -> int:
+    """`denv local down`: stop a supervised stack through its supervisor, which would restart
+    anything stopped under it, then whatever state.json still records (a detached stack);
+    returns how many processes it stopped."""
+    lock = StackLock(directory)
+    supervisor = lock.holder()
+    if supervisor is None:
+        return stop_recorded(directory)
+    supervised = _running_count(directory)
+    os.kill(supervisor, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while lock.holder() is not None:
+        if time.monotonic() > deadline:
+            raise StackError(
+                [
+                    f"the supervising `denv local up` (pid {supervisor}) did not stop within "
+                    f"{timeout_s:.0f} s of SIGTERM; stop it with `kill -KILL {supervisor}`, "
+                    "then run `denv local down` again"
+                ]
+            )
+        time.sleep(0.05)
+    return 1 + supervised + stop_recorded(directory)
+
+
+def _running_count(directory: Path) -> int:
+    """How many processes that state.json records still run."""
+    state = _read_state(directory)
+    if state is None:
+        return 0
+    return sum(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
+
+
+def _read_state(directory: Path) -> RunState | None:
     state_file = directory / STATE_FILE
     if not state_file.exists():
-        return 0
+        return None
     try:
-        state = RunState.from_json(state_file.read_text())
+        return RunState.from_json(state_file.read_text())
     except (ValueError, TypeError, KeyError) as error:
         raise StackError(
             [
@@ -661,6 +709,13 @@ def stop_recorded(directory: Path) -> int:
                 "(pgrep -f denv) and delete the file"
             ]
         ) from None
+
+
+def stop_recorded(directory: Path) -> int:
+    """Stop what state.json records; returns how many processes it stopped."""
+    state = _read_state(directory)
+    if state is None:
+        return 0
     targets = _recorded_processes(state)
     stopped = 0
     for pid, marker, group in targets:
@@ -673,5 +728,5 @@ def stop_recorded(directory: Path) -> int:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(ours(p, m) for p, m, _ in targets):
         time.sleep(0.05)
-    state_file.unlink()
+    (directory / STATE_FILE).unlink(missing_ok=True)
     return stopped

@@ -287,10 +287,12 @@ def stream_chat(
     client: httpx.Client,
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
+    chunks: list[dict[str, Any]] | None = None,
 ) -> StreamOutcome:
-    """POST a streamed chat completion and record what came back, and when."""
+    """POST a streamed chat completion and record what came back, and when; `chunks`, when
+    given, fills as they arrive, for a test that waits on a stream in flight."""
     started = time.monotonic()
-    chunks: list[dict[str, Any]] = []
+    chunks = [] if chunks is None else chunks
     first_token_s: float | None = None
     done = False
     error: str | None = None

@@ -91,6 +91,7 @@ def test_every_server_down_is_503_json(dataplane: Dataplane) -> None:
     assert other_pool.status_code == 200
 
 
+@pytest.mark.timing
 def test_stream_whose_replica_dies_is_aborted_and_never_replayed(dataplane: Dataplane) -> None:
     victim = _replica_of_session(dataplane)
     dataplane.replicas[victim].fault("die_after_tokens", k=3)
@@ -108,6 +109,7 @@ def test_stream_whose_replica_dies_is_aborted_and_never_replayed(dataplane: Data
     assert dataplane.replicas[victim].stats()["streams_aborted"] == 1
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("death", ["refuse", "exit"])
 def test_next_request_after_replica_death_succeeds_elsewhere(
     dataplane: Dataplane, death: str
@@ -129,6 +131,7 @@ def test_next_request_after_replica_death_succeeds_elsewhere(
     assert dataplane.status()[victim].startswith("DOWN")
 
 
+@pytest.mark.timing
 def test_agent_down_takes_server_out_fast_and_up_brings_it_back(dataplane: Dataplane) -> None:
     victim = _replica_of_session(dataplane)
     dataplane.agent.set_reply(victim, "down #xid 79 gpu fell off the bus")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from denv_iac.local.replica_sim import ReplicaSimConfig
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
+from tests.timing import TIMER_SLACK_S as SLACK_S
 
 from .dataplane_harness import (
     AGENT_UP,
@@ -21,15 +23,14 @@ from .dataplane_harness import (
     stream_chat,
 )
 
+pytestmark = pytest.mark.timing
+
 SESSION = {"X-Denv-Session": "conversation-7"}
 # A stream long enough to be caught in flight: 40 tokens, 50 ms apart.
 LONG_STREAMS = ReplicaSimConfig("template", ttft_ms=20, itl_ms=50, tokens=40)
 # The harness's pools keep the recipe defaults.
 FIRST_TOKEN_S = FIRST_TOKEN_TIMEOUT_MS / 1000
 STALL_S = STALL_TIMEOUT_MS / 1000
-# What a caller may wait beyond a budget: HAProxy's timer wheel, a healthy replica's own first
-# token (20 ms) and two shared cores.
-SLACK_S = 0.1
 # After a fault clears, the replica must serve again within this.
 RECOVERY_S = 1.0
 
@@ -46,13 +47,14 @@ class _BackgroundStream:
         self._outcome: list[StreamOutcome] = []
         self._client = plane.client(timeout_s=30)
         self._started = time.monotonic()
+        chunks: list[dict[str, Any]] = []
         self._thread = threading.Thread(
             target=lambda: self._outcome.append(
-                stream_chat(self._client, {"model": "voice"}, headers)
+                stream_chat(self._client, {"model": "voice"}, headers, chunks)
             )
         )
         self._thread.start()
-        time.sleep(0.3)  # on its replica, a few tokens in
+        plane.wait_until(lambda: len(chunks) >= 3, 5, "the stream a few tokens in")
 
     def result(self) -> tuple[StreamOutcome, float]:
         self._thread.join(timeout=30)
@@ -133,7 +135,7 @@ def test_dripping_stream_is_cut_not_left_waiting(start_dataplane: Callable[..., 
         outcome = stream_chat(client, {"model": "voice"}, {**SESSION, "X-Request-Id": "drip"})
     assert not outcome.done and outcome.error is not None
     assert len(outcome.chunks) == 1
-    assert outcome.elapsed_s < STALL_S + 0.3
+    assert outcome.elapsed_s < LONG_STREAMS.ttft_ms / 1000 + STALL_S + SLACK_S
     assert sum(r.stats()["by_request_id"].get("drip", 0) for r in plane.replicas.values()) == 1
 
 
@@ -163,7 +165,10 @@ def test_up_without_ready_would_keep_the_drain(plane: Dataplane) -> None:
     victim = session_replica(plane, SESSION)
     plane.agent.set_reply(victim.replica_id, "drain")
     plane.wait_until(lambda: plane.status()[victim.replica_id].startswith("DRAIN"), 2, "drain")
+    polls = plane.agent.polls[victim.replica_id]
     plane.agent.set_reply(victim.replica_id, "up 100%")
-    time.sleep(1.0)  # five agent checks
+    plane.wait_until(
+        lambda: plane.agent.polls[victim.replica_id] >= polls + 5, 5, "five agent checks"
+    )
     assert plane.status()[victim.replica_id].startswith("DRAIN")
     assert AGENT_UP.startswith("up ready")

@@ -14,13 +14,15 @@ from denv_agent.verdict import Verdict
 
 from denv_iac.local.replica_sim import ReplicaSimConfig
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
+from tests.timing import TIMER_SLACK_S as SLACK_S
 
 from .dataplane_harness import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
+
+pytestmark = pytest.mark.timing
 
 SESSION = {"X-Denv-Session": "sdk-conversation"}
 # 40 tokens, 50 ms apart: a stream that is still running when the fault comes.
 LONG_STREAMS = ReplicaSimConfig("template", ttft_ms=20, itl_ms=50, tokens=40)
-SLACK_S = 0.1  # HAProxy's timer wheel, a healthy replica's first token, two shared cores
 MESSAGES: Any = [{"role": "user", "content": "Hello"}]
 DOWN = Verdict("down", 0, ("xid 79",)).reply  # what the agent says of a GPU that fell off the bus
 
@@ -105,7 +107,7 @@ def _stream_in_flight(
     victim = session_replica(plane, SESSION)
     client = _sdk(plane)
     turn = _Turn(client, request_id)
-    time.sleep(0.3)
+    plane.wait_until(lambda: turn.text.count(" ") >= 3, 5, "the turn a few tokens in")
     return victim, client, turn
 
 

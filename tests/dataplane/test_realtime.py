@@ -79,6 +79,7 @@ def test_a_replica_dying_mid_turn_closes_the_socket_and_nothing_is_replayed(
     assert sum(r.stats()["realtime_sessions"] for r in dataplane.replicas.values()) == 1
 
 
+@pytest.mark.timing
 def test_a_session_idle_between_turns_stays_open(dataplane: Dataplane) -> None:
     with _open(dataplane, "call-3") as ws:
         _event(ws)
@@ -98,6 +99,7 @@ def _closed_after(ws: ClientConnection, limit_s: float) -> tuple[float, Connecti
     raise AssertionError(f"the session stayed open for {limit_s} s")
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("fault", ["freeze", "agent_down"])
 def test_a_session_whose_replica_freezes_or_is_marked_down_closes_and_reconnects_elsewhere(
     dataplane: Dataplane, fault: str
@@ -151,6 +153,7 @@ def test_a_drain_keeps_open_sessions_and_sends_new_ones_elsewhere(dataplane: Dat
     dataplane.agent.set_reply(replica_id, "up ready 100%")
 
 
+@pytest.mark.timing
 def test_open_sessions_survive_a_balancer_reload(dataplane: Dataplane) -> None:
     assert dataplane.haproxy is not None
     sessions = [_open(dataplane, f"call-reload-{n}") for n in range(5)]

@@ -113,6 +113,7 @@ def test_stream_is_chunked_sse_ending_in_done_and_keeps_the_connection() -> None
     run_with_sim(scenario, ttft_ms=1, itl_ms=1)
 
 
+@pytest.mark.timing
 def test_stream_timing_follows_ttft_and_gap() -> None:
     async def scenario(sim: ReplicaSim) -> None:
         started = time.monotonic()
@@ -260,6 +261,7 @@ def test_exit_ends_the_process_and_cli_prints_readiness() -> None:
         process.stop()
 
 
+@pytest.mark.timing
 def test_streams_thousands_of_tokens_per_second() -> None:
     streams, tokens = 20, 200
 

@@ -227,3 +227,73 @@ def test_a_left_over_state_file_is_dropped(tmp_path: Path) -> None:
             timeout=60,
         )
     assert down.stdout.strip() == "stopped 7 processes"
+
+
+def _stack_project(tmp_path: Path) -> Path:
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "Pulumi.yaml").write_text("name: t\nruntime: python\n")
+    (tmp_path / "stacks" / "Pulumi.t.yaml").write_text(yaml.safe_dump({"config": CONFIG}))
+    return tmp_path
+
+
+def _ignore_sigint() -> None:
+    # What a non-interactive shell does to a job it starts with `&`.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _supervised_up(project: Path) -> Iterator[tuple[subprocess.Popen[str], RunState]]:
+    """A foreground `denv local up` started as a background job, and what it recorded."""
+    port = str(free_endpoint_port())
+    command = [sys.executable, "-m", "denv_iac", "local", "up", "--stack", "t", "--quiet"]
+    supervisor = subprocess.Popen(
+        [*command, "--port", port],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        assert supervisor.stdout is not None
+        assert supervisor.stdout.readline().strip() == f"http://127.0.0.1:{port}"
+        yield supervisor, RunState.from_json((project / ".denv/t/state.json").read_text())
+    finally:
+        if supervisor.poll() is None:
+            supervisor.terminate()
+            supervisor.wait(30)
+
+
+def _all_stopped(state: RunState) -> bool:
+    pids = [state.haproxy_pid, *(a.pid for a in state.agents), *(r.pid for r in state.replicas)]
+    return not any(alive(pid) for pid in pids)
+
+
+def test_down_stops_a_supervised_up_and_nothing_is_restarted(tmp_path: Path) -> None:
+    project = _stack_project(tmp_path)
+    with _supervised_up(project) as (supervisor, state):
+        down = subprocess.run(
+            [sys.executable, "-m", "denv_iac", "local", "down", "--stack", "t"],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert down.returncode == 0, down.stderr
+        # The supervisor, then the 7 processes it started (HAProxy, 2 agents, 4 replicas).
+        assert down.stdout.strip() == "stopped 8 processes"
+        assert supervisor.wait(10) == 0
+        assert _all_stopped(state)
+        # Nothing is left to restart them, and nothing of the stack listens any more.
+        assert not (project / ".denv/t/state.json").exists()
+        assert not _serves(state)
+        assert StackLock(project / ".denv/t").holder() is None
+
+
+def test_sigint_stops_a_supervised_up_started_as_a_background_job(tmp_path: Path) -> None:
+    project = _stack_project(tmp_path)
+    with _supervised_up(project) as (supervisor, state):
+        assert StackLock(project / ".denv/t").holder() == supervisor.pid
+        supervisor.send_signal(signal.SIGINT)
+        assert supervisor.wait(30) == 0
+        assert _all_stopped(state)

@@ -64,6 +64,7 @@ def test_the_wait_ends_when_the_last_stream_closes(open_s: float) -> None:
     assert took < 10, took
 
 
+@pytest.mark.timing
 def test_past_its_bound_the_wait_names_who_holds_connections() -> None:
     with replica_with_a_stream(None) as port:
         # Start at the very end of a second of the wall clock: the shell's clock counts whole

@@ -273,6 +273,7 @@ def test_a_scripted_fault_gives_its_verdict_and_clearing_it_brings_the_gpu_back(
     wait_for(lambda: replies(agent), (UP, UP))
 
 
+@pytest.mark.timing
 def test_a_hung_nvml_call_is_reported_and_never_blocks_replies_or_stopping(
     agent: AgentProcess, tmp_path: Path
 ) -> None:
