@@ -9,7 +9,7 @@ PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmar
 
 setup: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml agent/pyproject.toml scripts/setup.sh
+$(STAMP): requirements.lock pyproject.toml agent/pyproject.toml scripts/setup.sh scripts/system-packages.txt
 	./scripts/setup.sh
 
 lint: setup

@@ -1,19 +1,11 @@
 #!/usr/bin/env bash
 # One-shot set-up for a fresh machine: uv, the locked virtual environment, and the system packages
-# the data plane and node-deploy tests run for real (HAProxy; debootstrap, dpkg-dev and nftables
-# for the node deploys into a real Debian root; qemu-system-x86, e2fsprogs and openssh-client for
-# the node deploys into booted VMs over SSH; prometheus for promtool, which checks and
-# unit-tests the generated alerting rules; gcc and libc6-dev build the stand-in libnvidia-ml.so.1
-# that the agent's real NVML binding loads in the tests; wireguard-tools and wireguard-go for the
-# overlay's data-path test: wg-quick brings the tunnel up, in userspace where the kernel has no
-# WireGuard module; espeak-ng, a speech engine that runs on a CPU, for the optional replica whose
-# /v1/audio/speech carries real synthesized audio end to end).
+# the data plane and node-deploy tests run for real (scripts/system-packages.txt says why each).
 # Safe to re-run: every step checks first and does nothing when nothing is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(haproxy debootstrap dpkg-dev nftables prometheus qemu-system-x86 e2fsprogs openssh-client gcc libc6-dev
-  wireguard-tools wireguard-go espeak-ng)
+mapfile -t APT_PACKAGES < <(sed -e 's/#.*//' -e '/^[[:space:]]*$/d' -e 's/[[:space:]]//g' scripts/system-packages.txt)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

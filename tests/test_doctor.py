@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from denv_iac.cli.doctor import check_haproxy, haproxy_version, needed_by
+from denv_iac.cli.doctor import (
+    SYSTEM_PACKAGES,
+    check_haproxy,
+    check_test_packages,
+    haproxy_version,
+    listed_packages,
+    needed_by,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,11 +75,12 @@ def test_missing_tools_each_say_what_to_install(tmp_path: Path) -> None:
     result = _doctor(tmp_path)
     assert result.returncode == 0, result.stderr  # no stack chosen: nothing is required
     lines = {line.split()[1]: line for line in result.stdout.splitlines()}
-    assert set(lines) == {"haproxy", "pulumi", "uv", "namespaces", "qemu"}
+    assert set(lines) == {"haproxy", "pulumi", "uv", "namespaces", "qemu", "packages"}
     assert "sudo apt-get install haproxy" in lines["haproxy"]
     assert "python3 -m pip install uv" in lines["uv"]
     assert "apt-get install qemu-system-x86" in lines["qemu"]
     assert "install the Pulumi CLI" in lines["pulumi"]
+    assert "no dpkg-query, not Debian? install the equivalents of haproxy," in lines["packages"]
     assert all(line.startswith("missing") for line in lines.values())
 
 
@@ -80,3 +88,17 @@ def test_an_unknown_stack_is_one_line_naming_the_option() -> None:
     result = _doctor(Path(os.environ["PATH"].split(os.pathsep)[0]), "--stack", "nope")
     assert result.returncode == 2
     assert result.stderr.startswith("error: --stack:") and len(result.stderr.splitlines()) == 1
+
+
+def test_the_test_packages_are_read_from_the_list_setup_installs(tmp_path: Path) -> None:
+    listing = tmp_path / "system-packages.txt"
+    listing.write_text("# why each\nhaproxy   # the balancer\n\ndenv-no-such-package  # x\n")
+    assert listed_packages(listing.read_text()) == ["haproxy", "denv-no-such-package"]
+    finding = check_test_packages(listing)
+    assert not finding.ok
+    assert finding.detail == (
+        "missing denv-no-such-package; run `make setup` as root, "
+        "or: sudo apt-get install denv-no-such-package"
+    )
+    assert check_test_packages(SYSTEM_PACKAGES).ok  # what `make setup` installed here
+    assert check_test_packages(tmp_path / "absent.txt").detail == "not a checkout: no tests here"

@@ -20,6 +20,8 @@ from denv_iac.cli.console import fail
 
 HAPROXY_MIN = (2, 6)  # the oldest branch whose config the generator targets (docs/balancer.md)
 KVM = Path("/dev/kvm")
+# In a checkout: the Debian packages the tests run for real (scripts/setup.sh installs them).
+SYSTEM_PACKAGES = Path(__file__).resolve().parents[2] / "scripts" / "system-packages.txt"
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,44 @@ def check_pulumi() -> Finding:
     return Finding("pulumi", True, f"Pulumi CLI {text}", purpose)
 
 
+def listed_packages(text: str) -> list[str]:
+    """The package names of system-packages.txt: one a line, `#` starts a comment."""
+    return [name for line in text.splitlines() if (name := line.partition("#")[0].strip())]
+
+
+def check_test_packages(listing: Path = SYSTEM_PACKAGES) -> Finding:
+    purpose = "make test: HAProxy, node deploys into a Debian root and VMs, promtool, ..."
+    if not listing.is_file():
+        return Finding("packages", True, "not a checkout: no tests here", purpose)
+    wanted = listed_packages(listing.read_text("utf-8"))
+    if shutil.which("dpkg-query") is None:
+        detail = f"no dpkg-query, not Debian? install the equivalents of {', '.join(wanted)}"
+        return Finding("packages", False, detail, purpose)
+    # dpkg-query exits 1 when it knows some name not, and still lists the others.
+    shown = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Package} ${Status}\n", *wanted],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    ).stdout
+    installed = {
+        line.split()[0] for line in shown.splitlines() if line.endswith(" install ok installed")
+    }
+    missing = [name for name in wanted if name not in installed]
+    if missing:
+        fix = f"run `make setup` as root, or: sudo apt-get install {' '.join(missing)}"
+        return Finding("packages", False, f"missing {', '.join(missing)}; {fix}", purpose)
+    return Finding("packages", True, f"all {len(wanted)} installed", purpose)
+
+
 CHECKS: dict[str, Callable[[], Finding]] = {
     "haproxy": check_haproxy,
     "pulumi": check_pulumi,
     "uv": check_uv,
     "namespaces": check_namespaces,
     "qemu": check_qemu,
+    "packages": check_test_packages,
 }
 
 
