@@ -114,6 +114,8 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
         console.print(_table(state))
         console.print(f"admin socket {state.admin_socket}; metrics {state.prometheus}")
     if detach:
+        # A detached stack is what state.json records; the lock only guarded its start.
+        lock.release()
         return
     stop = threading.Event()
     # SIGTERM is what `denv local down` sends. SIGINT too, explicitly: a shell starts a
