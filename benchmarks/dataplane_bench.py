@@ -34,9 +34,13 @@ from denv_iac.local.replica_sim import ReplicaSimConfig
 from tests.dataplane.dataplane_harness import AGENT_UP, Dataplane
 
 HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
-REPLICA = ReplicaSimConfig("template", ttft_ms=50, itl_ms=10, tokens=20)
 TTFT_PAIRS = 150
 THROUGHPUT_CONCURRENCY = 128
+# What the balancer costs is measured, not an engine's capacity: every stream gets a slot at once
+# and the pace of a sequence decoding alone.
+REPLICA = ReplicaSimConfig(
+    "template", ttft_ms=50, itl_ms=10, tokens=20, slots=THROUGHPUT_CONCURRENCY, itl_growth=0.0
+)
 THROUGHPUT_SECONDS = 5.0
 XID_TRIALS = 3
 DEATH_TRIALS = 5

@@ -49,6 +49,10 @@ from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "reliability.json"
+CONCURRENCY = 64
+# The faults are measured, not load: one replica left serving takes every stream at once, at the
+# pace of a sequence decoding alone.
+REPLICA_PACE = {"ttft_ms": 30, "itl_ms": 5, "tokens": 12, "slots": CONCURRENCY, "itl_growth": 0}
 STACK = {
     "denv:sites": [
         {
@@ -66,7 +70,7 @@ STACK = {
             "min_warm": 1,
             "spare": 1,
             "sites": ["local"],
-            "simulate": {"ttft_ms": 30, "itl_ms": 5, "tokens": 12},
+            "simulate": REPLICA_PACE,
             "ttft_budget_ms": 100,
         }
     ],
@@ -86,7 +90,7 @@ SITES_STACK = {
             "min_warm": 2,
             "spare": 0,
             "sites": [["east", "west"]],
-            "simulate": {"ttft_ms": 30, "itl_ms": 5, "tokens": 12},
+            "simulate": REPLICA_PACE,
         }
     ],
     "denv:balancer": {"sites": ["east"]},
@@ -587,7 +591,7 @@ def run_all(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Fault scenarios under load, counted.")
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per scenario")
     parser.add_argument("--fast", action="store_true", help="only the fast subset")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from denv_iac.components.balancer import balancer_settings
-from denv_iac.spec.model import AGENT_INTER_MS, Secret
+from denv_iac.spec.model import AGENT_INTER_MS, Secret, SimulatedServer
 from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import SECRET, valid_config
 
@@ -271,6 +271,36 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         'recipes[0].simulate.speech: "festival" is not one of tone, espeak-ng',
     ),
     (
+        "simulated slots zero",
+        lambda c: recipe(c, 0).update(simulate={"slots": 0}),
+        "recipes[0].simulate.slots: 0 is out of range; use a number from 1 to 100000",
+    ),
+    (
+        "simulated engine unknown",
+        lambda c: recipe(c, 0).update(simulate={"engine": "triton"}),
+        'recipes[0].simulate.engine: "triton" is not one of vllm, sglang, tgi',
+    ),
+    (
+        "simulated queue limit negative",
+        lambda c: recipe(c, 0).update(simulate={"queue_limit": -1}),
+        "recipes[0].simulate.queue_limit: -1 is out of range; use a number from 0 to 1000000",
+    ),
+    (
+        "simulated itl growth not a number",
+        lambda c: recipe(c, 0).update(simulate={"itl_growth": "fast"}),
+        "recipes[0].simulate.itl_growth: expected a number >= 0, got a string",
+    ),
+    (
+        "simulated itl growth too large",
+        lambda c: recipe(c, 0).update(simulate={"itl_growth": 11}),
+        "recipes[0].simulate.itl_growth: 11.0 is out of range; use a number from 0 to 10",
+    ),
+    (
+        "simulated speech slots zero",
+        lambda c: recipe(c, 0).update(simulate={"speech_slots": 0}),
+        "recipes[0].simulate.speech_slots: 0 is out of range; use a number from 1 to 10000",
+    ),
+    (
         "affinity not bool",
         lambda c: recipe(c, 0).update(session_affinity="yes"),
         "recipes[0].session_affinity: expected true or false, got a string",
@@ -519,6 +549,24 @@ def test_a_recipe_picks_espeak_ng_for_its_simulated_speech() -> None:
     speech = [r.simulate.speech for r in read_stack("t", config).recipes]
     assert speech[0] == "espeak-ng"
     assert set(speech[1:]) <= {"tone"}
+
+
+def test_a_recipe_sets_its_simulated_capacity_and_engine() -> None:
+    config = valid_config()
+    given = {
+        "engine": "sglang",
+        "slots": 8,
+        "itl_growth": 0.5,
+        "queue_limit": 0,
+        "speech_slots": 1,
+        "transcription_slots": 3,
+    }
+    recipe(config, 0).update(simulate=given)
+    recipes = read_stack("t", config).recipes
+    assert recipes[0].simulate == SimulatedServer(**given)  # type: ignore[arg-type]
+    # Unset: the capacity of one GPU, never unbounded slots.
+    assert recipes[1].simulate == SimulatedServer()
+    assert (SimulatedServer().slots, SimulatedServer().queue_limit) == (32, None)
 
 
 def test_balancer_timers_reach_the_haproxy_config() -> None:

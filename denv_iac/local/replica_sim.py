@@ -4,10 +4,16 @@ It stands in for a model server in the local runner, the data-plane tests and th
 `POST /v1/chat/completions` (SSE when `stream` is true), the voice paths (`POST
 /v1/audio/speech` streamed PCM, `POST /v1/audio/transcriptions` and `/translations` of a
 multipart upload, `GET /v1/realtime` over WebSocket; see voice_sim), `GET /health`, `GET
-/stats` (what it received, so tests can prove a request was never replayed) and `POST
-/control/fault` to make it fail the ways real replicas do. Plain asyncio and a minimal
-HTTP/1.1, so that it is never the bottleneck of a measurement and needs nothing beyond the
-standard library.
+/metrics` (the engine's own Prometheus names: vLLM's, SGLang's or TGI's), `GET /stats` (what
+it received, so tests can prove a request was never replayed) and `POST /control/fault` to make
+it fail the ways real replicas do. Plain asyncio and a minimal HTTP/1.1, so that it is never
+the bottleneck of a measurement and needs nothing beyond the standard library.
+
+Chat, speech and transcription each have the capacity of an engine (see engine_sim): a few
+slots and a FIFO queue behind them. As a uvicorn/starlette StreamingResponse does, a streamed
+response's status and headers go out when the request is admitted, before it has a slot; the
+first chunk follows when it is decoded. A client that disconnects is aborted, freeing its slot
+or its place in the queue, as vLLM aborts it.
 
     python -m denv_iac.local.replica_sim --id voice.local.n0.0 --port 0 --ttft-ms 50
 """
@@ -33,8 +39,17 @@ from pathlib import Path
 from typing import Any
 
 from denv_iac.local import voice_sim
+from denv_iac.local.engine_sim import (
+    Capacity,
+    Engine,
+    EngineFull,
+    EngineLost,
+    Sequence,
+    render_metrics,
+    total,
+)
 from denv_iac.local.voice_sim import OpCode
-from denv_iac.spec.model import SIMULATED_SPEECH
+from denv_iac.spec.model import SIMULATED_ENGINES, SIMULATED_SPEECH, SimulatedServer
 
 READY_PREFIX = "replica_sim ready"
 SELF_HEADER = "X-Denv-Replica-Self"
@@ -43,6 +58,7 @@ _MAX_HEAD_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 16 * 1024 * 1024
 _ROUTES = (
     "/stats",
+    "/metrics",
     "/control/fault",
     "/health",
     "/v1/chat/completions",
@@ -58,8 +74,11 @@ _REASONS = {
     404: "Not Found",
     405: "Method Not Allowed",
     413: "Content Too Large",
+    500: "Internal Server Error",
     501: "Not Implemented",
+    503: "Service Unavailable",
 }
+_METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class FaultMode(enum.StrEnum):
@@ -70,6 +89,15 @@ class FaultMode(enum.StrEnum):
     HANG = "hang"  # requests are read but never answered (health checks included)
     SLOW = "slow"  # time to first token k times the configured one, as on a throttled GPU
     DRIP = "drip"  # every token, the first too, k ms after the one before: a stalling engine
+    # The API answers (health 200, headers at admission) while the engine makes no token: every
+    # request holds its slot or its place in the queue, in silence, until the fault is cleared.
+    ZOMBIE = "zombie"
+    # A request fails in the engine after k tokens: a stream ends with an OpenAI error event
+    # (speech, which has no events, is closed before its last chunk); a whole answer is a 500.
+    ERROR_AFTER_HEADERS = "error_after_headers"
+    # The engine restarts: every request, decoding or queued, ends at once as above and the
+    # queue is lost; for k ms health and requests are answered 503, then it serves again.
+    ENGINE_RESTART = "engine_restart"
 
 
 @dataclass(frozen=True)
@@ -83,6 +111,13 @@ class ReplicaSimConfig:
     # "espeak-ng": /v1/audio/speech is synthesized by espeak-ng on the CPU (WAV, 22.05 kHz mono
     # PCM16, streamed as it is made); "tone": the simulated tone, paced like tokens.
     speech_engine: str = SIMULATED_SPEECH[0]
+    engine: str = SimulatedServer.engine  # whose metric names /metrics serves
+    model: str = "simulated"  # the model_name label of /metrics
+    slots: int = SimulatedServer.slots
+    itl_growth: float = SimulatedServer.itl_growth
+    queue_limit: int | None = SimulatedServer.queue_limit
+    speech_slots: int = SimulatedServer.speech_slots
+    transcription_slots: int = SimulatedServer.transcription_slots
 
 
 @dataclass
@@ -100,6 +135,8 @@ class _Stats:
     health_checks: int = 0
     streams_completed: int = 0
     streams_aborted: int = 0
+    streams_failed: int = 0  # ended with an error from the engine (error event, 500)
+    requests_aborted: int = 0  # the client disconnected before the answer ended
     realtime_sessions: int = 0
     realtime_turns_completed: int = 0
     realtime_turns_aborted: int = 0
@@ -108,6 +145,10 @@ class _Stats:
 
 class _ConnectionAborted(Exception):
     """The simulated fault reset the connection; stop serving it."""
+
+
+class _RequestFailed(Exception):
+    """The engine failed the request (error_after_headers)."""
 
 
 class ReplicaSim:
@@ -123,6 +164,12 @@ class ReplicaSim:
         self._idle: set[asyncio.StreamWriter] = set()
         self._open: set[asyncio.StreamWriter] = set()
         self._completion_seq = 0
+        queue_limit = config.queue_limit
+        self.chat_engine = Engine(Capacity(config.slots, queue_limit, config.itl_growth))
+        self.speech_engine = Engine(Capacity(config.speech_slots, queue_limit))
+        self.transcription_engine = Engine(Capacity(config.transcription_slots, queue_limit))
+        self._engines = (self.chat_engine, self.speech_engine, self.transcription_engine)
+        self._restarted: asyncio.TimerHandle | None = None
 
     @property
     def port(self) -> int:
@@ -150,6 +197,15 @@ class ReplicaSim:
 
     async def _set_fault(self, mode: FaultMode, k: int) -> None:
         self.fault, self.fault_k = mode, k
+        if self._restarted is not None:
+            self._restarted.cancel()
+            self._restarted = None
+        for engine in self._engines:
+            engine.stall(mode is FaultMode.ZOMBIE)
+        if mode is FaultMode.ENGINE_RESTART:
+            for engine in self._engines:
+                engine.restart()
+            self._restarted = asyncio.get_running_loop().call_later(k / 1000.0, self._serve_again)
         if mode is FaultMode.REFUSE:
             self._stop_listening()
             # A replica whose port refuses has no idle keep-alive connections left either.
@@ -158,27 +214,63 @@ class ReplicaSim:
         elif self._server is None:
             await self.start()
 
+    def _serve_again(self) -> None:
+        self._restarted = None
+        self.fault, self.fault_k = FaultMode.NONE, 0
+
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self._open.add(writer)
+        # The next request is read while one is served: the read ending (the client closed or
+        # reset the connection) is how a client that left is noticed.
+        pending = asyncio.ensure_future(_read_request(reader))
         try:
             while True:
                 self._idle.add(writer)
-                request = await _read_request(reader)
+                request = await pending
                 self._idle.discard(writer)
                 if request is None:
                     return
-                if not await self._dispatch(request, reader, writer):
+                if (request.method, request.path.split("?", 1)[0]) == ("GET", "/v1/realtime"):
+                    # A WebSocket reads its own frames from the connection.
+                    await self._dispatch(request, reader, writer)
+                    return
+                pending = asyncio.ensure_future(_read_request(reader))
+                if not await self._serve_watched(request, reader, writer, pending):
                     return
         except (ConnectionError, _ConnectionAborted):
             return
         except _BadRequest as error:
             await _respond_json(writer, error.status, {"error": str(error)}, self.config, False)
         finally:
+            pending.cancel()
+            if pending.done() and not pending.cancelled():
+                pending.exception()  # retrieved: the connection is over either way
             self._idle.discard(writer)
             self._open.discard(writer)
             writer.transport.close()
+
+    async def _serve_watched(
+        self,
+        request: _Request,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        next_request: asyncio.Future[_Request | None],
+    ) -> bool:
+        """Serve a request, aborted if its client disconnects first; False: close the connection."""
+        serving = asyncio.ensure_future(self._dispatch(request, reader, writer))
+        try:
+            await asyncio.wait((serving, next_request), return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done() and _client_left(next_request):
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await serving
+                self.stats.requests_aborted += 1
+                return False
+            return await serving
+        finally:
+            serving.cancel()
 
     async def _dispatch(
         self, request: _Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -193,9 +285,17 @@ class ReplicaSim:
         elif route == ("GET", "/health"):
             self.stats.health_checks += 1
             await self._hang_if_asked()
+            healthy = not self._restarting
             await self._respond(
-                writer, 200, {"status": "ok", "replica": self.config.replica_id}, request
+                writer,
+                200 if healthy else 503,
+                {"status": "ok" if healthy else "restarting", "replica": self.config.replica_id},
+                request,
             )
+        elif route == ("GET", "/metrics"):
+            load = total([engine.load() for engine in self._engines])
+            page = render_metrics(self.config.engine, self.config.model, load).encode()
+            await _respond_bytes(writer, 200, _METRICS_TYPE, page, self.config, request.keep_alive)
         elif route == ("POST", "/v1/chat/completions"):
             await self._chat_completion(request, writer)
         elif route == ("POST", "/v1/audio/speech"):
@@ -210,6 +310,10 @@ class ReplicaSim:
         else:
             await self._respond(writer, 404, {"error": f"no route {path}"}, request)
         return request.keep_alive
+
+    @property
+    def _restarting(self) -> bool:
+        return self.fault is FaultMode.ENGINE_RESTART
 
     async def _hang_if_asked(self) -> None:
         if self.fault is FaultMode.HANG:
@@ -238,6 +342,8 @@ class ReplicaSim:
             "health_checks": self.stats.health_checks,
             "streams_completed": self.stats.streams_completed,
             "streams_aborted": self.stats.streams_aborted,
+            "streams_failed": self.stats.streams_failed,
+            "requests_aborted": self.stats.requests_aborted,
             "realtime_sessions": self.stats.realtime_sessions,
             "realtime_turns_completed": self.stats.realtime_turns_completed,
             "realtime_turns_aborted": self.stats.realtime_turns_aborted,
@@ -245,52 +351,110 @@ class ReplicaSim:
         }
 
     async def _chat_completion(self, request: _Request, writer: asyncio.StreamWriter) -> None:
-        received = time.monotonic()
         try:
             body = json.loads(request.body)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
-            tokens = int(body.get("max_tokens") or self.config.tokens)
+            # vLLM reads both; the current OpenAI SDK and routers send max_completion_tokens.
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+            tokens = int(limit or self.config.tokens)
         except (ValueError, TypeError) as error:
             await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
             return
         self._count(request.headers.get("x-request-id") or body.get("user"))
         await self._hang_if_asked()
+        sequence = await self._admit(self.chat_engine, _prompt_tokens(body), request, writer)
+        if sequence is None:
+            return
         self._completion_seq += 1
         completion = _Completion(
             id=f"chatcmpl-{self.config.replica_id}-{self._completion_seq}",
             model=str(body.get("model", "")),
             replica_id=self.config.replica_id,
         )
-        if body.get("stream"):
-            await self._stream(completion, tokens, received, request, writer)
-        else:
-            await self._sleep_until(received, self._token_offset_s(tokens - 1))
-            await self._respond(writer, 200, completion.whole(tokens), request)
+        try:
+            if body.get("stream"):
+                await self._stream(completion, sequence, tokens, request, writer)
+            else:
+                await self._whole(completion, sequence, tokens, request, writer)
+        finally:
+            self.chat_engine.release(sequence)
+
+    async def _admit(
+        self, engine: Engine, prompt_tokens: int, request: _Request, writer: asyncio.StreamWriter
+    ) -> Sequence | None:
+        """The request's place in the engine, or None once it was refused with a 503."""
+        try:
+            if self._restarting:
+                raise EngineFull("the engine is restarting")
+            return engine.submit(prompt_tokens)
+        except EngineFull as error:
+            body = _openai_error(f"the server is full: {error}; retry later", 503)
+            await self._respond(writer, 503, body, request)
+            return None
+
+    async def _token(self, sequence: Sequence, index: int, previous: float) -> float:
+        """Wait for token `index` of a sequence; the time it was due, the base of the next."""
+        itl_s = sequence.engine.itl_s(self.config.itl_ms)
+        made = await sequence.until(previous + self._gap_s(index, itl_s))
+        if self.fault is FaultMode.ERROR_AFTER_HEADERS and index >= self.fault_k:
+            raise _RequestFailed("the engine failed the request")
+        sequence.emitted()
+        return made
+
+    async def _whole(
+        self,
+        completion: _Completion,
+        sequence: Sequence,
+        tokens: int,
+        request: _Request,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        try:
+            made = await sequence.started()
+            for index in range(tokens):
+                made = await self._token(sequence, index, made)
+        except (EngineLost, _RequestFailed) as error:
+            self.stats.streams_failed += 1
+            await self._respond(writer, 500, _openai_error(str(error), 500), request)
+            return
+        await self._respond(writer, 200, completion.whole(tokens), request)
 
     async def _stream(
         self,
         completion: _Completion,
+        sequence: Sequence,
         tokens: int,
-        received: float,
         request: _Request,
         writer: asyncio.StreamWriter,
     ) -> None:
-        # Headers go out at once, as real model servers send them before the first token.
+        # Headers go out at admission, before a slot: the first chunk when decoding begins.
         writer.write(
             _head(200, "text/event-stream", self.config, request.keep_alive, chunked=True)
             + b"Cache-Control: no-cache\r\n\r\n"
         )
         await writer.drain()
         die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
-        for index in range(tokens):
-            await self._sleep_until(received, self._token_offset_s(index))
-            if index == die_after:
-                self.stats.streams_aborted += 1
-                _reset(writer)
-                raise _ConnectionAborted
-            writer.write(_chunk(_sse(completion.token_chunk(index))))
+        try:
+            made = await sequence.started()
+            for index in range(tokens):
+                made = await self._token(sequence, index, made)
+                if index == die_after:
+                    self.stats.streams_aborted += 1
+                    _reset(writer)
+                    raise _ConnectionAborted
+                writer.write(_chunk(_sse(completion.token_chunk(index))))
+                await writer.drain()
+        except (EngineLost, _RequestFailed) as error:
+            # As vLLM's stream generator does: one error event, then [DONE].
+            self.stats.streams_failed += 1
+            writer.write(
+                _chunk(_sse(_openai_error(str(error), 500)))
+                + _chunk(b"data: [DONE]\n\n")
+                + b"0\r\n\r\n"
+            )
             await writer.drain()
+            return
         writer.write(
             _chunk(_sse(completion.final_chunk())) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
         )
@@ -304,7 +468,6 @@ class ReplicaSim:
 
     async def _speech(self, request: _Request, writer: asyncio.StreamWriter) -> None:
         """Streamed speech: audio frames paced like tokens, a crash (die_after_tokens) cuts it."""
-        received = time.monotonic()
         try:
             body = json.loads(request.body)
             if not isinstance(body, dict) or not str(body.get("input", "")):
@@ -312,35 +475,9 @@ class ReplicaSim:
         except (ValueError, TypeError) as error:
             await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
             return
-        if self.config.speech_engine == "espeak-ng":
-            await self._espeak(request, writer, str(body["input"]), body.get("response_format"))
-            return
-        self._count(request.headers.get("x-request-id"))
-        await self._hang_if_asked()
         pcm = body.get("response_format") == "pcm"
-        content_type = "audio/pcm" if pcm else "audio/wav"
-        writer.write(_head(200, content_type, self.config, request.keep_alive, chunked=True))
-        writer.write(b"\r\n")
-        await writer.drain()
-        die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
-        for index in range(self.config.tokens):
-            await self._sleep_until(received, self._token_offset_s(index))
-            if index == die_after:
-                self.stats.streams_aborted += 1
-                _reset(writer)
-                raise _ConnectionAborted
-            header = voice_sim.wav_header() if index == 0 and not pcm else b""
-            writer.write(_chunk(header + voice_sim.audio_frame(index)))
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
-        self.stats.streams_completed += 1
-
-    async def _espeak(
-        self, request: _Request, writer: asyncio.StreamWriter, text: str, response_format: object
-    ) -> None:
-        """Real speech: espeak-ng's WAV, each piece sent as soon as espeak-ng writes it."""
-        if response_format not in (None, "wav"):
+        espeak = self.config.speech_engine == "espeak-ng"
+        if espeak and body.get("response_format") not in (None, "wav"):
             message = (
                 "this replica's speech is espeak-ng's WAV (22.05 kHz): send response_format=wav"
             )
@@ -348,6 +485,46 @@ class ReplicaSim:
             return
         self._count(request.headers.get("x-request-id"))
         await self._hang_if_asked()
+        sequence = await self._admit(self.speech_engine, 0, request, writer)
+        if sequence is None:
+            return
+        try:
+            content_type = "audio/pcm" if pcm else "audio/wav"
+            writer.write(_head(200, content_type, self.config, request.keep_alive, chunked=True))
+            writer.write(b"\r\n")
+            await writer.drain()
+            try:
+                if espeak:
+                    await sequence.started()
+                    await self._espeak(writer, str(body["input"]))
+                else:
+                    await self._tone(sequence, pcm, writer)
+            except (EngineLost, _RequestFailed):
+                # Audio has no error event: the stream is closed before its last chunk.
+                self.stats.streams_failed += 1
+                raise _ConnectionAborted from None
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            self.stats.streams_completed += 1
+        finally:
+            self.speech_engine.release(sequence)
+
+    async def _tone(self, sequence: Sequence, pcm: bool, writer: asyncio.StreamWriter) -> None:
+        die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
+        made = await sequence.started()
+        for index in range(self.config.tokens):
+            made = await self._token(sequence, index, made)
+            if index == die_after:
+                self.stats.streams_aborted += 1
+                _reset(writer)
+                raise _ConnectionAborted
+            header = voice_sim.wav_header() if index == 0 and not pcm else b""
+            writer.write(_chunk(header + voice_sim.audio_frame(index)))
+            await writer.drain()
+
+    @staticmethod
+    async def _espeak(writer: asyncio.StreamWriter, text: str) -> None:
+        """Real speech: espeak-ng's WAV, each piece sent as soon as espeak-ng writes it."""
         # The text goes after `--` as one argument: never read as an option, no shell.
         engine = await asyncio.create_subprocess_exec(
             "espeak-ng",
@@ -359,23 +536,17 @@ class ReplicaSim:
         )
         assert engine.stdout is not None
         try:
-            writer.write(_head(200, "audio/wav", self.config, request.keep_alive, chunked=True))
-            writer.write(b"\r\n")
             while piece := await engine.stdout.read(65536):
                 writer.write(_chunk(piece))
                 await writer.drain()
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
         finally:
             if engine.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     engine.kill()
             await engine.wait()
-        self.stats.streams_completed += 1
 
     async def _transcription(self, request: _Request, writer: asyncio.StreamWriter) -> None:
         """The transcript of an uploaded file, whole, after the first-token time."""
-        received = time.monotonic()
         try:
             upload = voice_sim.parse_multipart(
                 request.headers.get("content-type", ""), request.body
@@ -385,13 +556,22 @@ class ReplicaSim:
             return
         self._count(request.headers.get("x-request-id"))
         await self._hang_if_asked()
-        await self._sleep_until(received, self._token_offset_s(0))
+        sequence = await self._admit(self.transcription_engine, 0, request, writer)
+        if sequence is None:
+            return
+        try:
+            await self._token(sequence, 0, await sequence.started())
+        except (EngineLost, _RequestFailed) as error:
+            self.stats.streams_failed += 1
+            await self._respond(writer, 500, _openai_error(str(error), 500), request)
+            return
+        finally:
+            self.transcription_engine.release(sequence)
         text = voice_sim.transcript_text(upload)
         if upload.fields.get("response_format") == "text":
-            payload = text.encode()
-            head = _head(200, "text/plain", self.config, request.keep_alive, chunked=False)
-            writer.write(head + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-            await writer.drain()
+            await _respond_bytes(
+                writer, 200, "text/plain", text.encode(), self.config, request.keep_alive
+            )
         else:
             await self._respond(writer, 200, {"text": text}, request)
 
@@ -437,18 +617,13 @@ class ReplicaSim:
             elif opcode == OpCode.TEXT:
                 await session.on_event(payload)
 
-    def _token_offset_s(self, index: int) -> float:
+    def _gap_s(self, index: int, itl_s: float) -> float:
+        """The time from the token before (from the slot, for the first) to token `index`."""
         if self.fault is FaultMode.DRIP:
-            return (max(index, 0) + 1) * self.fault_k / 1000.0
-        ttft_ms = self.config.ttft_ms * (self.fault_k if self.fault is FaultMode.SLOW else 1)
-        return (ttft_ms + max(index, 0) * self.config.itl_ms) / 1000.0
-
-    @staticmethod
-    async def _sleep_until(start: float, offset_s: float) -> None:
-        # Deadlines from the request's arrival keep the token pace free of accumulated drift.
-        delay = start + offset_s - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
+            return self.fault_k / 1000.0
+        if index == 0:
+            return self.config.ttft_ms * (self.fault_k if self.fault is FaultMode.SLOW else 1) / 1e3
+        return itl_s
 
     async def _respond(
         self, writer: asyncio.StreamWriter, status: int, body: dict[str, Any], request: _Request
@@ -528,7 +703,7 @@ class _RealtimeSession:
     async def turn(self) -> None:
         """Audio deltas of 20 ms PCM16 frames at 24 kHz and their transcript, then done."""
         sim = self.sim
-        received = time.monotonic()
+        due = time.monotonic()
         await sim._hang_if_asked()
         self.turns += 1
         response_id = f"resp_{self.id}_{self.turns}"
@@ -538,7 +713,9 @@ class _RealtimeSession:
         die_after = sim.fault_k if sim.fault is FaultMode.DIE_AFTER_TOKENS else None
         transcript = ""
         for index in range(sim.config.tokens):
-            await sim._sleep_until(received, sim._token_offset_s(index))
+            # Realtime sessions are not batched: the pace of a sequence decoding alone.
+            due += sim._gap_s(index, sim.config.itl_ms / 1000.0)
+            await _sleep_until(due)
             if index == die_after:
                 sim.stats.realtime_turns_aborted += 1
                 _reset(self.writer)
@@ -614,9 +791,50 @@ async def _respond_json(
     keep_alive: bool,
 ) -> None:
     payload = json.dumps(body, separators=(",", ":")).encode()
-    head = _head(status, "application/json", config, keep_alive, chunked=False)
+    await _respond_bytes(writer, status, "application/json", payload, config, keep_alive)
+
+
+async def _respond_bytes(
+    writer: asyncio.StreamWriter,
+    status: int,
+    content_type: str,
+    payload: bytes,
+    config: ReplicaSimConfig,
+    keep_alive: bool,
+) -> None:
+    head = _head(status, content_type, config, keep_alive, chunked=False)
     writer.write(head + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     await writer.drain()
+
+
+def _openai_error(message: str, status: int) -> dict[str, Any]:
+    """OpenAI's error shape, as vLLM and SGLang answer it (and send it as a stream's event)."""
+    kind = "ServiceUnavailableError" if status == 503 else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt's length as the engine would count it, a word for a token."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+
+
+def _client_left(next_request: asyncio.Future[_Request | None]) -> bool:
+    """Whether the read of the next request ended because the client closed or reset."""
+    if not next_request.done():
+        return False
+    error = next_request.exception()
+    if error is not None:
+        return isinstance(error, ConnectionError)
+    return next_request.result() is None
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -716,7 +934,13 @@ class ReplicaProcess:
             f"--itl-ms={config.itl_ms}",
             f"--tokens={config.tokens}",
             f"--speech-engine={config.speech_engine}",
-        ]
+            f"--engine={config.engine}",
+            f"--model={config.model}",
+            f"--slots={config.slots}",
+            f"--itl-growth={config.itl_growth}",
+            f"--speech-slots={config.speech_slots}",
+            f"--transcription-slots={config.transcription_slots}",
+        ] + ([] if config.queue_limit is None else [f"--queue-limit={config.queue_limit}"])
 
 
 def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
@@ -736,6 +960,29 @@ def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
         default=SIMULATED_SPEECH[0],
         help="espeak-ng: real synthesized speech for /v1/audio/speech",
     )
+    parser.add_argument(
+        "--engine",
+        choices=SIMULATED_ENGINES,
+        default=SimulatedServer.engine,
+        help="whose Prometheus metric names /metrics serves",
+    )
+    parser.add_argument("--model", default="simulated", help="model_name label of /metrics")
+    parser.add_argument(
+        "--slots", type=int, default=SimulatedServer.slots, help="chat sequences decoding at once"
+    )
+    parser.add_argument(
+        "--itl-growth",
+        type=float,
+        default=SimulatedServer.itl_growth,
+        help="share of --itl-ms each running sequence past the first adds",
+    )
+    parser.add_argument(
+        "--queue-limit", type=int, default=None, help="waiting requests past which a 503 answers"
+    )
+    parser.add_argument("--speech-slots", type=int, default=SimulatedServer.speech_slots)
+    parser.add_argument(
+        "--transcription-slots", type=int, default=SimulatedServer.transcription_slots
+    )
     args = parser.parse_args(argv)
     return ReplicaSimConfig(
         replica_id=args.replica_id,
@@ -745,6 +992,13 @@ def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
         itl_ms=args.itl_ms,
         tokens=args.tokens,
         speech_engine=args.speech_engine,
+        engine=args.engine,
+        model=args.model,
+        slots=args.slots,
+        itl_growth=args.itl_growth,
+        queue_limit=args.queue_limit,
+        speech_slots=args.speech_slots,
+        transcription_slots=args.transcription_slots,
     )
 
 

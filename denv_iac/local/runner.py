@@ -344,7 +344,20 @@ class LocalCluster:
             sim = recipes[replica.pool].simulate
             host = self.host_of(replica.site)
             config = ReplicaSimConfig(
-                replica.id, host.address, 0, sim.ttft_ms, sim.itl_ms, sim.tokens, sim.speech
+                replica.id,
+                host.address,
+                0,
+                sim.ttft_ms,
+                sim.itl_ms,
+                sim.tokens,
+                sim.speech,
+                engine=sim.engine,
+                model=recipes[replica.pool].model_names[0],
+                slots=sim.slots,
+                itl_growth=sim.itl_growth,
+                queue_limit=sim.queue_limit,
+                speech_slots=sim.speech_slots,
+                transcription_slots=sim.transcription_slots,
             )
             log = self.directory / "logs" / f"{replica.id}.log"
             process = ReplicaProcess(config, log, host.prefix)

@@ -98,16 +98,30 @@ class SiteSpec:
 # What answers /v1/audio/speech on a simulated replica: a tone paced like tokens, or espeak-ng's
 # real synthesized speech (Debian's espeak-ng, on the CPU).
 SIMULATED_SPEECH = ("tone", "espeak-ng")
+# Whose Prometheus metric names a simulated replica serves at /metrics.
+SIMULATED_ENGINES = ("vllm", "sglang", "tgi")
 
 
 @dataclass(frozen=True)
 class SimulatedServer:
-    """How the local runner's simulated replica behaves for a recipe."""
+    """How the local runner's simulated replica behaves for a recipe.
+
+    The capacity defaults are those of one GPU: an LLM decodes a few tens of sequences at once
+    (vLLM's `--max-num-seqs` is bounded by the KV cache long before its default), a TTS server
+    synthesizes a couple of requests at once, a speech-to-text server a few.
+    """
 
     ttft_ms: int = 40
     itl_ms: int = 10
     tokens: int = 16
     speech: str = SIMULATED_SPEECH[0]
+    engine: str = SIMULATED_ENGINES[0]
+    slots: int = 32  # chat sequences decoding at once; the rest wait in a FIFO queue
+    # Each running sequence past the first adds this share of itl_ms to the time between tokens.
+    itl_growth: float = 0.02
+    queue_limit: int | None = None  # requests waiting past which new ones get a 503; None: no limit
+    speech_slots: int = 2
+    transcription_slots: int = 4
 
 
 @dataclass(frozen=True)

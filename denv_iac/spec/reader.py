@@ -11,6 +11,7 @@ from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
     BALANCER_HOST_KINDS,
     FIRST_TOKEN_TIMEOUT_MS,
+    SIMULATED_ENGINES,
     SIMULATED_SPEECH,
     SITE_KINDS,
     STALL_TIMEOUT_MS,
@@ -281,12 +282,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     sim = f.child("simulate")
     simulate = SimulatedServer()
     if sim is not None:
-        simulate = SimulatedServer(
-            sim.integer("ttft_ms", 40, 0, 600_000),
-            sim.integer("itl_ms", 10, 0, 60_000),
-            sim.integer("tokens", 16, 1, 100_000),
-            sim.choice("speech", SIMULATED_SPEECH, SIMULATED_SPEECH[0]),
-        )
+        simulate = _read_simulate(sim)
         sim.finish()
     health_path = f.text("health_path", "/health")
     if health_path and not re.fullmatch(r"/[A-Za-z0-9._~/-]*", health_path):
@@ -341,6 +337,29 @@ def _image(f: Fields) -> str:
     if image and not IMAGE.fullmatch(image):
         f.problem("image", f'"{image}" is not a container image; {IMAGE_RULE}')
     return image
+
+
+def _read_simulate(sim: Fields) -> SimulatedServer:
+    default = SimulatedServer()
+    growth = sim.number("itl_growth")
+    if growth is not None and growth > 10:
+        sim.problem("itl_growth", f"{growth} is out of range; use a number from 0 to 10")
+        growth = None
+    queue_limit = sim.integer("queue_limit", -1, 0, 1_000_000)  # -1: not set, no bound
+    return SimulatedServer(
+        ttft_ms=sim.integer("ttft_ms", default.ttft_ms, 0, 600_000),
+        itl_ms=sim.integer("itl_ms", default.itl_ms, 0, 60_000),
+        tokens=sim.integer("tokens", default.tokens, 1, 100_000),
+        speech=sim.choice("speech", SIMULATED_SPEECH, default.speech),
+        engine=sim.choice("engine", SIMULATED_ENGINES, default.engine),
+        slots=sim.integer("slots", default.slots, 1, 100_000),
+        itl_growth=default.itl_growth if growth is None else growth,
+        queue_limit=None if queue_limit < 0 else queue_limit,
+        speech_slots=sim.integer("speech_slots", default.speech_slots, 1, 10_000),
+        transcription_slots=sim.integer(
+            "transcription_slots", default.transcription_slots, 1, 10_000
+        ),
+    )
 
 
 def _check_simulated_pace(f: Fields, simulate: SimulatedServer, stall_timeout_ms: int) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -15,9 +16,9 @@ from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSim, ReplicaSimCon
 Scenario = Callable[[ReplicaSim], Awaitable[None]]
 
 
-def run_with_sim(scenario: Scenario, **config: float) -> None:
+def run_with_sim(scenario: Scenario, **config: Any) -> None:
     async def main() -> None:
-        sim = ReplicaSim(ReplicaSimConfig("voice.local.n0.0", **config))  # type: ignore[arg-type]
+        sim = ReplicaSim(ReplicaSimConfig("voice.local.n0.0", **config))
         await sim.start()
         try:
             await asyncio.wait_for(scenario(sim), timeout=10)
@@ -152,6 +153,8 @@ def test_stats_count_requests_by_request_id_header_or_user() -> None:
             "health_checks": 0,
             "streams_completed": 0,
             "streams_aborted": 0,
+            "streams_failed": 0,
+            "requests_aborted": 0,
             "realtime_sessions": 0,
             "realtime_turns_completed": 0,
             "realtime_turns_aborted": 0,
