@@ -155,3 +155,23 @@ def test_a_full_home_tier_spills_to_the_next_tier_and_takes_requests_back_once_f
     assert _served_whole(back) and back.replica == home
     assert _queued(plane, "voice.tier10") == 0
     assert _most_at_once(plane, home) == 1
+
+
+def test_the_wait_for_a_slot_does_not_count_against_the_replica_silence_budget(
+    start_dataplane: Start,
+) -> None:
+    # 300 ms to the first token: a queued request's first byte comes past the 1 s budget.
+    prefill = ReplicaSimConfig("template", ttft_ms=300, itl_ms=100, tokens=8)
+    layout = _home_tier(1000)
+    plane = start_dataplane(pools=(layout,), replica_ids=HOME, sim=prefill)
+    with _streams(plane) as start:
+        running = [start(6), start(6)]  # about 0.9 s each
+        plane.wait_until(
+            lambda: all(_busy(plane, r) == 1 for r in HOME), 5, "both replicas take one stream"
+        )
+        waited = start(2).result()
+        outcomes = [future.result() for future in running]
+
+    assert all(_served_whole(outcome) for outcome in (*outcomes, waited)), (outcomes, waited)
+    assert waited.first_token_s is not None
+    assert waited.first_token_s > layout.stall_timeout_ms / 1000
