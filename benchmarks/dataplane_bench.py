@@ -17,6 +17,7 @@ Figures (targets from the design's numbers):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -31,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from denv_iac.local.replica_sim import ReplicaSimConfig
-from tests.dataplane.dataplane_harness import AGENT_UP, Dataplane
+from tests.dataplane.dataplane_harness import AGENT_UP, STANDARD_POOLS, Dataplane
 
 HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 TTFT_PAIRS = 150
@@ -42,6 +43,11 @@ REPLICA = ReplicaSimConfig(
     "template", ttft_ms=50, itl_ms=10, tokens=20, slots=THROUGHPUT_CONCURRENCY, itl_growth=0.0
 )
 THROUGHPUT_SECONDS = 5.0
+# These figures are the balancer's own cost, not a pool's capacity: each replica admits every
+# stream of the throughput run, so none waits in the balancer's queue or spills to the next tier.
+POOLS = tuple(
+    dataclasses.replace(layout, max_concurrency=THROUGHPUT_CONCURRENCY) for layout in STANDARD_POOLS
+)
 XID_TRIALS = 3
 DEATH_TRIALS = 5
 ABORT_TRIALS = 3
@@ -244,7 +250,7 @@ def on_dataplane(
 ) -> dict[str, float]:
     """`measure` run on a local data plane of its own, removed after."""
     with tempfile.TemporaryDirectory(prefix=f"denv-{name}-bench-") as workdir:
-        plane = Dataplane.start(Path(workdir), sim=sim)
+        plane = Dataplane.start(Path(workdir), pools=POOLS, sim=sim)
         try:
             return asyncio.run(measure(plane))
         finally:

@@ -51,6 +51,7 @@ def balancer_pools(
                 recipe.first_token_timeout_ms,
                 recipe.stall_timeout_ms,
                 tuple(m for m in recipe.model_names if m != recipe.name),
+                recipe.max_concurrency,
             )
         )
     return tuple(pools)

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from denv_iac.components.balancer import balancer_settings
-from denv_iac.spec.model import AGENT_INTER_MS, Secret, SimulatedServer
+from denv_iac.spec.model import AGENT_INTER_MS, MAX_CONCURRENCY, Secret, SimulatedServer
 from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import SECRET, valid_config
 
@@ -474,6 +474,16 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         'recipes[0].cache_dirs: "/c" is listed twice; one volume mounts at each path',
     ),
     (
+        "replica capacity of zero",
+        lambda c: recipe(c, 0).update(max_concurrency=0),
+        "recipes[0].max_concurrency: 0 is out of range; use a number from 1 to 100000",
+    ),
+    (
+        "replica capacity as a word",
+        lambda c: recipe(c, 1).update(max_concurrency="lots"),
+        "recipes[1].max_concurrency: expected a whole number, got a string",
+    ),
+    (
         "site name with a newline",
         lambda c: recipe(c, 2).update(sites=["office\nhetzner-fsn"]),
         "recipes[2].sites[0]: 'office\\nhetzner-fsn' holds a newline; write it on one line",
@@ -578,3 +588,13 @@ def test_balancer_timers_reach_the_haproxy_config() -> None:
     assert (settings.check_inter_ms, settings.agent_inter_ms) == (3000, AGENT_INTER_MS)
     default = balancer_settings(read_stack("t", valid_config()))
     assert (default.connect_timeout_ms, default.check_timeout_ms) == (80, 500)
+
+
+@pytest.mark.parametrize(("given", "read"), [(None, MAX_CONCURRENCY), (2, 2), (256, 256)])
+def test_a_recipe_states_what_one_replica_admits(given: int | None, read: int) -> None:
+    config = valid_config()
+    if given is not None:
+        recipe(config, 0)["max_concurrency"] = given
+    stack = read_stack("t", config)
+    assert stack.recipes[0].max_concurrency == read
+    assert MAX_CONCURRENCY == 32  # the documented default (docs/stacks.md)

@@ -96,20 +96,34 @@ _HEALTH_OK = '{"status":"ok"}'
 _HEALTH_UNAVAILABLE = '{"status":"unavailable","message":"a pool has no healthy replica"}'
 MODELS_PATH = "/v1/models"
 REQUEST_ID_HEADER = "X-Request-Id"
-# HAProxy's own error pages, as JSON like every other answer of the endpoint.
+# Every 503 of the endpoint tells the client when to try again; the OpenAI SDKs and most HTTP
+# clients honour it. One second: a voice turn frees a slot within about that.
+RETRY_AFTER_S = 1
+_RETRY_AFTER = f"hdr Retry-After {RETRY_AFTER_S}"
+# The code of HAProxy's own 503: a tier backend sets it to pool_full when a request has to wait
+# for a free slot, so a 503 after that wait (timeout queue) says the pool was full.
+_UNAVAILABLE_CODE = "txn.unavailable"
+POOL_FULL = "pool_full"
+NO_HEALTHY_REPLICA = "no_healthy_replica"
+# HAProxy's own error pages, as JSON like every other answer of the endpoint; bodies with %[
+# are lf-strings, filled in when sent.
 _HAPROXY_ERRORS = {
     502: '{"error":{"type":"service_unavailable","code":"bad_gateway",'
     '"message":"the replica failed before its answer started; retry"}}',
-    503: '{"error":{"type":"service_unavailable","code":"no_healthy_replica",'
-    '"message":"no replica could take the request; retry"}}',
+    503: '{"error":{"type":"service_unavailable",'
+    f'"code":"%[var({_UNAVAILABLE_CODE},{NO_HEALTHY_REPLICA})]",'
+    '"message":"no replica could take the request in time; retry after Retry-After seconds"}}',
     504: '{"error":{"type":"timeout","code":"replica_timeout",'
     '"message":"the replica did not answer in time; retry"}}',
 }
 # lf-string: the pool name is validated to JSON-safe characters before it gets here.
 _ERROR_NO_REPLICA = (
-    '{"error":{"type":"service_unavailable","code":"no_healthy_replica",'
+    f'{{"error":{{"type":"service_unavailable","code":"{NO_HEALTHY_REPLICA}",'
     '"message":"no healthy replica in any allowed site of pool %[var(txn.pool)]"}}'
 )
+# Bounded-load consistent hashing: no replica takes more than 1.5 times the average load of its
+# tier, so one hot conversation cannot pile requests onto one replica while others idle.
+HASH_BALANCE_FACTOR = 150
 
 _INDENT = "    "
 _MAX_SERVER_ID = 2**31 - 1
@@ -219,15 +233,19 @@ def _defaults_section(settings: BalancerSettings) -> str:
         "# once (conn-failure, empty-response).",
         "http-reuse always",
         *_default_server(settings),
-        "# When every try failed or a replica timed out, HAProxy answers; in JSON too.",
-        *(
-            f"http-error status {status} content-type application/json string '{body}'"
-            for status, body in sorted(_HAPROXY_ERRORS.items())
-        ),
+        "# When every try failed, a replica timed out or a queued request waited past its",
+        "# budget, HAProxy answers; in JSON too, and a 503 says when to retry.",
+        *(_haproxy_error(status, body) for status, body in sorted(_HAPROXY_ERRORS.items())),
     ]
     if settings.state_file is not None:
         lines.append("load-server-state-from-file global")
     return _section("defaults", [], lines)
+
+
+def _haproxy_error(status: int, body: str) -> str:
+    kind = "lf-string" if "%[" in body else "string"
+    line = f"http-error status {status} content-type application/json {kind} '{body}'"
+    return f"{line} {_RETRY_AFTER}" if status == 503 else line
 
 
 def _prometheus_frontend(settings: BalancerSettings) -> str:
@@ -393,6 +411,8 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
     ]
     backends = [tier_backend_name(pool, tier) for tier in pool.tiers]
     lines += [f"acl empty:{backend} nbsrv({backend}) eq 0" for backend in backends]
+    # No replica in rotation with a free slot (each takes maxconn requests): full, or empty.
+    lines += [f"acl full:{backend} be_conn_free({backend}) eq 0" for backend in backends]
     first_staffed = next(tier_backend_name(pool, tier) for tier in pool.tiers if tier.servers)
     lines.append(f"use_backend {first_staffed}.realtime if {pool_acl} realtime reloading")
     lines.append(f"use_backend {first_staffed} if {pool_acl} reloading")
@@ -400,9 +420,17 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
         preferred_empty = [f"empty:{more}" for more in backends[:i]]
         conditions = " ".join([pool_acl, "realtime", *preferred_empty, f"!empty:{backend}"])
         lines.append(f"use_backend {backend}.realtime if {conditions}")
+    lines.append(
+        "# The first tier with a free slot: a full tier spills to the next, as an empty one."
+    )
     for i, backend in enumerate(backends):
-        # Each rule spells out that every more preferred tier is empty, so a tier is used only
+        # Each rule spells out that every more preferred tier is full, so a tier is used only
         # then, whatever the rule order.
+        preferred_full = [f"full:{more}" for more in backends[:i]]
+        conditions = " ".join([pool_acl, *preferred_full, f"!full:{backend}"])
+        lines.append(f"use_backend {backend} if {conditions}")
+    lines.append("# Every tier full: wait in the queue of the first tier with a replica.")
+    for i, backend in enumerate(backends):
         preferred_empty = [f"empty:{more}" for more in backends[:i]]
         conditions = " ".join([pool_acl, *preferred_empty, f"!empty:{backend}"])
         lines.append(f"use_backend {backend} if {conditions}")
@@ -420,9 +448,12 @@ def _tier_backend(
     if pool.session_affinity:
         lines = [
             "# A conversation stays on its replica (warm KV cache); if that replica fails, only",
-            "# its sessions move. Requests without the header go round robin.",
+            "# its sessions move, and one that holds more than the balance factor's share of the",
+            "# tier's load goes to the next replica on the ring. Requests without the header go",
+            "# round robin over the replicas with a free slot.",
             "balance hdr(X-Denv-Session)",
             "hash-type consistent",
+            f"hash-balance-factor {HASH_BALANCE_FACTOR}",
         ]
     else:
         lines = ["balance leastconn"]
@@ -431,6 +462,7 @@ def _tier_backend(
             "# A farther tier: its handshakes need longer.",
             f"timeout connect {tier.connect_timeout_ms}ms",
         ]
+    lines += _capacity(pool)
     lines += _silence_budget(pool, settings)
     lines.append("http-response set-header X-Denv-Replica %s")
     if servers:
@@ -438,7 +470,7 @@ def _tier_backend(
         lines += [f"option httpchk GET {servers[0].health_path}", "http-check expect status 200"]
     for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
         lines += [f"# replica {server.replica_id} (site {server.site}, node {server.node})"]
-        lines += [_server_line(server, server_id, settings, relays)]
+        lines += [_server_line(server, server_id, settings, relays, pool.max_concurrency)]
     sites = ", ".join(sorted(tier.sites))
     return _section(
         f"backend {tier_backend_name(pool, tier)}",
@@ -481,6 +513,21 @@ def _realtime_backend(pool: BalancerPool, tier: BalancerTier, settings: Balancer
         [f"pool {pool.name}, tier {tier.priority}: realtime sessions"],
         lines,
     )
+
+
+def _capacity(pool: BalancerPool) -> list[str]:
+    """A replica takes at most `max_concurrency` requests (maxconn on each server line); the
+    rest wait here, not in the engine, where a request already has its headers and can no
+    longer be retried. The wait is bounded by the first-token budget, then a JSON 503."""
+    return [
+        f"# Each replica takes {pool.max_concurrency} requests at once (maxconn); the rest wait"
+        f" in this queue for",
+        f"# at most {pool.first_token_timeout_ms} ms, the first-token budget, then get a 503"
+        f" {POOL_FULL} with Retry-After.",
+        f"timeout queue {pool.first_token_timeout_ms}ms",
+        f"http-request set-var({_UNAVAILABLE_CODE}) str({POOL_FULL})"
+        " if { be_conn_free eq 0 } { nbsrv gt 0 }",
+    ]
 
 
 def _silence_budget(pool: BalancerPool, settings: BalancerSettings) -> list[str]:
@@ -551,8 +598,12 @@ def _server_line(
     server_id: int,
     settings: BalancerSettings,
     relays: Mapping[AgentRelay, int],
+    max_concurrency: int,
 ) -> str:
-    line = f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
+    line = (
+        f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
+        f" maxconn {max_concurrency}"
+    )
     if server.gateway is None:
         agent = f"agent-port {server.agent_port}"
     else:
@@ -657,7 +708,7 @@ def _no_replica_backend() -> str:
         ["Every allowed tier of the pool is empty: answer at once rather than queue."],
         [
             "http-request return status 503 content-type application/json"
-            f" lf-string '{_ERROR_NO_REPLICA}'",
+            f" lf-string '{_ERROR_NO_REPLICA}' {_RETRY_AFTER}",
         ],
     )
 

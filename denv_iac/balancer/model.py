@@ -10,6 +10,7 @@ from denv_iac.spec.model import (
     CHECK_TIMEOUT_MS,
     CONNECT_TIMEOUT_MS,
     FIRST_TOKEN_TIMEOUT_MS,
+    MAX_CONCURRENCY,
     STALL_TIMEOUT_MS,
 )
 
@@ -60,6 +61,9 @@ class BalancerPool:
     # Other `model` names served by this pool (the recipe's `models:` list); the pool's own
     # name always routes too.
     models: tuple[str, ...] = ()
+    # Requests one replica takes at once (the recipe's max_concurrency): HAProxy's maxconn on
+    # each server; the rest wait in the balancer's queue for at most the first-token budget.
+    max_concurrency: int = MAX_CONCURRENCY
 
 
 @dataclass(frozen=True)

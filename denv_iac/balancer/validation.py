@@ -127,10 +127,12 @@ def _check_settings(settings: BalancerSettings) -> None:
 
 
 def _check_pool(field: str, pool: BalancerPool, replica_ids: set[str]) -> None:
-    for name in ("first_token_timeout_ms", "stall_timeout_ms"):
+    for name in ("first_token_timeout_ms", "stall_timeout_ms", "max_concurrency"):
         value = getattr(pool, name)
-        if value < 1:
-            raise BalancerConfigError(f"{field}.{name}", f"{value} is not positive", "use >= 1")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BalancerConfigError(
+                f"{field}.{name}", f"{value!r} is not a positive whole number", "use >= 1"
+            )
     if not any(tier.servers for tier in pool.tiers):
         raise BalancerConfigError(
             f"{field}.tiers", f"pool {pool.name!r} has no server", "place at least one replica"

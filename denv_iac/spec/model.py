@@ -24,6 +24,11 @@ WHOLE_GPU = "whole"
 # retried (before its first byte) or cut (after it) than left waiting on a frozen GPU process.
 FIRST_TOKEN_TIMEOUT_MS = 1000
 STALL_TIMEOUT_MS = 1000
+# What one replica admits at once without queueing, when the recipe does not say: a chat model
+# on one GPU decodes tens of sequences together (vLLM's --max-num-seqs bounds it). The balancer
+# sends a replica no more than this and queues the rest itself (see docs/balancer.md), so set
+# it to what the engine runs at once: the engine's own limit, or 1-4 for a speech server.
+MAX_CONCURRENCY = 32
 # The balancer's timers, for replicas on a data-centre network.
 # How often the agent's verdict (GPU faults, drains) is asked for: it is a fault's way out.
 AGENT_INTER_MS = 200
@@ -144,6 +149,8 @@ class RecipeSpec:
     # another replica, and how long a started stream may stay silent before it is cut.
     first_token_timeout_ms: int = FIRST_TOKEN_TIMEOUT_MS
     stall_timeout_ms: int = STALL_TIMEOUT_MS
+    # Requests one replica takes at once; the balancer queues the rest, then spills or sheds.
+    max_concurrency: int = MAX_CONCURRENCY
     cache_dirs: tuple[str, ...] = ("/var/cache/denv/hf", "/var/cache/denv/compile")
     session_affinity: bool = True
     env: tuple[tuple[str, str], ...] = ()

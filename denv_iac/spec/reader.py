@@ -11,6 +11,7 @@ from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
     BALANCER_HOST_KINDS,
     FIRST_TOKEN_TIMEOUT_MS,
+    MAX_CONCURRENCY,
     SIMULATED_ENGINES,
     SIMULATED_SPEECH,
     SITE_KINDS,
@@ -317,6 +318,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         ttft_budget_ms=ttft_budget,
         first_token_timeout_ms=first_token_timeout,
         stall_timeout_ms=stall_timeout,
+        max_concurrency=f.integer("max_concurrency", MAX_CONCURRENCY, 1, 100_000),
         cache_dirs=f.text_list("cache_dirs") or RecipeSpec.cache_dirs,
         session_affinity=f.flag("session_affinity", True),
         env=env,

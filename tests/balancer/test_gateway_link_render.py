@@ -47,17 +47,18 @@ def _lines(cfg: str, start: str) -> list[str]:
     [
         (
             _server("voice.k8s.node-0.0", "203.0.113.5"),
-            f"server voice.k8s.node-0.0 203.0.113.5:8000 id 1578507372 {TLS}"
+            f"server voice.k8s.node-0.0 203.0.113.5:8000 id 1578507372 maxconn 32 {TLS}"
             ' agent-addr 127.0.0.1 agent-port 19100 agent-send "voice.k8s.node-0.0\\n"',
         ),
         (
             _server("voice.k8s.node-0.0", "a1b2.elb.amazonaws.com"),
-            f"server voice.k8s.node-0.0 a1b2.elb.amazonaws.com:8000 id 1578507372 {TLS}"
+            f"server voice.k8s.node-0.0 a1b2.elb.amazonaws.com:8000 id 1578507372 maxconn 32 {TLS}"
             ' agent-addr 127.0.0.1 agent-port 19100 agent-send "voice.k8s.node-0.0\\n"',
         ),
         (
             _server("voice.box.n1.0", "192.0.2.7", gateway=None),
-            'server voice.box.n1.0 192.0.2.7:8000 id 1318784495 agent-port 9100 agent-send "'
+            "server voice.box.n1.0 192.0.2.7:8000 id 1318784495 maxconn 32 agent-port 9100"
+            ' agent-send "'
             'voice.box.n1.0\\n"',
         ),
     ],

@@ -76,7 +76,7 @@ def test_realtime_sessions_get_tunnel_timers_and_close_with_their_replica() -> N
     frontend = section(cfg, "frontend denv.endpoint")
     realtime_rule = "use_backend voice.tier1.realtime if pool:voice realtime !empty:voice.tier1"
     assert frontend.index(realtime_rule) < frontend.index(
-        "use_backend voice.tier1 if pool:voice !empty:voice.tier1"
+        "use_backend voice.tier1 if pool:voice !full:voice.tier1"
     )
 
 
@@ -194,11 +194,17 @@ def test_tiers_chain_in_order_and_end_in_503() -> None:
         "acl pool:voice var(txn.pool) -m str voice",
         "acl empty:voice.tier1 nbsrv(voice.tier1) eq 0",
         "acl empty:voice.tier2 nbsrv(voice.tier2) eq 0",
+        "acl full:voice.tier1 be_conn_free(voice.tier1) eq 0",
+        "acl full:voice.tier2 be_conn_free(voice.tier2) eq 0",
         "use_backend voice.tier1.realtime if pool:voice realtime reloading",
         "use_backend voice.tier1 if pool:voice reloading",
         "use_backend voice.tier1.realtime if pool:voice realtime !empty:voice.tier1",
         "use_backend voice.tier2.realtime if pool:voice realtime empty:voice.tier1"
         " !empty:voice.tier2",
+        # A tier with a free slot, most preferred first: a full tier spills like an empty one.
+        "use_backend voice.tier1 if pool:voice !full:voice.tier1",
+        "use_backend voice.tier2 if pool:voice full:voice.tier1 !full:voice.tier2",
+        # Every tier full: queue in the first tier that has a replica.
         "use_backend voice.tier1 if pool:voice !empty:voice.tier1",
         "use_backend voice.tier2 if pool:voice empty:voice.tier1 !empty:voice.tier2",
         "use_backend denv.no-healthy-replica if pool:voice",
@@ -222,8 +228,11 @@ def test_tier_comment_names_pool_priority_and_sites() -> None:
 @pytest.mark.parametrize(
     ("backend", "balance"),
     [
-        ("backend voice.tier1", ["balance hdr(X-Denv-Session)", "hash-type consistent"]),
-        ("backend llm-8b.tier1", ["balance leastconn"]),
+        (
+            "backend voice.tier1",
+            ["balance hdr(X-Denv-Session)", "hash-type consistent", "hash-balance-factor 150"],
+        ),
+        ("backend llm-8b.tier1", ["balance leastconn", "timeout queue 1000ms"]),
     ],
 )
 def test_balance_follows_session_affinity(backend: str, balance: list[str]) -> None:
@@ -238,7 +247,9 @@ def test_server_lines_name_replicas_sorted_with_agent_send() -> None:
     cfg = render().haproxy_cfg
     block = cfg.split("\nbackend voice.tier1\n", 1)[1].split("\n\n", 1)[0]
     servers = re.findall(
-        r"^    server (\S+) (\S+) id (\d+) agent-port (\d+) agent-send (.*)$", block, re.M
+        r"^    server (\S+) (\S+) id (\d+) maxconn 32 agent-port (\d+) agent-send (.*)$",
+        block,
+        re.M,
     )
     assert [(name, address) for name, address, *_ in servers] == [
         ("voice.aws-use1.node-0.0", "10.0.0.7:8001"),
@@ -279,6 +290,62 @@ def test_each_pool_bounds_replica_silence_by_its_budgets(
             " unless { req.body,json_query('$.stream') -m bool }" in lines
         )
     assert "timeout server 1000ms" in section(cfg, "backend llm-8b.tier1")
+
+
+@pytest.mark.parametrize(
+    ("max_concurrency", "first_token_ms", "stall_ms"),
+    [(1, 1000, 1000), (2, 800, 2500), (32, 3000, 1200), (256, 50, 50)],
+)
+def test_a_replica_takes_its_pool_capacity_and_the_rest_wait_for_the_first_token_budget(
+    max_concurrency: int, first_token_ms: int, stall_ms: int
+) -> None:
+    voice = dataclasses.replace(
+        VOICE,
+        max_concurrency=max_concurrency,
+        first_token_timeout_ms=first_token_ms,
+        stall_timeout_ms=stall_ms,
+    )
+    cfg = render((voice, LLM)).haproxy_cfg
+    for tier in voice.tiers:
+        lines = section(cfg, f"backend voice.tier{tier.priority}")
+        servers = [line for line in lines if line.startswith("server ")]
+        assert len(servers) == len(tier.servers)
+        assert all(f" maxconn {max_concurrency} " in line for line in servers)
+        # The wait for a slot is bounded by the first-token budget, not the stall budget.
+        assert f"timeout queue {first_token_ms}ms" in lines
+        assert (
+            "http-request set-var(txn.unavailable) str(pool_full)"
+            " if { be_conn_free eq 0 } { nbsrv gt 0 }" in lines
+        )
+        # Realtime sessions are not held to the slots of streamed requests.
+        realtime = section(cfg, f"backend voice.tier{tier.priority}.realtime")
+        assert not any("maxconn" in line or "timeout queue" in line for line in realtime)
+    other = [line for line in section(cfg, "backend llm-8b.tier1") if line.startswith("server ")]
+    assert other and all(" maxconn 32 " in line for line in other)
+
+
+@pytest.mark.parametrize(
+    ("title", "answer"),
+    [
+        (
+            "defaults",
+            "http-error status 503 content-type application/json lf-string"
+            ' \'{"error":{"type":"service_unavailable",'
+            '"code":"%[var(txn.unavailable,no_healthy_replica)]",'
+            '"message":"no replica could take the request in time; retry after Retry-After'
+            " seconds\"}}' hdr Retry-After 1",
+        ),
+        (
+            "backend denv.no-healthy-replica",
+            "http-request return status 503 content-type application/json lf-string"
+            ' \'{"error":{"type":"service_unavailable","code":"no_healthy_replica",'
+            '"message":"no healthy replica in any allowed site of pool %[var(txn.pool)]"}}\''
+            " hdr Retry-After 1",
+        ),
+    ],
+)
+def test_every_503_of_a_pool_says_when_to_retry(title: str, answer: str) -> None:
+    assert answer in section(render().haproxy_cfg, title)
 
 
 def test_a_down_server_is_checked_at_fastinter_and_its_sessions_left_to_the_timers() -> None:
@@ -496,6 +563,16 @@ VALIDATION_CASES: list[tuple[str, Case, str]] = [
             )
         ),
         "pools[0].tiers[0].servers: servers disagree on the health path",
+    ),
+    (
+        "replica capacity of zero",
+        lambda: render((dataclasses.replace(VOICE, max_concurrency=0),)),
+        "pools[0].max_concurrency: 0 is not a positive whole number; use >= 1",
+    ),
+    (
+        "replica capacity as a flag",
+        lambda: render((dataclasses.replace(VOICE, max_concurrency=True),)),
+        "pools[0].max_concurrency: True is not a positive whole number; use >= 1",
     ),
     (
         "tier connect timeout",

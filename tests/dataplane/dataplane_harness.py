@@ -34,6 +34,7 @@ from denv_iac.balancer import (
 from denv_iac.balancer.files import write_config
 from denv_iac.balancer.runtime import HaproxyProcess, server_stats
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, MAX_CONCURRENCY, STALL_TIMEOUT_MS
 
 # What the real agent says of a healthy replica.
 AGENT_UP = Verdict("up", 100, ()).reply
@@ -47,6 +48,10 @@ class PoolLayout:
     tiers: tuple[tuple[int, tuple[str, ...]], ...]  # (priority, sites), most preferred first
     session_affinity: bool = True
     models: tuple[str, ...] = ()  # aliases, as a recipe's `models:` list gives them
+    # The recipe's capacity and silence budgets (the stack's defaults unless a test sets them).
+    max_concurrency: int = MAX_CONCURRENCY
+    first_token_timeout_ms: int = FIRST_TOKEN_TIMEOUT_MS
+    stall_timeout_ms: int = STALL_TIMEOUT_MS
 
 
 # Two home sites and one failover site for voice; llm lives on a site voice may not use.
@@ -219,7 +224,13 @@ class Dataplane:
             )
             tiers.append(BalancerTier(priority, sites, servers))
         return BalancerPool(
-            layout.name, tuple(tiers), layout.session_affinity, models=layout.models
+            layout.name,
+            tuple(tiers),
+            layout.session_affinity,
+            layout.first_token_timeout_ms,
+            layout.stall_timeout_ms,
+            layout.models,
+            layout.max_concurrency,
         )
 
     @property
