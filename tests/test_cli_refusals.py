@@ -53,8 +53,9 @@ WORLD_OPEN: dict[str, Any] = {
     "denv:balancer": {"sites": ["office"]},
 }
 WARNINGS = [
-    "sites[0].admin_cidrs: none given, so the node firewall leaves SSH open to every address; "
-    "add the addresses you administer from, e.g. admin_cidrs: [198.51.100.7/32]",
+    "sites[0].admin_cidrs: none given, so the node firewall leaves SSH open to every address "
+    "(the balancer's metrics listen on 127.0.0.1 only: reach them over SSH); add the addresses "
+    "you administer from, e.g. admin_cidrs: [198.51.100.7/32]",
     "sites[1].admin_cidrs: 0.0.0.0/0, ::/0 opens SSH (and the balancer's metrics) to the whole "
     "internet; list only the addresses you administer from",
     "sites[2].admin_cidrs: none given, so the firewall admits no SSH and the deploy cannot reach "

@@ -5,9 +5,11 @@ from typing import Any
 
 import pytest
 
+from denv_iac.balancer.haproxy import render_haproxy_config
 from denv_iac.components.balancer import balancer_settings
 from denv_iac.spec.model import AGENT_INTER_MS, Secret
 from denv_iac.spec.reader import StackError, read_stack
+from tests.balancer.sample_pools import MAP_DIR, VOICE
 from tests.stacks import SECRET, valid_config
 
 Config = dict[str, Any]
@@ -530,3 +532,26 @@ def test_balancer_timers_reach_the_haproxy_config() -> None:
     assert (settings.check_inter_ms, settings.agent_inter_ms) == (3000, AGENT_INTER_MS)
     default = balancer_settings(read_stack("t", valid_config()))
     assert (default.connect_timeout_ms, default.check_timeout_ms) == (80, 500)
+
+
+@pytest.mark.parametrize(
+    ("balancer_site", "admin_cidrs", "metrics_bind"),
+    [
+        ("office", None, "127.0.0.1:8405"),  # joined, no firewall: loopback only
+        ("office", ["198.51.100.0/24"], "0.0.0.0:8405"),  # the host firewall admits the admins
+        ("hetzner-fsn", None, "0.0.0.0:8405"),  # the Robot firewall admits no stats port
+        ("aws-use1", ["198.51.100.0/24"], "0.0.0.0:8405"),
+        ("local", None, "0.0.0.0:8405"),  # the local runner binds loopback itself
+    ],
+)
+def test_metrics_of_an_unguarded_balancer_host_listen_on_loopback(
+    balancer_site: str, admin_cidrs: list[str] | None, metrics_bind: str
+) -> None:
+    config = valid_config()
+    for s in config["denv:sites"]:
+        if s["name"] == balancer_site and admin_cidrs is not None:
+            s["admin_cidrs"] = admin_cidrs
+    config["denv:balancer"]["sites"] = [balancer_site]
+    rendered = render_haproxy_config([VOICE], balancer_settings(read_stack("t", config)), MAP_DIR)
+    assert f"    bind {metrics_bind}\n" in rendered.haproxy_cfg
+    assert "    bind 0.0.0.0:8080\n" in rendered.haproxy_cfg  # the endpoint is for everyone

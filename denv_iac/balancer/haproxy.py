@@ -232,6 +232,7 @@ def _defaults_section(settings: BalancerSettings) -> str:
 
 def _prometheus_frontend(settings: BalancerSettings) -> str:
     assert settings.prometheus_port is not None
+    address = settings.prometheus_address or settings.bind_address
     return _section(
         f"frontend {PROMETHEUS_FRONTEND}",
         [
@@ -239,7 +240,7 @@ def _prometheus_frontend(settings: BalancerSettings) -> str:
             "and the stats page (`/stats;csv` is `show stat`) for `denv status --endpoint`.",
         ],
         [
-            f"bind {_host_port(settings.bind_address, settings.prometheus_port)}",
+            f"bind {_host_port(address, settings.prometheus_port)}",
             "no log",
             "http-request use-service prometheus-exporter if { path /metrics }",
             "# Read-only: without `stats admin` nobody can change a server from here.",
