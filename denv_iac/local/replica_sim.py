@@ -5,7 +5,8 @@ It stands in for a model server in the local runner, the data-plane tests and th
 /v1/audio/speech` streamed PCM, `POST /v1/audio/transcriptions` and `/translations` of a
 multipart upload, `GET /v1/realtime` over WebSocket; see voice_sim), `GET /health`, `GET
 /stats` (what it received, so tests can prove a request was never replayed) and `POST
-/control/fault` to make it fail the ways real replicas do. Plain asyncio and a minimal
+/control/fault` to make it fail the ways real replicas do (only with `Authorization: Bearer
+<control token>`, see control_headers). Plain asyncio and a minimal
 HTTP/1.1, so that it is never the bottleneck of a measurement and needs nothing beyond the
 standard library.
 
@@ -19,8 +20,10 @@ import asyncio
 import base64
 import contextlib
 import enum
+import hmac
 import json
 import os
+import secrets
 import selectors
 import socket
 import struct
@@ -38,6 +41,9 @@ from denv_iac.spec.model import SIMULATED_SPEECH
 
 READY_PREFIX = "replica_sim ready"
 SELF_HEADER = "X-Denv-Replica-Self"
+# The fault route's token reaches the process in its environment, which only its owner can read
+# (its command line, any user).
+CONTROL_TOKEN_ENV = "DENV_REPLICA_CONTROL_TOKEN"
 
 _MAX_HEAD_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -55,6 +61,7 @@ _TRANSCRIPTION_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     413: "Content Too Large",
@@ -83,6 +90,14 @@ class ReplicaSimConfig:
     # "espeak-ng": /v1/audio/speech is synthesized by espeak-ng on the CPU (WAV, 22.05 kHz mono
     # PCM16, streamed as it is made); "tone": the simulated tone, paced like tokens.
     speech_engine: str = SIMULATED_SPEECH[0]
+    # Whoever sends it may inject faults (control_headers); made afresh unless given (the local
+    # runner gives its stack's token).
+    control_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+
+
+def control_headers(token: str) -> dict[str, str]:
+    """The headers of a `POST /control/fault` that the replica with this token obeys."""
+    return {"Authorization": f"Bearer {token}"}
 
 
 @dataclass
@@ -216,6 +231,12 @@ class ReplicaSim:
             await asyncio.Event().wait()
 
     async def _control_fault(self, request: _Request, writer: asyncio.StreamWriter) -> None:
+        sent = request.headers.get("authorization", "").encode()
+        expected = control_headers(self.config.control_token)["Authorization"].encode()
+        if not self.config.control_token or not hmac.compare_digest(sent, expected):
+            error = {"error": "send Authorization: Bearer <the replica's control token>"}
+            await self._respond(writer, 401, error, request)
+            return
         try:
             body = json.loads(request.body or b"{}")
             mode = FaultMode(body["mode"])
@@ -673,6 +694,7 @@ class ReplicaProcess:
         try:
             self._process = subprocess.Popen(
                 command,
+                env={**os.environ, CONTROL_TOKEN_ENV: self.config.control_token},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log if log is not None else subprocess.DEVNULL,
@@ -745,6 +767,7 @@ def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
         itl_ms=args.itl_ms,
         tokens=args.tokens,
         speech_engine=args.speech_engine,
+        **({"control_token": token} if (token := os.environ.get(CONTROL_TOKEN_ENV)) else {}),
     )
 
 

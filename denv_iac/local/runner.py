@@ -293,6 +293,8 @@ class LocalCluster:
         self._lock = threading.RLock()
         self._stopping = False
         self._backoff: dict[str, RestartBackoff] = {}
+        # One token per run of the stack: the agents' control API and the replicas' fault route.
+        self._token = secrets.token_hex(16)
 
     def up(self, progress: Progress = lambda _: None) -> RunState:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -327,7 +329,14 @@ class LocalCluster:
             sim = recipes[replica.pool].simulate
             host = self.host_of(replica.site)
             config = ReplicaSimConfig(
-                replica.id, host.address, 0, sim.ttft_ms, sim.itl_ms, sim.tokens, sim.speech
+                replica.id,
+                host.address,
+                0,
+                sim.ttft_ms,
+                sim.itl_ms,
+                sim.tokens,
+                sim.speech,
+                control_token=self._token,
             )
             log = self.directory / "logs" / f"{replica.id}.log"
             process = ReplicaProcess(config, log, host.prefix)
@@ -359,8 +368,7 @@ class LocalCluster:
         return [f"{n.site}/{n.name}" for n in self.placement.nodes]
 
     def _start_agents(self, replicas: list[ReplicaState], progress: Progress) -> list[AgentState]:
-        token = secrets.token_hex(16)
-        self._token = token
+        token = self._token
         agents = []
         for node in self.placement.nodes:
             key = f"{node.site}/{node.name}"

@@ -33,7 +33,7 @@ from denv_iac.balancer import (
 )
 from denv_iac.balancer.files import write_config
 from denv_iac.balancer.runtime import HaproxyProcess, server_stats
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
 
 # What the real agent says of a healthy replica.
 AGENT_UP = Verdict("up", 100, ()).reply
@@ -126,7 +126,12 @@ class SimulatedReplica:
         return self.replica_id.split(".")[2]
 
     def fault(self, mode: str, k: int = 0) -> None:
-        response = httpx.post(f"{self.url}/control/fault", json={"mode": mode, "k": k}, timeout=2)
+        response = httpx.post(
+            f"{self.url}/control/fault",
+            json={"mode": mode, "k": k},
+            headers=control_headers(self.process.config.control_token),
+            timeout=2,
+        )
         response.raise_for_status()
 
     def kill(self) -> None:
