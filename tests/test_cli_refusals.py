@@ -3,6 +3,7 @@
 Each case is run through the real command line; `--strict` turns the warnings into refusals.
 """
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,26 @@ def test_a_stack_name_with_a_trailing_newline_is_refused_in_one_line() -> None:
         "--stack: 'voice\\n' is not a stack name; use letters, digits, '.', '_' and '-', starting "
         "with a letter or digit"
     ]
+
+
+@pytest.mark.parametrize(
+    ("address", "warned"),
+    [
+        ("169.254.169.254", True),
+        ("169.254.0.1", True),
+        ("fe80::1", True),
+        ("192.0.2.10", False),
+        ("169.255.0.1", False),
+        ("gpu-1.example.com", False),
+    ],
+)
+def test_a_link_local_node_address_is_a_warning(tmp_path: Path, address: str, warned: bool) -> None:
+    config = copy.deepcopy(WORLD_OPEN)
+    config["denv:sites"][0]["nodes"][0]["address"] = address
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": config})))
+    assert result.exit_code == 0, result.output
+    line = (
+        f"warning: sites[0].nodes[0].address: {address} is link-local (where clouds serve "
+        "instance metadata), reachable only on its own link; give the machine's routable address"
+    )
+    assert (line in result.stderr.splitlines()) is warned

@@ -450,6 +450,58 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         lambda c: recipe(c, 2).update(sites=["office\nhetzner-fsn"]),
         "recipes[2].sites[0]: 'office\\nhetzner-fsn' holds a newline; write it on one line",
     ),
+    # Empty secrets, a volume over the whole container, a budget of 0 read as none, a DNS name
+    # with a blank, a command of one string (one argument): each refused with its fix.
+    *(
+        (
+            f"empty secret {where}",
+            mutate,
+            f"{where}: secure: is empty, a secret of nothing; set it with 'pulumi config set "
+            "--secret'",
+        )
+        for where, mutate in (
+            ("recipes[0].env.TOKEN", lambda c: recipe(c, 0).update(env={"TOKEN": {"secure": ""}})),
+            (
+                "sites[4].robot_user",
+                lambda c: site(c, 4).update(robot_user={"secure": ""}, robot_password=SECRET),
+            ),
+            (
+                "sites[4].robot_password",
+                lambda c: site(c, 4).update(robot_user=SECRET, robot_password={"secure": " "}),
+            ),
+            (
+                "sites[5].ssh_private_key",
+                lambda c: site(c, 5).update(ssh_private_key={"secure": ""}),
+            ),
+            ("sites[2].api_key", lambda c: site(c, 2).update(api_key={"secure": ""})),
+        )
+    ),
+    *(
+        (
+            f"volume at {path}",
+            lambda c, path=path: recipe(c, 0).update(cache_dirs=[path]),
+            f'recipes[0].cache_dirs: "{path}" would mount a volume over the whole container; '
+            "name a folder, e.g. /root/.cache/huggingface",
+        )
+        for path in ("/", "//")
+    ),
+    (
+        "ttft budget of 0",
+        lambda c: recipe(c, 0).update(ttft_budget_ms=0),
+        "recipes[0].ttft_budget_ms: 0 is out of range; use a number from 1 to 600000",
+    ),
+    (
+        "dns name with a blank",
+        lambda c: c["denv:balancer"].update(dns={"zone_id": "Z1", "name": "llm example.com"}),
+        'balancer.dns.name: "llm example.com" is not a DNS name; write a host name in letters, '
+        "digits, '.' and '-', no part starting with '-'",
+    ),
+    (
+        "command as one string",
+        lambda c: recipe(c, 0).update(command="vllm serve x"),
+        "recipes[0].command: one string is one argument; write each as an item, e.g. "
+        '[vllm, serve, "$MODEL"]',
+    ),
 ]
 
 

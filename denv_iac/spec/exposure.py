@@ -24,6 +24,13 @@ _GUESSABLE = {hashlib.sha256(key.encode()).hexdigest(): key for key in GUESSABLE
 REMOTE_KINDS = ("aws", "hetzner", "joined")
 
 
+def _link_local(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_link_local
+    except ValueError:
+        return False  # a host name
+
+
 def metrics_on_loopback(stack: StackSpec) -> bool:
     """Whether the balancer's metrics and stats page listen on 127.0.0.1 only: on a joined
     machine without admin_cidrs no firewall guards their port (the host firewall is left as the
@@ -46,6 +53,13 @@ def stack_warnings(stack: StackSpec) -> list[str]:
         world = [
             c for c in site.admin_cidrs if ipaddress.ip_network(c, strict=False).prefixlen == 0
         ]
+        for j, node in enumerate(site.nodes):
+            if _link_local(node.address):
+                warnings.append(
+                    f"sites[{index}].nodes[{j}].address: {node.address} is link-local (where "
+                    "clouds serve instance metadata), reachable only on its own link; give the "
+                    "machine's routable address"
+                )
         if world:
             warnings.append(
                 f"{path}: {', '.join(world)} opens SSH (and the balancer's metrics) to the whole "
