@@ -290,3 +290,25 @@ def test_a_link_local_node_address_is_a_warning(tmp_path: Path, address: str, wa
         "instance metadata), reachable only on its own link; give the machine's routable address"
     )
     assert (line in result.stderr.splitlines()) is warned
+
+
+@pytest.mark.parametrize(
+    ("stdin", "line"),
+    [
+        (b"key-one\nkey-two\n", "stdin: 2 lines given, and a key is one line"),
+        (b"key-one\r\n\r\nkey-two", "stdin: 3 lines given, and a key is one line"),
+        (b"\n\n", "stdin: no API key given"),
+    ],
+)
+def test_key_digest_refuses_what_it_would_not_hash_whole(stdin: bytes, line: str) -> None:
+    result = denv("key", "digest", stdin=stdin)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(f"error: {line}")
+
+
+@pytest.mark.parametrize("pool", ["", "  "])
+def test_bench_refuses_an_empty_pool(pool: str) -> None:
+    refused(
+        denv("bench", "http://127.0.0.1:9", "--pool", pool, "--requests", "1"),
+        "--pool: empty; name the pool (the model) to load, e.g. --pool voice",
+    )
