@@ -35,6 +35,7 @@ from denv_agent.control import clear_faults, drain, inject_fault, undrain
 
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
+from denv_iac.local.replica_sim import control_headers
 from denv_iac.local.runner import (
     AGENT_MARK,
     REPLICA_MARK,
@@ -204,7 +205,10 @@ def replica_thawed(cluster: LocalCluster, state: RunState) -> None:
 
 def _replica_fault(state: RunState, mode: str, k: int = 0) -> None:
     response = httpx.post(
-        f"{_faulty_replica(state)}/control/fault", json={"mode": mode, "k": k}, timeout=5
+        f"{_faulty_replica(state)}/control/fault",
+        json={"mode": mode, "k": k},
+        headers=control_headers(state.control_token),
+        timeout=5,
     )
     response.raise_for_status()
 

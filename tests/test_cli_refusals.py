@@ -3,6 +3,7 @@
 Each case is run through the real command line; `--strict` turns the warnings into refusals.
 """
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,9 @@ WORLD_OPEN: dict[str, Any] = {
     "denv:balancer": {"sites": ["office"]},
 }
 WARNINGS = [
-    "sites[0].admin_cidrs: none given, so the node firewall leaves SSH open to every address; "
-    "add the addresses you administer from, e.g. admin_cidrs: [198.51.100.7/32]",
+    "sites[0].admin_cidrs: none given, so the node firewall leaves SSH open to every address "
+    "(the balancer's metrics listen on 127.0.0.1 only: reach them over SSH); add the addresses "
+    "you administer from, e.g. admin_cidrs: [198.51.100.7/32]",
     "sites[1].admin_cidrs: 0.0.0.0/0, ::/0 opens SSH (and the balancer's metrics) to the whole "
     "internet; list only the addresses you administer from",
     "sites[2].admin_cidrs: none given, so the firewall admits no SSH and the deploy cannot reach "
@@ -265,3 +267,48 @@ def test_a_stack_name_with_a_trailing_newline_is_refused_in_one_line() -> None:
         "--stack: 'voice\\n' is not a stack name; use letters, digits, '.', '_' and '-', starting "
         "with a letter or digit"
     ]
+
+
+@pytest.mark.parametrize(
+    ("address", "warned"),
+    [
+        ("169.254.169.254", True),
+        ("169.254.0.1", True),
+        ("fe80::1", True),
+        ("192.0.2.10", False),
+        ("169.255.0.1", False),
+        ("gpu-1.example.com", False),
+    ],
+)
+def test_a_link_local_node_address_is_a_warning(tmp_path: Path, address: str, warned: bool) -> None:
+    config = copy.deepcopy(WORLD_OPEN)
+    config["denv:sites"][0]["nodes"][0]["address"] = address
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": config})))
+    assert result.exit_code == 0, result.output
+    line = (
+        f"warning: sites[0].nodes[0].address: {address} is link-local (where clouds serve "
+        "instance metadata), reachable only on its own link; give the machine's routable address"
+    )
+    assert (line in result.stderr.splitlines()) is warned
+
+
+@pytest.mark.parametrize(
+    ("stdin", "line"),
+    [
+        (b"key-one\nkey-two\n", "stdin: 2 lines given, and a key is one line"),
+        (b"key-one\r\n\r\nkey-two", "stdin: 3 lines given, and a key is one line"),
+        (b"\n\n", "stdin: no API key given"),
+    ],
+)
+def test_key_digest_refuses_what_it_would_not_hash_whole(stdin: bytes, line: str) -> None:
+    result = denv("key", "digest", stdin=stdin)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(f"error: {line}")
+
+
+@pytest.mark.parametrize("pool", ["", "  "])
+def test_bench_refuses_an_empty_pool(pool: str) -> None:
+    refused(
+        denv("bench", "http://127.0.0.1:9", "--pool", pool, "--requests", "1"),
+        "--pool: empty; name the pool (the model) to load, e.g. --pool voice",
+    )

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
 from denv_iac.ops.loadgen import percentile, run_load
 
 
@@ -34,7 +34,9 @@ def test_streams_are_measured(replica: ReplicaProcess) -> None:
 
 def test_a_stream_cut_short_is_an_abort(replica: ReplicaProcess) -> None:
     url = f"http://127.0.0.1:{replica.port}"
-    httpx.post(f"{url}/control/fault", json={"mode": "die_after_tokens", "k": 2})
+    headers = control_headers(replica.config.control_token)
+    fault = {"mode": "die_after_tokens", "k": 2}
+    httpx.post(f"{url}/control/fault", json=fault, headers=headers).raise_for_status()
     report = asyncio.run(run_load(url, "voice", concurrency=1, requests=2))
     assert [r.error for r in report.results] == ["aborted", "aborted"]
     assert all(r.tokens == 2 for r in report.results)

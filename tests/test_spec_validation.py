@@ -5,9 +5,11 @@ from typing import Any
 
 import pytest
 
+from denv_iac.balancer.haproxy import render_haproxy_config
 from denv_iac.components.balancer import balancer_settings
 from denv_iac.spec.model import AGENT_INTER_MS, MAX_CONCURRENCY, Secret, SimulatedServer
 from denv_iac.spec.reader import StackError, read_stack
+from tests.balancer.sample_pools import MAP_DIR, VOICE
 from tests.stacks import SECRET, valid_config
 
 Config = dict[str, Any]
@@ -488,6 +490,58 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         lambda c: recipe(c, 2).update(sites=["office\nhetzner-fsn"]),
         "recipes[2].sites[0]: 'office\\nhetzner-fsn' holds a newline; write it on one line",
     ),
+    # Empty secrets, a volume over the whole container, a budget of 0 read as none, a DNS name
+    # with a blank, a command of one string (one argument): each refused with its fix.
+    *(
+        (
+            f"empty secret {where}",
+            mutate,
+            f"{where}: secure: is empty, a secret of nothing; set it with 'pulumi config set "
+            "--secret'",
+        )
+        for where, mutate in (
+            ("recipes[0].env.TOKEN", lambda c: recipe(c, 0).update(env={"TOKEN": {"secure": ""}})),
+            (
+                "sites[4].robot_user",
+                lambda c: site(c, 4).update(robot_user={"secure": ""}, robot_password=SECRET),
+            ),
+            (
+                "sites[4].robot_password",
+                lambda c: site(c, 4).update(robot_user=SECRET, robot_password={"secure": " "}),
+            ),
+            (
+                "sites[5].ssh_private_key",
+                lambda c: site(c, 5).update(ssh_private_key={"secure": ""}),
+            ),
+            ("sites[2].api_key", lambda c: site(c, 2).update(api_key={"secure": ""})),
+        )
+    ),
+    *(
+        (
+            f"volume at {path}",
+            lambda c, path=path: recipe(c, 0).update(cache_dirs=[path]),
+            f'recipes[0].cache_dirs: "{path}" would mount a volume over the whole container; '
+            "name a folder, e.g. /root/.cache/huggingface",
+        )
+        for path in ("/", "//")
+    ),
+    (
+        "ttft budget of 0",
+        lambda c: recipe(c, 0).update(ttft_budget_ms=0),
+        "recipes[0].ttft_budget_ms: 0 is out of range; use a number from 1 to 600000",
+    ),
+    (
+        "dns name with a blank",
+        lambda c: c["denv:balancer"].update(dns={"zone_id": "Z1", "name": "llm example.com"}),
+        'balancer.dns.name: "llm example.com" is not a DNS name; write a host name in letters, '
+        "digits, '.' and '-', no part starting with '-'",
+    ),
+    (
+        "command as one string",
+        lambda c: recipe(c, 0).update(command="vllm serve x"),
+        "recipes[0].command: one string is one argument; write each as an item, e.g. "
+        '[vllm, serve, "$MODEL"]',
+    ),
 ]
 
 
@@ -598,3 +652,26 @@ def test_a_recipe_states_what_one_replica_admits(given: int | None, read: int) -
     stack = read_stack("t", config)
     assert stack.recipes[0].max_concurrency == read
     assert MAX_CONCURRENCY == 32  # the documented default (docs/stacks.md)
+
+
+@pytest.mark.parametrize(
+    ("balancer_site", "admin_cidrs", "metrics_bind"),
+    [
+        ("office", None, "127.0.0.1:8405"),  # joined, no firewall: loopback only
+        ("office", ["198.51.100.0/24"], "0.0.0.0:8405"),  # the host firewall admits the admins
+        ("hetzner-fsn", None, "0.0.0.0:8405"),  # the Robot firewall admits no stats port
+        ("aws-use1", ["198.51.100.0/24"], "0.0.0.0:8405"),
+        ("local", None, "0.0.0.0:8405"),  # the local runner binds loopback itself
+    ],
+)
+def test_metrics_of_an_unguarded_balancer_host_listen_on_loopback(
+    balancer_site: str, admin_cidrs: list[str] | None, metrics_bind: str
+) -> None:
+    config = valid_config()
+    for s in config["denv:sites"]:
+        if s["name"] == balancer_site and admin_cidrs is not None:
+            s["admin_cidrs"] = admin_cidrs
+    config["denv:balancer"]["sites"] = [balancer_site]
+    rendered = render_haproxy_config([VOICE], balancer_settings(read_stack("t", config)), MAP_DIR)
+    assert f"    bind {metrics_bind}\n" in rendered.haproxy_cfg
+    assert "    bind 0.0.0.0:8080\n" in rendered.haproxy_cfg  # the endpoint is for everyone

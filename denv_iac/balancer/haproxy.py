@@ -45,6 +45,18 @@ _ERROR_BODY_TOO_LARGE = (
     '"message":"the model field is not within the first 64 KiB of the body:'
     ' send the X-Denv-Pool header to name the pool"}}'
 )
+_ERROR_CONTROL_BYTE = (
+    '{"error":{"type":"invalid_request_error","code":"invalid_header",'
+    '"message":"a header holds a control character (NUL, ESC, DEL, ...): send printable text"}}'
+)
+# HAProxy's regex matching ends at the first NUL byte, so the headers are matched as hex, where
+# a byte is two digits from an even offset. The hex converter writes into one buffer of
+# tune.bufsize and silently stops when it is full: the headers (at most one buffer) are read
+# in pieces whose hex fits.
+_HEX_PIECE = _BUFSIZE * 3 // 8
+# Possessive, so that the match never backtracks: every printable byte (or tab, CR, LF) is
+# consumed, and the next byte, if any, is a control character.
+_CONTROL_BYTE_HEX = "^(?:[2-689A-F].|7[0-9A-E]|0[9AD])*+(?:0|1|7F)"
 _ERROR_NOT_JSON = (
     '{"error":{"type":"invalid_request_error","code":"invalid_json",'
     '"message":"the body is not a JSON object: send JSON, or multipart for audio uploads"}}'
@@ -250,6 +262,7 @@ def _haproxy_error(status: int, body: str) -> str:
 
 def _prometheus_frontend(settings: BalancerSettings) -> str:
     assert settings.prometheus_port is not None
+    address = settings.prometheus_address or settings.bind_address
     return _section(
         f"frontend {PROMETHEUS_FRONTEND}",
         [
@@ -257,7 +270,7 @@ def _prometheus_frontend(settings: BalancerSettings) -> str:
             "and the stats page (`/stats;csv` is `show stat`) for `denv status --endpoint`.",
         ],
         [
-            f"bind {_host_port(settings.bind_address, settings.prometheus_port)}",
+            f"bind {_host_port(address, settings.prometheus_port)}",
             "no log",
             "http-request use-service prometheus-exporter if { path /metrics }",
             "# Read-only: without `stats admin` nobody can change a server from here.",
@@ -265,6 +278,16 @@ def _prometheus_frontend(settings: BalancerSettings) -> str:
             f"stats uri {STATS_PATH}",
         ],
     )
+
+
+def _header_pieces() -> list[str]:
+    """`bytes` converters that cut a header block of up to one buffer into pieces whose hex
+    fits the converter's buffer."""
+    starts = range(0, _BUFSIZE, _HEX_PIECE)
+    return [
+        f"bytes({start},{_HEX_PIECE})" if start + _HEX_PIECE < _BUFSIZE else f"bytes({start})"
+        for start in starts
+    ]
 
 
 def _endpoint_frontend(
@@ -279,6 +302,15 @@ def _endpoint_frontend(
         "option dontlognull",
         "# The whole request body is needed to read the model field and to retry the request.",
         "option http-buffer-request",
+        "# A control character in a header (all but the tab) is refused, never forwarded: a",
+        "# replica's parser could cut the header there or read it otherwise. HAProxy's regex",
+        "# ends at a NUL, so the headers are matched as hex, a byte per two digits, in pieces.",
+        *(
+            f"acl control_byte req.hdrs,{piece},hex -m reg {_CONTROL_BYTE_HEX}"
+            for piece in _header_pieces()
+        ),
+        "http-request return status 400 content-type application/json"
+        f" string '{_ERROR_CONTROL_BYTE}' if control_byte",
         "# Only the balancer says which replica served.",
         "http-request del-header X-Denv-Replica",
         "",

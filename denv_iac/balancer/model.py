@@ -76,6 +76,8 @@ class BalancerSettings:
     api_key_digests: tuple[str, ...] = ()  # SHA-256 hex digests of API keys; empty = no auth
     stats_socket: str = STATS_SOCKET
     prometheus_port: int | None = 8405
+    # Where the metrics and stats page listen; None: bind_address, as the endpoint.
+    prometheus_address: str | None = None
     # The stack's `timers` (see BalancerTimers for why each default).
     agent_inter_ms: int = AGENT_INTER_MS
     check_inter_ms: int = CHECK_INTER_MS

@@ -87,6 +87,8 @@ def _check_model_names(pools: Sequence[BalancerPool]) -> None:
 
 def _check_settings(settings: BalancerSettings) -> None:
     _check_address("settings.bind_address", settings.bind_address)
+    if settings.prometheus_address is not None:
+        _check_address("settings.prometheus_address", settings.prometheus_address)
     _check_port("settings.port", settings.port)
     if settings.prometheus_port is not None:
         _check_port("settings.prometheus_port", settings.prometheus_port)

@@ -123,6 +123,8 @@ def bench(
 ) -> None:
     """Load URL with one protocol; its latency p50/p90/p99, gaps, errors by kind."""
     problems = _url_problems(url)
+    if not pool.strip():
+        problems.append("--pool: empty; name the pool (the model) to load, e.g. --pool voice")
     for direct in direct_urls:
         problems += [p.replace("URL:", "--direct:", 1) for p in _url_problems(direct)]
     if duration is not None and not math.isfinite(duration):

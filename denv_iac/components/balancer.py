@@ -25,10 +25,12 @@ from denv_iac.node.balancer_host import (
     TLS_CERT_PATH,
 )
 from denv_iac.placement import PlacedReplica, Placement
+from denv_iac.spec.exposure import metrics_on_loopback
 from denv_iac.spec.gateway_link import gateway_tls_on
 from denv_iac.spec.model import DnsSpec, StackSpec
 
 _DEFAULT_PORT = {"http": 80, "https": 443}
+LOOPBACK = "127.0.0.1"
 # Every balancer host serves the same config, so each takes an equal share of clients.
 DNS_WEIGHT = 100
 
@@ -42,6 +44,7 @@ def balancer_settings(stack: StackSpec) -> BalancerSettings:
         tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
         api_key_digests=spec.api_key_digests,
         prometheus_port=spec.prometheus_port,
+        prometheus_address=LOOPBACK if metrics_on_loopback(stack) else None,
         gateway_ca_file=GATEWAY_CA_PATH if gateway_tls else None,
         gateway_client_cert=GATEWAY_CLIENT_PATH if gateway_tls else None,
     )

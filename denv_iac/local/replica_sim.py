@@ -6,8 +6,9 @@ It stands in for a model server in the local runner, the data-plane tests and th
 multipart upload, `GET /v1/realtime` over WebSocket; see voice_sim), `GET /health`, `GET
 /metrics` (the engine's own Prometheus names: vLLM's, SGLang's or TGI's), `GET /stats` (what
 it received, so tests can prove a request was never replayed) and `POST /control/fault` to make
-it fail the ways real replicas do. Plain asyncio and a minimal HTTP/1.1, so that it is never
-the bottleneck of a measurement and needs nothing beyond the standard library.
+it fail the ways real replicas do (only with `Authorization: Bearer <control token>`, see
+control_headers). Plain asyncio and a minimal HTTP/1.1, so that it is never the bottleneck of a
+measurement and needs nothing beyond the standard library.
 
 Chat, speech and transcription each have the capacity of an engine (see engine_sim): a few
 slots and a FIFO queue behind them. As a uvicorn/starlette StreamingResponse does, a streamed
@@ -25,8 +26,10 @@ import asyncio
 import base64
 import contextlib
 import enum
+import hmac
 import json
 import os
+import secrets
 import selectors
 import socket
 import struct
@@ -53,6 +56,9 @@ from denv_iac.spec.model import SIMULATED_ENGINES, SIMULATED_SPEECH, SimulatedSe
 
 READY_PREFIX = "replica_sim ready"
 SELF_HEADER = "X-Denv-Replica-Self"
+# The fault route's token reaches the process in its environment, which only its owner can read
+# (its command line, any user).
+CONTROL_TOKEN_ENV = "DENV_REPLICA_CONTROL_TOKEN"
 
 _MAX_HEAD_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -71,6 +77,7 @@ _TRANSCRIPTION_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     413: "Content Too Large",
@@ -118,6 +125,14 @@ class ReplicaSimConfig:
     queue_limit: int | None = SimulatedServer.queue_limit
     speech_slots: int = SimulatedServer.speech_slots
     transcription_slots: int = SimulatedServer.transcription_slots
+    # Whoever sends it may inject faults (control_headers); made afresh unless given (the local
+    # runner gives its stack's token).
+    control_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+
+
+def control_headers(token: str) -> dict[str, str]:
+    """The headers of a `POST /control/fault` that the replica with this token obeys."""
+    return {"Authorization": f"Bearer {token}"}
 
 
 @dataclass
@@ -320,6 +335,12 @@ class ReplicaSim:
             await asyncio.Event().wait()
 
     async def _control_fault(self, request: _Request, writer: asyncio.StreamWriter) -> None:
+        sent = request.headers.get("authorization", "").encode()
+        expected = control_headers(self.config.control_token)["Authorization"].encode()
+        if not self.config.control_token or not hmac.compare_digest(sent, expected):
+            error = {"error": "send Authorization: Bearer <the replica's control token>"}
+            await self._respond(writer, 401, error, request)
+            return
         try:
             body = json.loads(request.body or b"{}")
             mode = FaultMode(body["mode"])
@@ -891,6 +912,7 @@ class ReplicaProcess:
         try:
             self._process = subprocess.Popen(
                 command,
+                env={**os.environ, CONTROL_TOKEN_ENV: self.config.control_token},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log if log is not None else subprocess.DEVNULL,
@@ -999,6 +1021,7 @@ def _parse_args(argv: list[str] | None) -> ReplicaSimConfig:
         queue_limit=args.queue_limit,
         speech_slots=args.speech_slots,
         transcription_slots=args.transcription_slots,
+        **({"control_token": token} if (token := os.environ.get(CONTROL_TOKEN_ENV)) else {}),
     )
 
 

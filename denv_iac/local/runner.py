@@ -310,6 +310,8 @@ class LocalCluster:
         self._lock = threading.RLock()
         self._stopping = False
         self._backoff: dict[str, RestartBackoff] = {}
+        # One token per run of the stack: the agents' control API and the replicas' fault route.
+        self._token = secrets.token_hex(16)
 
     def up(self, progress: Progress = lambda _: None) -> RunState:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -358,6 +360,7 @@ class LocalCluster:
                 queue_limit=sim.queue_limit,
                 speech_slots=sim.speech_slots,
                 transcription_slots=sim.transcription_slots,
+                control_token=self._token,
             )
             log = self.directory / "logs" / f"{replica.id}.log"
             process = ReplicaProcess(config, log, host.prefix)
@@ -389,8 +392,7 @@ class LocalCluster:
         return [f"{n.site}/{n.name}" for n in self.placement.nodes]
 
     def _start_agents(self, replicas: list[ReplicaState], progress: Progress) -> list[AgentState]:
-        token = secrets.token_hex(16)
-        self._token = token
+        token = self._token
         agents = []
         for node in self.placement.nodes:
             key = f"{node.site}/{node.name}"

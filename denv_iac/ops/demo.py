@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 from denv_agent.control import inject_fault
 
+from denv_iac.local.replica_sim import control_headers
 from denv_iac.local.runner import LocalCluster, RunState
 from denv_iac.ops.loadgen import FIGURES, LoadReport, Protocol, StreamResult, run_load
 from denv_iac.ops.voice_failover import FailoverReport, realtime_failover
@@ -67,10 +68,11 @@ def kill_replica(state: RunState, replica_id: str, client: httpx.Client | None =
     matters: a new one costs a few hundred milliseconds (its TLS context)."""
     replica = next(r for r in state.replicas if r.id == replica_id)
     url = f"{replica.url}/control/fault"
+    headers = control_headers(state.control_token)
     if client is None:
-        httpx.post(url, json={"mode": "exit"}, timeout=5)
+        httpx.post(url, json={"mode": "exit"}, headers=headers, timeout=5)
     else:
-        client.post(url, json={"mode": "exit"})
+        client.post(url, json={"mode": "exit"}, headers=headers)
 
 
 def seen_by_replicas(state: RunState) -> dict[str, list[str]]:

@@ -714,7 +714,8 @@ async def run_load(
     without `session_turns` it keeps one session while it lasts). With `fallback_urls`, a
     request that got no response at all (refused, reset before a byte) is sent to the next URL,
     as a client resolving several balancer addresses would. With `direct_urls` (replicas), each
-    worker also sends every request straight to one of them, alternating which path goes first.
+    worker also sends every request straight to one of them, alternating which path goes first,
+    without `api_key`: that key is the endpoint's, and a replica must never see it.
     """
     if duration_s is None and requests is None:
         raise ValueError("give duration_s or requests")
@@ -736,7 +737,9 @@ async def run_load(
 
     async def worker(index: int) -> None:
         def client(endpoint: Endpoint, via: Via) -> _Worker:
-            return _Worker(endpoint, protocol, pool, api_key, timeout_s, via)
+            # The key is the endpoint's: a replica called directly never sees it.
+            key = api_key if via == "endpoint" else None
+            return _Worker(endpoint, protocol, pool, key, timeout_s, via)
 
         through = [client(e, "endpoint") for e in endpoints]
         direct = [client(directs[index % len(directs)], "direct")] if directs else []

@@ -24,6 +24,26 @@ _GUESSABLE = {hashlib.sha256(key.encode()).hexdigest(): key for key in GUESSABLE
 REMOTE_KINDS = ("aws", "hetzner", "joined")
 
 
+def _link_local(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_link_local
+    except ValueError:
+        return False  # a host name
+
+
+def metrics_on_loopback(stack: StackSpec) -> bool:
+    """Whether the balancer's metrics and stats page listen on 127.0.0.1 only: on a joined
+    machine without admin_cidrs no firewall guards their port (the host firewall is left as the
+    machine has it), and the stats page names every replica's address. Every balancer host
+    serves one config, so one such host puts them on loopback on every host."""
+    sites = {site.name: site for site in stack.sites}
+    return any(
+        sites[name].kind in HOST_FIREWALLED_KINDS and not sites[name].admin_cidrs
+        for name in stack.balancer.sites
+        if name in sites
+    )
+
+
 def stack_warnings(stack: StackSpec) -> list[str]:
     warnings = []
     for index, site in enumerate(stack.sites):
@@ -33,15 +53,28 @@ def stack_warnings(stack: StackSpec) -> list[str]:
         world = [
             c for c in site.admin_cidrs if ipaddress.ip_network(c, strict=False).prefixlen == 0
         ]
+        for j, node in enumerate(site.nodes):
+            if _link_local(node.address):
+                warnings.append(
+                    f"sites[{index}].nodes[{j}].address: {node.address} is link-local (where "
+                    "clouds serve instance metadata), reachable only on its own link; give the "
+                    "machine's routable address"
+                )
         if world:
             warnings.append(
                 f"{path}: {', '.join(world)} opens SSH (and the balancer's metrics) to the whole "
                 "internet; list only the addresses you administer from"
             )
         if not site.admin_cidrs and site.kind in HOST_FIREWALLED_KINDS:
+            metrics = (
+                " (the balancer's metrics listen on 127.0.0.1 only: reach them over SSH)"
+                if site.name in stack.balancer.sites
+                else ""
+            )
             warnings.append(
-                f"{path}: none given, so the node firewall leaves SSH open to every address; "
-                "add the addresses you administer from, e.g. admin_cidrs: [198.51.100.7/32]"
+                f"{path}: none given, so the node firewall leaves SSH open to every address"
+                f"{metrics}; add the addresses you administer from, e.g. "
+                "admin_cidrs: [198.51.100.7/32]"
             )
         elif not site.admin_cidrs:
             warnings.append(

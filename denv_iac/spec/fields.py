@@ -61,6 +61,13 @@ def is_secret(value: object) -> bool:
     return isinstance(value, dict) and set(value) == {"secure"} and isinstance(value["secure"], str)
 
 
+EMPTY_SECRET = "secure: is empty, a secret of nothing; set it with 'pulumi config set --secret'"
+
+
+def is_empty_secret(value: object) -> bool:
+    return is_secret(value) and not value["secure"].strip()  # type: ignore[index]
+
+
 class Fields:
     """One mapping being read. Call `finish()` last: it reports keys nobody asked for."""
 
@@ -160,11 +167,20 @@ class Fields:
             return default
         return value
 
-    def text_list(self, key: str, *, required: bool = False) -> tuple[str, ...]:
+    def text_list(
+        self, key: str, *, required: bool = False, list_example: str = ""
+    ) -> tuple[str, ...]:
+        """A list of strings; one string stands for a list of itself, unless `list_example`
+        is given (an argument vector: one string would be one argument), which it is shown."""
         value = self._get(key)
         if value is None:
             if required and self.ok:
                 self.problem(key, "missing; give a list")
+            return ()
+        if isinstance(value, str) and list_example:
+            self.problem(
+                key, f"one string is one argument; write each as an item, e.g. {list_example}"
+            )
             return ()
         if isinstance(value, str):
             value = [value]
@@ -191,6 +207,8 @@ class Fields:
                 self.problem(key, f"{name!r} is not a variable name; {ENV_RULE}")
             elif name in DEPLOY_ENV:
                 self.problem(f"{key}.{name}", "set by the deploy for every replica; remove it")
+            elif is_empty_secret(raw):
+                self.problem(f"{key}.{name}", EMPTY_SECRET)
             elif is_secret(raw):
                 secret.append((name, Secret(raw["secure"])))
             elif self.one_line(f"{key}.{name}", str(raw)):
@@ -205,6 +223,9 @@ class Fields:
             return None
         if not is_secret(value):
             self.problem(key, f"must be a Pulumi secret, never plain text; {how}")
+            return None
+        if is_empty_secret(value):
+            self.problem(key, EMPTY_SECRET)
             return None
         return Secret(value["secure"])
 

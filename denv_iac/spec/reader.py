@@ -31,6 +31,7 @@ from denv_iac.spec.model import (
 from denv_iac.spec.overlay import overlay_problems, read_overlay
 from denv_iac.spec.ports import stack_port_problems
 from denv_iac.spec.values import (
+    HOST_NAME,
     HOST_RULE,
     IMAGE,
     IMAGE_RULE,
@@ -296,7 +297,8 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
                 f'"{model}" has characters a model name may not have; '
                 "use letters, digits and . _ : / -",
             )
-    ttft_budget = f.integer("ttft_budget_ms", 0, 0, 600_000) or None
+    # Left out: no budget. 0 is refused rather than read as "none".
+    ttft_budget = f.integer("ttft_budget_ms", 0, 1, 600_000) or None
     first_token_timeout = f.integer("first_token_timeout_ms", FIRST_TOKEN_TIMEOUT_MS, 50, 600_000)
     stall_timeout = f.integer("stall_timeout_ms", STALL_TIMEOUT_MS, 50, 3_600_000)
     _check_simulated_pace(f, simulate, stall_timeout)
@@ -310,7 +312,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         survive="site" if survive == "site" else "node",
         gpu_models=f.text_list("gpu_models"),
         models=models,
-        command=f.text_list("command"),
+        command=f.text_list("command", list_example='[vllm, serve, "$MODEL"]'),
         image=_image(f),
         port=f.integer("port", 8000, 1, 65535),
         health_path=health_path,
@@ -328,6 +330,12 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     for cache_dir in recipe.cache_dirs:
         if not cache_dir.startswith("/"):
             f.problem("cache_dirs", f'"{cache_dir}" is not an absolute path; start it with /')
+        elif not cache_dir.strip("/"):
+            f.problem(
+                "cache_dirs",
+                f'"{cache_dir}" would mount a volume over the whole container; '
+                "name a folder, e.g. /root/.cache/huggingface",
+            )
     for dup in _duplicates([d.rstrip("/") for d in recipe.cache_dirs]):
         f.problem("cache_dirs", f'"{dup}" is listed twice; one volume mounts at each path')
     f.finish()
@@ -397,6 +405,8 @@ def _read_balancer(f: Fields) -> BalancerSpec:
             dns_fields.text("name", example="llm.example.com"),
             dns_fields.integer("ttl", 30, 5, 86400),
         )
+        if dns.name and not HOST_NAME.fullmatch(dns.name):
+            dns_fields.problem("name", f'"{dns.name}" is not a DNS name; {HOST_RULE}')
         dns_fields.finish()
     overlay_fields = f.child("overlay")
     overlay = read_overlay(overlay_fields) if overlay_fields is not None else OverlaySpec()

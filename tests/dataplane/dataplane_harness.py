@@ -33,7 +33,7 @@ from denv_iac.balancer import (
 )
 from denv_iac.balancer.files import write_config
 from denv_iac.balancer.runtime import HaproxyProcess, server_stats
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, MAX_CONCURRENCY, STALL_TIMEOUT_MS
 
 # What the real agent says of a healthy replica.
@@ -131,7 +131,12 @@ class SimulatedReplica:
         return self.replica_id.split(".")[2]
 
     def fault(self, mode: str, k: int = 0) -> None:
-        response = httpx.post(f"{self.url}/control/fault", json={"mode": mode, "k": k}, timeout=2)
+        response = httpx.post(
+            f"{self.url}/control/fault",
+            json={"mode": mode, "k": k},
+            headers=control_headers(self.process.config.control_token),
+            timeout=2,
+        )
         response.raise_for_status()
 
     def kill(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import socket
 from typing import Any
 
 import httpx
@@ -80,3 +81,50 @@ def test_bad_and_missing_keys_never_reach_a_replica(start_dataplane: Any) -> Non
     assert ok.status_code == 200
     log = (plane.workdir / "haproxy.log").read_text(errors="replace")
     assert KEY not in log
+
+
+def raw_exchange(plane: Dataplane, request: bytes) -> bytes:
+    """Send `request` as is on one connection; what came back until the balancer closed it."""
+    answer = b""
+    with socket.create_connection(("127.0.0.1", plane.settings.port), timeout=5) as sock:
+        sock.sendall(request)
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+# Every control character but the tab (allowed in a value) and LF, which ends a line (a lone LF
+# is a line end HAProxy accepts, as RFC 9112 lets a recipient).
+CONTROL_BYTES = [bytes([c]) for c in (*range(0x00, 0x09), *range(0x0B, 0x20), 0x7F)]
+
+
+def with_header(header: bytes) -> bytes:
+    body = b'{"model": "voice", "max_tokens": 1}'
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        + header
+        + b"\r\nConnection: close\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+def test_a_control_character_in_a_header_is_refused_with_400(dataplane: Dataplane) -> None:
+    # Each byte in a value, at the start, in the middle and past 24 KiB and 48 KiB of headers
+    # (where the balancer reads the headers in another piece), and in a name.
+    pad = b"X-Pad: " + b"p" * 30000 + b"\r\n"
+    for control in CONTROL_BYTES:
+        for header in (
+            b"X-Note: " + control + b"b",
+            b"X-Note: a" + control + b"b",
+            pad + b"X-Note: a" + control,
+            pad + pad + b"X-Note: a" + control,
+            b"X-N" + control + b"te: ab",
+        ):
+            answer = raw_exchange(dataplane, with_header(header))
+            assert answer.startswith(b"HTTP/1.1 400 "), (control, header[-12:], answer[:200])
+    assert sum(r.stats()["requests"] for r in dataplane.replicas.values()) == 0
+    # A tab in a value, and large headers, still pass.
+    answer = raw_exchange(dataplane, with_header(pad + pad + b"X-Note: a\tb"))
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]

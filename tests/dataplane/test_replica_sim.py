@@ -11,14 +11,22 @@ from typing import Any
 import httpx
 import pytest
 
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSim, ReplicaSimConfig
+from denv_iac.local.replica_sim import (
+    ReplicaProcess,
+    ReplicaSim,
+    ReplicaSimConfig,
+    control_headers,
+)
 
 Scenario = Callable[[ReplicaSim], Awaitable[None]]
+TOKEN = "t0k3n-of-this-test"
+# Sent with every /control/fault request that names no Authorization of its own.
+AUTH = "".join(f"{k}: {v}\r\n" for k, v in control_headers(TOKEN).items())
 
 
 def run_with_sim(scenario: Scenario, **config: Any) -> None:
     async def main() -> None:
-        sim = ReplicaSim(ReplicaSimConfig("voice.local.n0.0", **config))
+        sim = ReplicaSim(ReplicaSimConfig("voice.local.n0.0", control_token=TOKEN, **config))
         await sim.start()
         try:
             await asyncio.wait_for(scenario(sim), timeout=10)
@@ -40,6 +48,8 @@ async def send(
     writer: asyncio.StreamWriter, method: str, path: str, body: object = None, headers: str = ""
 ) -> None:
     payload = b"" if body is None else json.dumps(body).encode()
+    if path == "/control/fault" and "authorization:" not in headers.lower():
+        headers = AUTH + headers
     writer.write(
         f"{method} {path} HTTP/1.1\r\nHost: sim\r\n{headers}"
         f"Content-Length: {len(payload)}\r\n\r\n".encode()
@@ -253,7 +263,12 @@ def test_exit_ends_the_process_and_cli_prints_readiness() -> None:
     try:
         port = process.wait_ready()
         assert httpx.get(f"http://127.0.0.1:{port}/health").json()["replica"] == "voice.local.n1.0"
-        httpx.post(f"http://127.0.0.1:{port}/control/fault", json={"mode": "exit"})
+        url = f"http://127.0.0.1:{port}/control/fault"
+        # The token travels to the process (in its environment): without it, nothing happens.
+        assert httpx.post(url, json={"mode": "exit"}).status_code == 401
+        assert process.running
+        headers = control_headers(process.config.control_token)
+        httpx.post(url, json={"mode": "exit"}, headers=headers)
         deadline = time.monotonic() + 5
         while process.running and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -286,3 +301,37 @@ def test_streams_thousands_of_tokens_per_second() -> None:
         assert rate > 2000, f"{rate:.0f} tokens/s"
 
     run_with_sim(scenario, ttft_ms=0, itl_ms=0)
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        "",
+        "Authorization: Bearer wrong\r\n",
+        "Authorization: Bearer \r\n",
+        f"Authorization: Basic {TOKEN}\r\n",
+        f"Authorization: Bearer {TOKEN}x\r\n",
+        f"X-Authorization: Bearer {TOKEN}\r\n",
+    ],
+)
+def test_the_fault_route_obeys_only_its_token(authorization: str) -> None:
+    async def scenario(sim: ReplicaSim) -> None:
+        for mode in ("exit", "refuse", "hang", "die_after_tokens"):
+            reader, writer = await request(
+                sim, "POST", "/control/fault", {"mode": mode}, authorization or "Authorization:\r\n"
+            )
+            status, _, payload = await read_json(reader)
+            assert status == 401 and "control token" in payload["error"]  # type: ignore[index]
+            writer.close()
+        assert sim.fault.value == "none"
+        reader, writer = await request(sim, "GET", "/health")
+        assert (await read_json(reader))[0] == 200
+        writer.close()
+
+    run_with_sim(scenario)
+
+
+def test_two_replicas_get_different_tokens() -> None:
+    first, second = ReplicaSimConfig("a.s.n.0"), ReplicaSimConfig("b.s.n.0")
+    assert len(first.control_token) == 32 and first.control_token != second.control_token
+    assert first.control_token not in repr(first)

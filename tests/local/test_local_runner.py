@@ -25,7 +25,7 @@ from denv_iac.local.runner import (
     ours,
     stop_recorded,
 )
-from denv_iac.ops.demo import run_demo
+from denv_iac.ops.demo import kill_replica, run_demo
 from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import local_site, valid_config
 
@@ -93,6 +93,21 @@ def test_state_file_describes_what_runs(cluster: LocalCluster) -> None:
     )
     assert response.status_code == 200
     assert response.headers["x-denv-replica"].startswith("side.local.")
+
+
+def test_a_replica_obeys_only_its_runs_token(cluster: LocalCluster) -> None:
+    state = cluster.state
+    assert state is not None
+    replica = state.replicas[0]
+    url = f"{replica.url}/control/fault"
+    for headers in ({}, {"Authorization": "Bearer guess"}):
+        assert httpx.post(url, json={"mode": "exit"}, headers=headers).status_code == 401
+    assert alive(replica.pid)
+    kill_replica(state, replica.id)  # the run's token, from its state
+    deadline = time.monotonic() + 5
+    while alive(replica.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(replica.pid)
 
 
 def test_down_leaves_no_process(tmp_path: Path) -> None:
