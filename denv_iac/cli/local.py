@@ -102,6 +102,13 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
     """Start the data plane and print the endpoint; Ctrl-C stops everything."""
     quiet = quiet or as_json
     console = wide_console(stderr=quiet)
+    stop = threading.Event()
+    if not detach:
+        # Set before anything starts, so that a stop asked for at any moment ends the whole
+        # stack: SIGTERM is what `denv local down` sends; SIGINT too, explicitly, as a shell
+        # starts a background job with SIGINT ignored and Python then raises no KeyboardInterrupt.
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, lambda *_: stop.set())
     cluster, lock = _cluster(stack_name, port)
     state = _start(cluster, console, quiet)
     if as_json:
@@ -117,11 +124,6 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
         # A detached stack is what state.json records; the lock only guarded its start.
         lock.release()
         return
-    stop = threading.Event()
-    # SIGTERM is what `denv local down` sends. SIGINT too, explicitly: a shell starts a
-    # background job with SIGINT ignored, and Python then never raises KeyboardInterrupt.
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, lambda *_: stop.set())
     if not quiet:
         console.print("serving; a process that dies is restarted; Ctrl-C stops everything")
     try:

@@ -163,17 +163,19 @@ def test_status_command_reads_a_running_stack(
         assert started["endpoint"] == f"http://127.0.0.1:{port}" and len(started["replicas"]) == 4
         assert "control_token" not in started
 
-        def voice_pool() -> dict[str, Any]:
-            status = runner.invoke(main, ["local", "status", "--stack", "t", "--json"])
-            assert status.exit_code == 0, status.output
-            pools = {p["pool"]: p for p in json.loads(status.output)["pools"]}
-            return dict(pools["voice"])
+        def status() -> tuple[int, dict[str, Any]]:
+            shown = runner.invoke(main, ["local", "status", "--stack", "t", "--json"])
+            pools = {p["pool"]: p for p in json.loads(shown.output)["pools"]}
+            return shown.exit_code, dict(pools["voice"])
 
-        # `up` returns once every process listens; HAProxy's first agent checks may still be
-        # under way on a busy machine, and status reports what they said so far.
+        # `up` returns once every process listens; HAProxy's first checks may still be under
+        # way on a busy machine, and status reports (exit 1) what they said so far.
         deadline = time.monotonic() + 15
-        while (voice := voice_pool())["healthy"] < 2 and time.monotonic() < deadline:
+        code, voice = status()
+        while code != 0 or voice["healthy"] < 2:
+            assert time.monotonic() < deadline, (code, voice)
             time.sleep(0.1)
+            code, voice = status()
         assert voice["healthy"] == 2 and voice["ok"], voice
     finally:
         down = runner.invoke(main, ["local", "down", "--stack", "t"])
