@@ -66,27 +66,35 @@ class _Utterance:
         self.received: list[tuple[float, int]] = []
         self.error: BaseException | None = None
         self.ended_at: float | None = None
+        self.sent_at: float | None = None  # its client built, the request about to go
         self.first_audio = threading.Event()
         self._plane, self._client = plane, client
         self._thread = threading.Thread(target=self._run)
         self._thread.start()
 
     def _chunks(self) -> Iterator[bytes]:
-        body = {"model": "voice", "input": "Hello there", "voice": "alloy"}
+        body = {
+            "model": "voice",
+            "input": "Hello there",
+            "voice": "alloy",
+            "response_format": "pcm",
+        }
         if self._client == "sdk":
             sdk = _sdk(self._plane)
+            self.sent_at = time.monotonic()
             with sdk.audio.speech.with_streaming_response.create(
-                **body, response_format="pcm"
+                model="voice", input="Hello there", voice="alloy", response_format="pcm"
             ) as response:
                 self.replica = response.headers.get("x-denv-replica")
                 yield from response.iter_bytes()
         else:
-            with (
-                self._plane.client(timeout_s=BOUND_S * 3) as client,
-                client.stream("POST", "/v1/audio/speech", json=body, headers=SESSION) as response,
-            ):
-                self.replica = response.headers.get("x-denv-replica")
-                yield from response.iter_bytes()
+            with self._plane.client(timeout_s=BOUND_S * 3) as client:
+                self.sent_at = time.monotonic()
+                with client.stream(
+                    "POST", "/v1/audio/speech", json=body, headers=SESSION
+                ) as response:
+                    self.replica = response.headers.get("x-denv-replica")
+                    yield from response.iter_bytes()
 
     def _run(self) -> None:
         try:
@@ -171,6 +179,27 @@ def test_speech_whose_replica_is_marked_down_ends_with_the_mark_down(
         plane.agent.set_reply(victim.replica_id, AGENT_UP)
     assert utterance.ended_at is not None and utterance.ended_at - down_at < SLACK_S
     utterance.assert_cut(victim)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_speech_asked_of_a_frozen_replica_is_spoken_whole_by_another(
+    plane: Dataplane, client: Client
+) -> None:
+    """No audio within the first-byte budget: nothing reached the caller, so the balancer asks
+    another replica, and the caller hears the whole utterance once."""
+    victim = session_replica(plane, SESSION)
+    _Utterance(plane, client).join(BOUND_S)  # the client's modules loaded before the clock
+    frozen = Frozen(victim)
+    try:
+        frozen.__enter__()
+        utterance = _Utterance(plane, client).join(BOUND_S)
+    finally:
+        frozen.thaw()
+    assert utterance.error is None, repr(utterance.error)
+    assert utterance.replica and utterance.replica != victim.replica_id
+    assert utterance.audio_bytes == WHOLE_UTTERANCE
+    assert utterance.sent_at is not None
+    assert utterance.received[0][0] - utterance.sent_at < FIRST_BYTE_S + SLACK_S
 
 
 class _Transcriber:
