@@ -3,7 +3,7 @@
 Figures (targets from the design's numbers):
 - speech_first_audio_added_p50_ms, speech_first_audio_ratio, and the same for realtime: time to
   the first audio byte of streamed speech (`POST /v1/audio/speech`) and of a realtime turn
-  (`response.create` to the first `response.audio.delta`), through the balancer against the
+  (`response.create` to the first `response.output_audio.delta`), through the balancer against the
   same replicas called directly in the same run, each worker alternating the two paths
   (`denv bench --direct`) so that drift and noise hit both alike (<= 1 ms at p50, ratio <= 1.05).
   No p99 figure: on a shared two-core machine one scheduling hiccup among 150 requests moves it

@@ -82,20 +82,40 @@ _ERROR_NO_SUCH_ENDPOINT = (
 # The endpoint's API surface, decided here alone: what it forwards to a pool's replicas, by
 # method. Everything else is answered by the balancer and never forwarded: a replica's own
 # control, metrics and admin paths are not the public's.
+# What a route is decides its silence budget (see _silence_budget), never a body field a
+# client may leave out: a JSON answer comes whole unless its body asks for a stream; speech
+# always streams; a transcription comes whole, at the end; a realtime session is a tunnel.
+JSON_ANSWER_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+SPEECH_PATH = "/v1/audio/speech"
+TRANSCRIPTION_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+REALTIME_PATH = "/v1/realtime"
 API_ROUTES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "POST",
-        (
-            "/v1/chat/completions",
-            "/v1/completions",
-            "/v1/embeddings",
-            "/v1/audio/speech",
-            "/v1/audio/transcriptions",
-            "/v1/audio/translations",
-        ),
-    ),
-    ("GET", (REALTIME_PATH := "/v1/realtime",)),
+    ("POST", (*JSON_ANSWER_PATHS, SPEECH_PATH, *TRANSCRIPTION_PATHS)),
+    ("GET", (REALTIME_PATH,)),
 )
+
+
+@dataclass(frozen=True)
+class _Twin:
+    """A tier's replicas again, in a backend of their own, for the requests of one path whose
+    streams must end when their replica is marked down (`on-marked-down shutdown-sessions`,
+    which on the tier backend would also end chat requests still connecting, unanswered)."""
+
+    suffix: str  # the backend is `<pool>.tier<n><suffix>`
+    acl: str  # the frontend's acl for its path
+    path: str
+    what: str
+    # Whether its requests take an engine's slots (maxconn, a bounded queue, spill when full).
+    # A realtime session holds a connection for a whole call, idle between turns: not a slot.
+    bounded: bool
+
+
+_TWINS = (
+    _Twin(".realtime", "realtime", REALTIME_PATH, "realtime sessions", bounded=False),
+    _Twin(".speech", "speech", SPEECH_PATH, "speech streams", bounded=True),
+)
+# The twins' rows in HAProxy's stats repeat their tier's servers.
+TWIN_SUFFIXES = tuple(twin.suffix for twin in _TWINS)
 # A realtime session is a WebSocket tunnel that idles between a caller's turns. Its silence
 # limit, once upgraded: clients ping every 20-30 s (the websockets library, LiveKit, Pipecat),
 # so ten minutes without a byte is a dead peer, not a caller thinking.
@@ -162,7 +182,12 @@ def render_haproxy_config(
         *([_prometheus_frontend(settings)] if settings.prometheus_port is not None else []),
         _endpoint_frontend(ordered, settings, maps),
         *(_tier_backend(pool, tier, settings, relays) for pool in ordered for tier in pool.tiers),
-        *(_realtime_backend(pool, tier, settings) for pool in ordered for tier in pool.tiers),
+        *(
+            _twin_backend(pool, tier, settings, twin)
+            for twin in _TWINS
+            for pool in ordered
+            for tier in pool.tiers
+        ),
         _no_replica_backend(),
         *_agent_relay_sections(relays, settings),
     ]
@@ -387,8 +412,9 @@ def _endpoint_frontend(
         "# connections, and in a stopping process nbsrv() is 0 for every backend: those go to",
         "# the first tier rather than to a 503.",
         "acl reloading stopping",
-        "# A realtime session goes to the realtime twin of the same tier (same replicas).",
-        f"acl realtime path {REALTIME_PATH}",
+        "# A realtime session or a speech stream goes to the twin of the same tier (the same",
+        "# replicas), which ends it when its replica is marked down.",
+        *(f"acl {twin.acl} path {twin.path}" for twin in _TWINS),
     ]
     for pool in pools:
         lines += ["", *_pool_routing(pool)]
@@ -444,28 +470,30 @@ def _pool_routing(pool: BalancerPool) -> list[str]:
     backends = [tier_backend_name(pool, tier) for tier in pool.tiers]
     lines += [f"acl empty:{backend} nbsrv({backend}) eq 0" for backend in backends]
     # No replica in rotation with a free slot (each takes maxconn requests): full, or empty.
-    lines += [f"acl full:{backend} be_conn_free({backend}) eq 0" for backend in backends]
+    # Speech twins count their own connections: HAProxy's maxconn is per backend.
+    bounded = ["", *(twin.suffix for twin in _TWINS if twin.bounded)]
+    lines += [
+        f"acl full:{backend}{suffix} be_conn_free({backend}{suffix}) eq 0"
+        for suffix in bounded
+        for backend in backends
+    ]
     first_staffed = next(tier_backend_name(pool, tier) for tier in pool.tiers if tier.servers)
-    lines.append(f"use_backend {first_staffed}.realtime if {pool_acl} realtime reloading")
-    lines.append(f"use_backend {first_staffed} if {pool_acl} reloading")
-    for i, backend in enumerate(backends):
-        preferred_empty = [f"empty:{more}" for more in backends[:i]]
-        conditions = " ".join([pool_acl, "realtime", *preferred_empty, f"!empty:{backend}"])
-        lines.append(f"use_backend {backend}.realtime if {conditions}")
-    lines.append(
-        "# The first tier with a free slot: a full tier spills to the next, as an empty one."
-    )
-    for i, backend in enumerate(backends):
-        # Each rule spells out that every more preferred tier is full, so a tier is used only
-        # then, whatever the rule order.
-        preferred_full = [f"full:{more}" for more in backends[:i]]
-        conditions = " ".join([pool_acl, *preferred_full, f"!full:{backend}"])
-        lines.append(f"use_backend {backend} if {conditions}")
-    lines.append("# Every tier full: wait in the queue of the first tier with a replica.")
-    for i, backend in enumerate(backends):
-        preferred_empty = [f"empty:{more}" for more in backends[:i]]
-        conditions = " ".join([pool_acl, *preferred_empty, f"!empty:{backend}"])
-        lines.append(f"use_backend {backend} if {conditions}")
+    routes = [(twin.suffix, [twin.acl], twin.bounded) for twin in _TWINS]
+    routes.append(("", [], True))  # every other request: the tier backend
+    for suffix, acls, _ in routes:
+        lines.append(
+            f"use_backend {first_staffed}{suffix} if {' '.join([pool_acl, *acls])} reloading"
+        )
+    for suffix, acls, with_slots in routes:
+        if with_slots:
+            lines += [
+                f"# {' '.join(acls) or 'Other requests'}: the first tier with a free slot (a full"
+                " one spills to the next);",
+                "# every tier full: the queue of the first tier with a replica.",
+            ]
+            lines += _tier_chain(pool_acl, acls, backends, suffix, "full", suffix)
+        # An empty tier's twin is empty too (its servers track the tier's): one acl serves all.
+        lines += _tier_chain(pool_acl, acls, backends, suffix, "empty", "")
     lines.append(f"use_backend {NO_REPLICA_BACKEND} if {pool_acl}")
     return lines
 
@@ -511,10 +539,11 @@ def _tier_backend(
     )
 
 
-def _realtime_backend(pool: BalancerPool, tier: BalancerTier, settings: BalancerSettings) -> str:
-    """The tier's replicas for realtime sessions: their state tracks the tier backend's checks
-    and agent, but a session idles between turns, so it gets a tunnel timer instead of the
-    stream's silence budget, and it is closed when its replica goes down."""
+def _twin_backend(
+    pool: BalancerPool, tier: BalancerTier, settings: BalancerSettings, twin: _Twin
+) -> str:
+    """The tier's replicas for one path's streams: their state tracks the tier backend's checks
+    and agent, and a replica marked down ends its streams at once."""
     tracked = tier_backend_name(pool, tier)
     servers = sorted(tier.servers, key=lambda server: server.replica_id)
     lines = (
@@ -524,27 +553,50 @@ def _realtime_backend(pool: BalancerPool, tier: BalancerTier, settings: Balancer
     )
     if tier.connect_timeout_ms is not None:
         lines.append(f"timeout connect {tier.connect_timeout_ms}ms")
+    if twin.path == REALTIME_PATH:
+        lines += [
+            "# The upgrade answer is the first byte: the first-token budget, then a retry.",
+            f"timeout server {pool.first_token_timeout_ms}ms",
+            "# Once upgraded the tunnel timer alone applies, on both sides: a session idles",
+            "# between a caller's turns, so the stream's silence budget would cut healthy calls.",
+            f"timeout tunnel {_REALTIME_TUNNEL_TIMEOUT}",
+        ]
+    else:
+        lines += _stream_budget(pool)
+    if twin.bounded:
+        lines += _capacity(pool)
     lines += [
-        "# The upgrade answer is the first byte: the first-token budget, then a retry.",
-        f"timeout server {pool.first_token_timeout_ms}ms",
-        "# Once upgraded the tunnel timer alone applies, on both sides.",
-        f"timeout tunnel {_REALTIME_TUNNEL_TIMEOUT}",
         "http-response set-header X-Denv-Replica %s",
         "# State follows the tier backend's checks and agent (no checks of its own). A replica",
-        "# marked down (dead, frozen, agent down) closes its sessions at once: a session is",
-        "# never moved, and its caller reconnects to a healthy replica. A drain keeps them.",
+        f"# marked down (dead, frozen, agent down) ends its {twin.what} at once: none is",
+        "# moved or replayed, and its caller asks again of a healthy replica. A drain keeps them.",
         "default-server no-check no-agent-check on-marked-down shutdown-sessions",
     ]
     for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
         lines.append(
             f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
             f"{_gateway_tls(server.gateway, settings)} track {tracked}/{server.replica_id}"
+            + (f" maxconn {pool.max_concurrency}" if twin.bounded else "")
         )
     return _section(
-        f"backend {tracked}.realtime",
-        [f"pool {pool.name}, tier {tier.priority}: realtime sessions"],
+        f"backend {tracked}{twin.suffix}",
+        [f"pool {pool.name}, tier {tier.priority}: {twin.what}"],
         lines,
     )
+
+
+def _tier_chain(
+    pool_acl: str, acls: list[str], backends: list[str], suffix: str, unusable: str, of: str
+) -> list[str]:
+    """One rule a tier, most preferred first: a tier is used when its acl `unusable:<backend><of>`
+    (full, or empty) is false and that of every more preferred tier true. Each rule spells
+    that out, so a tier is used only then, whatever the rule order."""
+    rules = []
+    for i, backend in enumerate(backends):
+        preferred = [f"{unusable}:{more}{of}" for more in backends[:i]]
+        conditions = " ".join([pool_acl, *acls, *preferred, f"!{unusable}:{backend}{of}"])
+        rules.append(f"use_backend {backend}{suffix} if {conditions}")
+    return rules
 
 
 def _capacity(pool: BalancerPool) -> list[str]:
@@ -562,7 +614,7 @@ def _capacity(pool: BalancerPool) -> list[str]:
     ]
 
 
-def _silence_budget(pool: BalancerPool, settings: BalancerSettings) -> list[str]:
+def _stream_budget(pool: BalancerPool) -> list[str]:
     """`timeout server` is HAProxy's one inactivity timer of the replica side: it bounds the
     wait for the first response byte (then `retry-on response-timeout` sends the request to
     another replica) and every pause of a started stream (then the stream is cut)."""
@@ -581,13 +633,24 @@ def _silence_budget(pool: BalancerPool, settings: BalancerSettings) -> list[str]
             f"# replica), {stall} ms between chunks of a stream (then it is cut). HAProxy keeps",
             "# one inactivity timer per request, so both phases get the larger of the two.",
         ]
-    lines += [
-        f"timeout server {max(first, stall)}ms",
-        "# An answer not asked for as a stream comes whole, at the end: it gets the long timer.",
+    return [*lines, f"timeout server {max(first, stall)}ms"]
+
+
+def _silence_budget(pool: BalancerPool, settings: BalancerSettings) -> list[str]:
+    """The stream's budget, and the timers of the routes whose answer comes whole, by path
+    (speech, which always streams, has its own backend)."""
+    return [
+        *_stream_budget(pool),
+        "# A transcription comes whole, at the end: none within the first-byte budget and it is",
+        "# retried on another replica, as nothing reached the client (a body within",
+        "# tune.bufsize only: a larger one cannot be sent again, and gets the 504).",
+        f"http-request set-timeout server {pool.first_token_timeout_ms}ms"
+        f" if {{ path {' '.join(TRANSCRIPTION_PATHS)} }}",
+        "# A JSON answer not asked for as a stream comes whole, at the end: the long timer.",
         f"http-request set-timeout server {settings.stream_idle_timeout_s}s"
-        " unless { req.body,json_query('$.stream') -m bool }",
+        f" if {{ path {' '.join(JSON_ANSWER_PATHS)} }}"
+        " !{ req.body,json_query('$.stream') -m bool }",
     ]
-    return lines
 
 
 def _default_server(settings: BalancerSettings) -> list[str]:

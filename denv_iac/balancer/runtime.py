@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from denv_iac.balancer.haproxy import TWIN_SUFFIXES
+
 
 class HaproxyStartError(RuntimeError):
     """HAProxy exited or never opened its stats socket; the message holds its log tail."""
@@ -113,9 +115,6 @@ def stats_command(socket_path: Path, command: str, timeout_s: float = 2.0) -> st
     return b"".join(chunks).decode()
 
 
-REALTIME_SUFFIX = ".realtime"
-
-
 def server_stats(socket_path: Path) -> dict[str, dict[str, str]]:
     """`show stat` rows of every server, by server name (replica id)."""
     return parse_stats_csv(stats_command(socket_path, "show stat"))
@@ -124,13 +123,14 @@ def server_stats(socket_path: Path) -> dict[str, dict[str, str]]:
 def parse_stats_csv(text: str) -> dict[str, dict[str, str]]:
     """Server rows of HAProxy's stats CSV (`show stat`, or the stats page's `;csv`) by name.
 
-    KeyError when the text is not that CSV (no `svname` column). The rows of a tier's realtime
-    twin (`<tier>.realtime`) are left out: they track the tier's servers, state and all.
+    KeyError when the text is not that CSV (no `svname` column). The rows of a tier's twins
+    (`<tier>.realtime`, `<tier>.speech`) are left out: they track the tier's servers, state
+    and all.
     """
     rows = csv.DictReader(io.StringIO(text.removeprefix("# ")))
     return {
         row["svname"]: row
         for row in rows
         if row["svname"] not in ("FRONTEND", "BACKEND")
-        and not row["pxname"].endswith(REALTIME_SUFFIX)
+        and not row["pxname"].endswith(TWIN_SUFFIXES)
     }

@@ -611,17 +611,7 @@ class ReplicaSim:
         await self._hang_if_asked()
         writer.write(handshake)
         session = _RealtimeSession(self, writer, request)
-        await session.send(
-            "session.created",
-            session={
-                "id": session.id,
-                "object": "realtime.session",
-                "model": session.model,
-                "replica": self.config.replica_id,
-                "input_audio_format": "pcm16",
-                "output_audio_format": "pcm16",
-            },
-        )
+        await session.send("session.created", session=session.config())
         while True:
             try:
                 opcode, payload = await voice_sim.read_frame(reader)
@@ -690,7 +680,10 @@ class _Completion:
 
 
 class _RealtimeSession:
-    """One realtime WebSocket session of the simulated replica."""
+    """One realtime WebSocket session of the simulated replica, in OpenAI's current (GA)
+    realtime dialect: the events and fields the `openai` SDK's realtime client types
+    (`openai.types.realtime`), e.g. `response.output_audio.delta`, not the beta
+    `response.audio.delta`."""
 
     def __init__(self, sim: ReplicaSim, writer: asyncio.StreamWriter, request: _Request) -> None:
         self.sim, self.writer = sim, writer
@@ -701,6 +694,20 @@ class _RealtimeSession:
         self.model = params.get("model", "")
         session = request.headers.get("x-denv-session", "")
         self.id = f"sess_{sim.config.replica_id}_{session or sim.stats.realtime_sessions}"
+
+    def config(self) -> dict[str, Any]:
+        """The session object of `session.created` and `session.updated`; `replica` is the
+        simulator's own addition (which replica serves the session)."""
+        audio_format = {"type": "audio/pcm", "rate": voice_sim.SAMPLE_RATE}
+        return {
+            "type": "realtime",
+            "object": "realtime.session",
+            "id": self.id,
+            "model": self.model,
+            "output_modalities": ["audio"],
+            "audio": {"input": {"format": audio_format}, "output": {"format": audio_format}},
+            "replica": self.sim.config.replica_id,
+        }
 
     async def send(self, kind: str, **fields: Any) -> None:
         self.seq += 1
@@ -715,22 +722,47 @@ class _RealtimeSession:
             await self.send("error", error={"type": "invalid_request_error", "message": "bad"})
             return
         if kind == "session.update":
-            await self.send("session.updated", session={"id": self.id, "model": self.model})
+            await self.send("session.updated", session=self.config())
         elif kind == "input_audio_buffer.commit":
             await self.send("input_audio_buffer.committed", item_id=f"item_in_{self.seq}")
         elif kind == "response.create":
-            await self.turn()
+            options = event.get("response")
+            metadata = options.get("metadata") if isinstance(options, dict) else None
+            await self.turn(metadata if isinstance(metadata, dict) else None)
 
-    async def turn(self) -> None:
-        """Audio deltas of 20 ms PCM16 frames at 24 kHz and their transcript, then done."""
+    async def turn(self, metadata: dict[str, Any] | None) -> None:
+        """One response: an assistant message item with one audio part, its 20 ms PCM16 frames
+        at 24 kHz and their transcript, then done; `metadata` (from `response.create`) is
+        echoed in the response object, as clients match responses by it."""
         sim = self.sim
         due = time.monotonic()
         await sim._hang_if_asked()
         self.turns += 1
         response_id = f"resp_{self.id}_{self.turns}"
-        item = {"response_id": response_id, "item_id": f"item_{response_id}"}
-        part = {**item, "output_index": 0, "content_index": 0}
-        await self.send("response.created", response={"id": response_id, "status": "in_progress"})
+        item_id = f"item_{response_id}"
+        response = {
+            "id": response_id,
+            "object": "realtime.response",
+            "output_modalities": ["audio"],
+            "metadata": metadata,
+        }
+        item = {
+            "id": item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "assistant",
+        }
+        at_item = {"response_id": response_id, "output_index": 0}
+        at_part = {**at_item, "item_id": item_id, "content_index": 0}
+        await self.send("response.created", response={**response, "status": "in_progress"})
+        await self.send(
+            "response.output_item.added",
+            **at_item,
+            item={**item, "status": "in_progress", "content": []},
+        )
+        await self.send(
+            "response.content_part.added", **at_part, part={"type": "audio", "transcript": ""}
+        )
         die_after = sim.fault_k if sim.fault is FaultMode.DIE_AFTER_TOKENS else None
         transcript = ""
         for index in range(sim.config.tokens):
@@ -742,14 +774,32 @@ class _RealtimeSession:
                 _reset(self.writer)
                 raise _ConnectionAborted
             audio = base64.b64encode(voice_sim.audio_frame(index)).decode()
-            await self.send("response.audio.delta", **part, delta=audio)
-            await self.send("response.audio_transcript.delta", **part, delta=_token_text(index))
+            await self.send("response.output_audio.delta", **at_part, delta=audio)
+            await self.send(
+                "response.output_audio_transcript.delta", **at_part, delta=_token_text(index)
+            )
             transcript += _token_text(index)
-        await self.send("response.audio.done", **part)
-        await self.send("response.audio_transcript.done", **part, transcript=transcript)
+        await self.send("response.output_audio.done", **at_part)
+        await self.send("response.output_audio_transcript.done", **at_part, transcript=transcript)
+        await self.send(
+            "response.content_part.done",
+            **at_part,
+            part={"type": "audio", "transcript": transcript},
+        )
+        done_item = {
+            **item,
+            "status": "completed",
+            "content": [{"type": "output_audio", "transcript": transcript}],
+        }
+        await self.send("response.output_item.done", **at_item, item=done_item)
         await self.send(
             "response.done",
-            response={"id": response_id, "status": "completed", "replica": sim.config.replica_id},
+            response={
+                **response,
+                "status": "completed",
+                "output": [done_item],
+                "replica": sim.config.replica_id,
+            },
         )
         sim.stats.realtime_turns_completed += 1
 

@@ -70,7 +70,8 @@ class StreamResult:
     started_s: float  # since the run started
     status: int  # 0 when no HTTP response arrived
     # "" for a completed answer; else aborted (cut off), closed (a realtime session closed by
-    # its peer mid-turn), connect, no_response, timeout, http_<status>, bad_answer
+    # its peer mid-turn), connect, no_response, timeout, http_<status>, bad_answer, no_audio
+    # (a realtime turn that ended without an audio delta)
     error: str
     replica: str
     # The protocol's figure (FIGURES): first token, first audio byte, or the whole transcript.
@@ -528,6 +529,11 @@ def _has_content(payload: str) -> bool:
     return bool(delta.get("content"))
 
 
+# A realtime turn's audio: the current (GA) event, and the beta one that engines deployed
+# before it may still send; the simulated replica sends the GA event only.
+AUDIO_DELTA_EVENTS = ("response.output_audio.delta", "response.audio.delta")
+
+
 class RealtimeSession:
     """One realtime WebSocket session on a worker's connection: opened on first use, one turn
     per `turn()`; after a close (by either side) the next turn opens a new session."""
@@ -553,7 +559,6 @@ class RealtimeSession:
             "Sec-WebSocket-Key": key,
             "Sec-WebSocket-Version": "13",
             "Sec-WebSocket-Protocol": voice_sim.REALTIME_SUBPROTOCOL,
-            "OpenAI-Beta": "realtime=v1",
         }
         path = f"/v1/realtime?model={urllib.parse.quote(self.pool)}"
         try:
@@ -600,7 +605,7 @@ class RealtimeSession:
         self, session: str | None, t0: float, via: Via, heard: asyncio.Event | None = None
     ) -> StreamResult:
         """One turn: `response.create` to `response.done`; its figure is the first audio, and
-        `heard` is set when it comes."""
+        `heard` is set when it comes. A turn done without audio is `no_audio`."""
         timing = _Timing(time.perf_counter())
         if not self.is_open and (error := await self.open(session)):
             return timing.result(self.request_id, t0, self.status, error, self.replica, via)
@@ -611,12 +616,14 @@ class RealtimeSession:
             await self.connection.send_frame(voice_sim.OpCode.TEXT, create)
             while (event := await self._event()) is not None:
                 kind = event.get("type")
-                if kind == "response.audio.delta":
+                if kind in AUDIO_DELTA_EVENTS:
                     timing.unit()
                     if heard is not None:
                         heard.set()
                 elif kind == "response.done":
-                    timing.ended, outcome = time.perf_counter(), ""
+                    # A turn is a success only if it was heard.
+                    timing.ended = time.perf_counter()
+                    outcome = "" if timing.units else "no_audio"
                     break
                 elif kind == "error":
                     timing.ended, outcome = time.perf_counter(), "bad_answer"

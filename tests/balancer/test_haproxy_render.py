@@ -60,6 +60,9 @@ def test_sections_come_in_a_stable_order() -> None:
         "backend llm-8b.tier1.realtime",
         "backend voice.tier1.realtime",
         "backend voice.tier2.realtime",
+        "backend llm-8b.tier1.speech",
+        "backend voice.tier1.speech",
+        "backend voice.tier2.speech",
         "backend denv.no-healthy-replica",
     ]
 
@@ -128,7 +131,8 @@ def test_realtime_sessions_get_tunnel_timers_and_close_with_their_replica() -> N
                 "timeout client 60s\n",
                 "timeout server 60s\n",
                 "http-request set-timeout server 60s"
-                " unless { req.body,json_query('$.stream') -m bool }",
+                " if { path /v1/chat/completions /v1/completions /v1/embeddings }"
+                " !{ req.body,json_query('$.stream') -m bool }",
             ],
             [],
         ),
@@ -196,15 +200,24 @@ def test_tiers_chain_in_order_and_end_in_503() -> None:
         "acl empty:voice.tier2 nbsrv(voice.tier2) eq 0",
         "acl full:voice.tier1 be_conn_free(voice.tier1) eq 0",
         "acl full:voice.tier2 be_conn_free(voice.tier2) eq 0",
+        # Speech counts its own slots: HAProxy's maxconn is per backend.
+        "acl full:voice.tier1.speech be_conn_free(voice.tier1.speech) eq 0",
+        "acl full:voice.tier2.speech be_conn_free(voice.tier2.speech) eq 0",
         "use_backend voice.tier1.realtime if pool:voice realtime reloading",
+        "use_backend voice.tier1.speech if pool:voice speech reloading",
         "use_backend voice.tier1 if pool:voice reloading",
         "use_backend voice.tier1.realtime if pool:voice realtime !empty:voice.tier1",
         "use_backend voice.tier2.realtime if pool:voice realtime empty:voice.tier1"
         " !empty:voice.tier2",
-        # A tier with a free slot, most preferred first: a full tier spills like an empty one.
+        # Speech and the rest: a tier with a free slot, most preferred first (a full tier
+        # spills like an empty one); every tier full: queue in the first that has a replica.
+        "use_backend voice.tier1.speech if pool:voice speech !full:voice.tier1.speech",
+        "use_backend voice.tier2.speech if pool:voice speech full:voice.tier1.speech"
+        " !full:voice.tier2.speech",
+        "use_backend voice.tier1.speech if pool:voice speech !empty:voice.tier1",
+        "use_backend voice.tier2.speech if pool:voice speech empty:voice.tier1 !empty:voice.tier2",
         "use_backend voice.tier1 if pool:voice !full:voice.tier1",
         "use_backend voice.tier2 if pool:voice full:voice.tier1 !full:voice.tier2",
-        # Every tier full: queue in the first tier that has a replica.
         "use_backend voice.tier1 if pool:voice !empty:voice.tier1",
         "use_backend voice.tier2 if pool:voice empty:voice.tier1 !empty:voice.tier2",
         "use_backend denv.no-healthy-replica if pool:voice",
@@ -284,11 +297,23 @@ def test_each_pool_bounds_replica_silence_by_its_budgets(
     for tier in voice.tiers:
         lines = section(cfg, f"backend voice.tier{tier.priority}")
         assert f"timeout server {timer}" in lines
-        # Unstreamed answers keep the endpoint's long timer.
+        # Unstreamed JSON answers keep the endpoint's long timer; a transcription, which comes
+        # whole, gets the first-byte budget and its retry.
         assert (
             "http-request set-timeout server 300s"
-            " unless { req.body,json_query('$.stream') -m bool }" in lines
+            " if { path /v1/chat/completions /v1/completions /v1/embeddings }"
+            " !{ req.body,json_query('$.stream') -m bool }" in lines
         )
+        assert (
+            f"http-request set-timeout server {first_token_ms}ms"
+            " if { path /v1/audio/transcriptions /v1/audio/translations }" in lines
+        )
+        # Speech always streams, with or without a stream field: the stream's budget, and its
+        # streams end when their replica is marked down.
+        speech = section(cfg, f"backend voice.tier{tier.priority}.speech")
+        assert f"timeout server {timer}" in speech
+        assert not any("set-timeout" in line for line in speech)
+        assert "default-server no-check no-agent-check on-marked-down shutdown-sessions" in speech
     assert "timeout server 1000ms" in section(cfg, "backend llm-8b.tier1")
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 
 from denv_iac.cli import main
+from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.ops.voice_failover import realtime_failover
 
 from .dataplane_harness import Dataplane
@@ -96,3 +99,29 @@ def test_realtime_failover_cuts_with_a_close_and_reconnects_elsewhere(plane: Dat
     assert figures["reconnected_elsewhere"] == figures["cut"]
     reconnect = figures["reconnect_max_ms"]
     assert isinstance(reconnect, float) and reconnect < 1000  # the bench holds it to 100 ms
+
+
+def test_realtime_turns_without_audio_fail_the_bench(tmp_path: Path) -> None:
+    """A replica whose turns end (`response.done`) without one audio delta: every turn is
+    `no_audio` and the run exits non-zero, not a success with no figure."""
+    silent = ReplicaProcess(
+        ReplicaSimConfig("voice.silent.n0.0", ttft_ms=5, tokens=0), log_path=tmp_path / "sim.log"
+    )
+    silent.spawn()
+    try:
+        silent.wait_ready()
+        url = f"http://127.0.0.1:{silent.port}"
+        argv = ["bench", url, "--pool", "voice", "--protocol", "realtime", "--requests", "3"]
+        outcome = CliRunner().invoke(main, [*argv, "--concurrency", "1", "--json", "-"])
+        turns = silent_turns(url)
+    finally:
+        silent.stop()
+    assert outcome.exit_code == 1, outcome.output
+    summary = json.loads(outcome.stdout)
+    assert summary["ok"] == 0 and summary["errors"] == {"no_audio": 3}
+    assert summary["first_audio_p50_ms"] is None
+    assert turns == 3  # the turns were served: only their audio was missing
+
+
+def silent_turns(url: str) -> int:
+    return int(httpx.get(f"{url}/stats", timeout=2).json()["realtime_turns_completed"])

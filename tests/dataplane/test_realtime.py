@@ -7,7 +7,16 @@ import json
 import time
 from typing import Any
 
+import openai
 import pytest
+from openai.types.realtime import (
+    ResponseAudioDeltaEvent,
+    ResponseAudioTranscriptDoneEvent,
+    ResponseDoneEvent,
+    ResponseOutputItemAddedEvent,
+    SessionCreatedEvent,
+    SessionUpdatedEvent,
+)
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
@@ -45,11 +54,13 @@ def test_a_turn_streams_20ms_pcm16_frames_and_its_transcript(dataplane: Dataplan
         assert created["type"] == "session.created"
         assert created["session"]["replica"] == replica
         events = _turn(ws)
-    audio = [base64.b64decode(e["delta"]) for e in events if e["type"] == "response.audio.delta"]
+    audio = [
+        base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
+    ]
     assert len(audio) == FAST_REPLICA.tokens
     assert all(len(frame) == FRAME_BYTES for frame in audio)
     assert audio[1] == audio_frame(1)
-    text = [e for e in events if e["type"] == "response.audio_transcript.done"]
+    text = [e for e in events if e["type"] == "response.output_audio_transcript.done"]
     assert text and text[0]["transcript"].startswith("tok0 ")
     assert events[-1]["response"]["status"] == "completed"
     assert dataplane.replicas[replica].stats()["realtime_turns_completed"] == 1
@@ -68,7 +79,7 @@ def test_a_replica_dying_mid_turn_closes_the_socket_and_nothing_is_replayed(
         last = time.monotonic()
         with pytest.raises(ConnectionClosed) as closed:
             while True:
-                if _event(ws)["type"] == "response.audio.delta":
+                if _event(ws)["type"] == "response.output_audio.delta":
                     deltas += 1
                     last = time.monotonic()
         close_ms = (time.monotonic() - last) * 1000
@@ -209,3 +220,53 @@ def test_a_reconnect_fails_over_only_to_the_sites_the_recipe_allows(dataplane: D
     with _open(dataplane, "call-sites") as back:
         assert back.response is not None
         assert back.response.headers["X-Denv-Replica"] in home
+
+
+def test_the_openai_sdk_realtime_client_hears_a_turn_in_the_current_event_set(
+    dataplane: Dataplane,
+) -> None:
+    """The SDK's own realtime client (GA event types) through the endpoint: every event of a
+    turn is typed as what it is, the audio arrives, and the response's metadata comes back."""
+    ws_url = dataplane.url.replace("http://", "ws://") + "/v1"
+    client = openai.OpenAI(
+        base_url=f"{dataplane.url}/v1", api_key="unused", websocket_base_url=ws_url
+    )
+    with client.realtime.connect(
+        model="voice", extra_headers={"X-Denv-Session": "sdk-call"}
+    ) as connection:
+        created = connection.recv()
+        assert isinstance(created, SessionCreatedEvent)
+        connection.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+        assert isinstance(connection.recv(), SessionUpdatedEvent)
+        connection.response.create(response={"metadata": {"turn": "greeting"}})
+        events = []
+        for event in connection:
+            events.append(event)
+            if event.type == "response.done":
+                break
+    kinds = [event.type for event in events]
+    # The order of a turn as OpenAI's realtime API sends it.
+    assert kinds[:3] == [
+        "response.created",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-5:] == [
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.done",
+    ]
+    audio = [event for event in events if isinstance(event, ResponseAudioDeltaEvent)]
+    assert len(audio) == FAST_REPLICA.tokens == kinds.count("response.output_audio.delta")
+    assert base64.b64decode(audio[1].delta) == audio_frame(1)
+    (added,) = [e for e in events if isinstance(e, ResponseOutputItemAddedEvent)]
+    assert {e.item_id for e in audio} == {added.item.id}
+    (transcript,) = [e for e in events if isinstance(e, ResponseAudioTranscriptDoneEvent)]
+    assert transcript.transcript.startswith("tok0 ")
+    done = events[-1]
+    assert isinstance(done, ResponseDoneEvent)
+    assert done.response.status == "completed"
+    assert done.response.metadata == {"turn": "greeting"}
+    assert done.response.output and done.response.output[0].id == added.item.id
