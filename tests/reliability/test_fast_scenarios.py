@@ -11,6 +11,8 @@ from denv_iac.local.netns import unavailable_reason
 if shutil.which("haproxy") is None:
     pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
 
+# Each scenario asserts detection, overshoot and recovery bounds in wall-clock time.
+pytestmark = pytest.mark.timing
 NO_NETNS = unavailable_reason()
 OVERSHOOT_IN_SUITE_MS = 400
 # The done-when line of the recovery work: a replica whose fault cleared serves within 1 s.
