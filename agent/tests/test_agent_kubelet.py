@@ -90,8 +90,9 @@ def test_a_grpc_error_or_no_kubelet_is_one_line(tmp_path: Path) -> None:
     with kubelet(tmp_path, refuse) as path, pytest.raises(PodResourcesError) as raised:
         KubeletPodResources(path).list()
     assert str(raised.value) == "the call ended without a pod list (a gRPC error)"
+    # A path no server ever had: the one above may still answer while its server winds down.
     with pytest.raises(PodResourcesError, match=r"kubelet\.sock: No such file or directory"):
-        KubeletPodResources(tmp_path / "kubelet.sock").list()
+        KubeletPodResources(tmp_path / "never" / "kubelet.sock").list()
 
 
 def test_a_node_agent_answers_for_the_pods_on_its_node_by_their_gpus(tmp_path: Path) -> None:
