@@ -14,6 +14,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.spec",
             "denv_iac.catalog",
             "denv_iac.placement",
+            "denv_iac.rollout",
             "denv_iac.overlay",
             "denv_iac.plan",
             "denv_iac.balancer",

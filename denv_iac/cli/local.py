@@ -1,4 +1,4 @@
-"""`denv local up|down|demo`: the data plane of a local stack on this machine."""
+"""`denv local up|down|roll|demo`: the data plane of a local stack on this machine."""
 
 import json
 import signal
@@ -12,6 +12,7 @@ from rich.table import Table
 
 from denv_iac.cli.console import fail, wide_console
 from denv_iac.cli.status import status
+from denv_iac.local.rollout import ROLL_SIGNAL, ask_roll, roll_bound_s, serve_roll_requests
 from denv_iac.local.runner import (
     STATE_FILE,
     LocalCluster,
@@ -126,9 +127,21 @@ def up(stack_name: str, port: int | None, detach: bool, quiet: bool, as_json: bo
         return
     if not quiet:
         console.print("serving; a process that dies is restarted; Ctrl-C stops everything")
+    # Lines about restarts and rolls go to stderr when stdout carries only the endpoint or JSON.
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False)
+
+    # `denv local roll` asks this process to roll the stack file onto what it supervises.
+    asked = threading.Event()
+    signal.signal(ROLL_SIGNAL, lambda *_: asked.set())
+    threading.Thread(
+        target=serve_roll_requests,
+        args=(cluster, lambda: load_stack(find_stacks_dir(), stack_name), asked, stop, say),
+        daemon=True,
+    ).start()
     try:
-        # Lines about restarts go to stderr when stdout carries only the endpoint or JSON.
-        cluster.supervise_until(stop, lambda line: console.print(line, highlight=False))
+        cluster.supervise_until(stop, say)
     finally:
         cluster.down()
         lock.release()
@@ -143,6 +156,33 @@ def down(stack_name: str) -> None:
     except StackError as error:
         fail(error.problems)
     click.echo(f"stopped {stopped} processes" if stopped else f"{stack_name} is not running")
+
+
+@local.command()
+@STACK
+def roll(stack_name: str) -> None:
+    """Roll a changed stack file onto the running stack, one replica of a pool at a time."""
+    try:
+        stacks = find_stacks_dir()
+        stack = load_stack(stacks, stack_name)
+        directory = run_dir(stacks.parent, stack_name)
+        supervisor = StackLock(directory).holder()
+        if supervisor is None:
+            raise StackError(
+                [
+                    f"--stack: {stack_name} has no supervising `denv local up` (it is stopped or "
+                    "was started with --detach); a roll runs in that process: start the stack "
+                    f"with `denv local up --stack {stack_name}` and roll again"
+                ]
+            )
+    except StackError as error:
+        fail(error.problems)
+    lines = ask_roll(directory, supervisor, roll_bound_s(stack))
+    problems = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    if problems:
+        fail(problems)
+    for line in lines:
+        click.echo(line)
 
 
 @local.command()

@@ -340,28 +340,32 @@ class LocalCluster:
     def host_of(self, site: str) -> Host:
         return self.hosts.get(site, LOOPBACK)
 
+    def replica_config(self, recipe: RecipeSpec, replica: PlacedReplica) -> ReplicaSimConfig:
+        """What the simulated replica of `recipe` runs, on its site's host."""
+        sim = recipe.simulate
+        return ReplicaSimConfig(
+            replica.id,
+            self.host_of(replica.site).address,
+            0,
+            sim.ttft_ms,
+            sim.itl_ms,
+            sim.tokens,
+            sim.speech,
+            engine=sim.engine,
+            model=recipe.model_names[0],
+            slots=sim.slots,
+            itl_growth=sim.itl_growth,
+            queue_limit=sim.queue_limit,
+            speech_slots=sim.speech_slots,
+            transcription_slots=sim.transcription_slots,
+            control_token=self._token,
+        )
+
     def _start_replicas(self, progress: Progress) -> list[ReplicaState]:
         recipes = {r.name: r for r in self.stack.recipes}
         for replica in self.placement.replicas:
-            sim = recipes[replica.pool].simulate
             host = self.host_of(replica.site)
-            config = ReplicaSimConfig(
-                replica.id,
-                host.address,
-                0,
-                sim.ttft_ms,
-                sim.itl_ms,
-                sim.tokens,
-                sim.speech,
-                engine=sim.engine,
-                model=recipes[replica.pool].model_names[0],
-                slots=sim.slots,
-                itl_growth=sim.itl_growth,
-                queue_limit=sim.queue_limit,
-                speech_slots=sim.speech_slots,
-                transcription_slots=sim.transcription_slots,
-                control_token=self._token,
-            )
+            config = self.replica_config(recipes[replica.pool], replica)
             log = self.directory / "logs" / f"{replica.id}.log"
             process = ReplicaProcess(config, log, host.prefix)
             process.spawn()
@@ -498,14 +502,15 @@ class LocalCluster:
         self._write_balancer_config()
         self._haproxy.reload()
 
-    def restart_replica(self, replica_id: str) -> None:
-        """Start a replica again on its old port, as a supervisor would after a crash."""
+    def restart_replica(self, replica_id: str, config: ReplicaSimConfig | None = None) -> None:
+        """Start a replica again on its old port, as a supervisor would after a crash; with
+        `config`, running that from now on (a rollout), else what it ran."""
         with self._lock:
             assert self.state is not None
             state = next(r for r in self.state.replicas if r.id == replica_id)
             old = self._replicas[replica_id]
             old.stop()
-            config = dataclasses.replace(old.config, port=state.port)
+            config = dataclasses.replace(config or old.config, port=state.port)
             process = ReplicaProcess(config, old.log_path, old.command_prefix)
             self._replicas[replica_id] = process
             process.spawn()
@@ -513,6 +518,12 @@ class LocalCluster:
             assert process.pid is not None
             state.pid = process.pid
             self._save_state()
+
+    def adopt(self, stack: StackSpec) -> None:
+        """Take `stack` as the one running, once a rollout has applied it to every replica."""
+        with self._lock:
+            self.placement = place_replicas(stack, previous=[r.id for r in self.placement.replicas])
+            self.stack = stack
 
     def supervise(self) -> list[str]:
         """Restart every replica, agent and balancer that died, with backoff; one line each.

@@ -40,6 +40,9 @@ CHECK_TIMEOUT_MS = 500
 # Also the wait before retrying a refused connect, i.e. what a replica that just died costs the
 # next request: keep it small, but above the round trip to every site.
 CONNECT_TIMEOUT_MS = 80
+# How long a rollout waits for a drained replica's streams and realtime sessions to end before it
+# restarts the replica anyway (and names what it cut): a voice call of a couple of minutes.
+DRAIN_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ class RecipeSpec:
     port: int = 8000
     health_path: str = "/health"
     cold_start_budget_s: int = 900
+    drain_timeout_s: int = DRAIN_TIMEOUT_S
     ttft_budget_ms: int | None = None
     # How long a request may wait for its first response byte before the balancer retries it on
     # another replica, and how long a started stream may stay silent before it is cut.

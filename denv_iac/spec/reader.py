@@ -10,6 +10,7 @@ from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
     BALANCER_HOST_KINDS,
+    DRAIN_TIMEOUT_S,
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
     SIMULATED_ENGINES,
@@ -317,6 +318,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         port=f.integer("port", 8000, 1, 65535),
         health_path=health_path,
         cold_start_budget_s=f.integer("cold_start_budget_s", 900, 10, 86400),
+        drain_timeout_s=f.integer("drain_timeout_s", DRAIN_TIMEOUT_S, 1, 86400),
         ttft_budget_ms=ttft_budget,
         first_token_timeout_ms=first_token_timeout,
         stall_timeout_ms=stall_timeout,

@@ -1,0 +1,140 @@
+"""The rollout rule: which replicas a stack change restarts, in what order, and when it may not.
+
+Pure: it compares the stack and its placed replicas before and after a change and decides.
+A replica is restarted when what it runs changed (its recipe's image, command, env, simulated
+server or model names). Each pool changes one replica at a time, never two of a pool at once,
+so that the rest of the pool carries the load meanwhile; a pool whose other replicas cannot
+hold `min_warm` while one is restarted refuses the plan, naming the pool and the replica.
+The local runner executes the plan (denv_iac.local.rollout); see docs/components.md.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from denv_iac.placement import PlacedReplica
+from denv_iac.spec.model import RecipeSpec, StackSpec
+
+# What a replica runs: a change in any of these restarts each of the pool's replicas in turn.
+REPLICA_FIELDS = (
+    "image",
+    "command",
+    "env",
+    "secret_env",
+    "simulate",
+    "models",
+    "port",
+    "health_path",
+    "cache_dirs",
+)
+# Read by the rollout itself: changing them restarts nothing.
+ROLLOUT_FIELDS = ("drain_timeout_s", "cold_start_budget_s")
+
+
+class RolloutRefused(ValueError):
+    """The change cannot roll without breaking the rule; the message is one line."""
+
+
+@dataclass(frozen=True)
+class RolloutStep:
+    pool: str
+    replica: str
+    changed: tuple[str, ...]  # the recipe fields whose change restarts it
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    # Each wave restarts at most one replica of each pool; waves go one after another.
+    waves: tuple[tuple[RolloutStep, ...], ...] = ()
+    unchanged: tuple[str, ...] = ()  # replicas left alone
+    added: tuple[str, ...] = ()  # placed after the change only
+    removed: tuple[str, ...] = ()  # placed before the change only
+
+    @property
+    def steps(self) -> tuple[RolloutStep, ...]:
+        return tuple(step for wave in self.waves for step in wave)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.waves or self.added or self.removed)
+
+
+def changed_fields(before: RecipeSpec, after: RecipeSpec) -> tuple[str, ...]:
+    """The recipe fields whose values differ, in the order RecipeSpec declares them."""
+    return tuple(
+        f.name for f in fields(RecipeSpec) if getattr(before, f.name) != getattr(after, f.name)
+    )
+
+
+def restarting_fields(before: RecipeSpec, after: RecipeSpec) -> tuple[str, ...]:
+    """The changed fields that restart the pool's replicas."""
+    return tuple(name for name in changed_fields(before, after) if name in REPLICA_FIELDS)
+
+
+def plan_rollout(
+    before: StackSpec,
+    placed_before: Sequence[PlacedReplica],
+    after: StackSpec,
+    placed_after: Sequence[PlacedReplica],
+) -> RolloutPlan:
+    """The replicas to restart, pool by pool, one of each pool per wave.
+
+    Raises RolloutRefused when restarting a replica would leave its pool with fewer than
+    `min_warm` (the larger of the old and the new value) of its other replicas serving.
+    """
+    old_recipes = {r.name: r for r in before.recipes}
+    new_recipes = {r.name: r for r in after.recipes}
+    old_ids = {r.id for r in placed_before}
+    new_ids = {r.id for r in placed_after}
+    kept = [r for r in placed_after if r.id in old_ids]
+    queues: dict[str, list[RolloutStep]] = {}
+    unchanged: list[str] = []
+    for replica in kept:
+        old, new = old_recipes.get(replica.pool), new_recipes[replica.pool]
+        changed = restarting_fields(old, new) if old is not None else ("recipe",)
+        if changed:
+            queues.setdefault(replica.pool, []).append(
+                RolloutStep(replica.pool, replica.id, changed)
+            )
+        else:
+            unchanged.append(replica.id)
+    for pool, queue in queues.items():
+        _check_min_warm(pool, queue[0].replica, kept, old_recipes, new_recipes[pool])
+    depth = max((len(queue) for queue in queues.values()), default=0)
+    waves = tuple(
+        tuple(queues[pool][index] for pool in new_recipes if index < len(queues.get(pool, [])))
+        for index in range(depth)
+    )
+    return RolloutPlan(
+        waves=waves,
+        unchanged=tuple(unchanged),
+        added=tuple(r.id for r in placed_after if r.id not in old_ids),
+        removed=tuple(r.id for r in placed_before if r.id not in new_ids),
+    )
+
+
+def _check_min_warm(
+    pool: str,
+    replica: str,
+    kept: Sequence[PlacedReplica],
+    old_recipes: Mapping[str, RecipeSpec],
+    recipe: RecipeSpec,
+) -> None:
+    old = old_recipes.get(pool)
+    min_warm = max(recipe.min_warm, old.min_warm if old is not None else 0)
+    others = [r.id for r in kept if r.pool == pool and r.id != replica]
+    problem = min_warm_problem(pool, replica, others, min_warm)
+    if problem:
+        raise RolloutRefused(problem)
+
+
+def min_warm_problem(pool: str, replica: str, ready_others: Sequence[str], min_warm: int) -> str:
+    """One line when taking `replica` out of rotation leaves fewer than `min_warm` of the pool's
+    other replicas ready; "" when it may go. The plan asks it of the placement, the executor
+    of the balancer's view just before each drain."""
+    if len(ready_others) >= min_warm:
+        return ""
+    return (
+        f"recipes[{pool}]: restarting replica {replica} would leave {len(ready_others)} ready "
+        f"replica(s), under min_warm {min_warm}; raise spare (at least 1) so that another "
+        "replica carries the pool meanwhile, then roll again"
+    )
