@@ -88,8 +88,8 @@ class EngineWatch:
     running: float = 0.0
     waiting: float = 0.0
     progress: float | None = None
-    # Since when requests have run without a token (first poll that saw them, or the last poll
-    # where the counter moved); None while idle or while tokens flow.
+    # Since when requests have run without a token: the last poll where the counter moved, or
+    # the first that saw requests running; None while idle.
     silent_since: float | None = None
     stalled_ms: float | None = None  # set once the silence outlasted the budget; cleared by a token
     error: str | None = None
@@ -109,8 +109,13 @@ def observe(
     moved = load.progress is not None and load.progress != watch.progress and watch.polls > 0
     silent_since = watch.silent_since
     stalled_ms = watch.stalled_ms
-    if moved or load.running <= 0:
-        silent_since = None
+    if moved:
+        silent_since = now if load.running > 0 else None
+    elif load.running <= 0:
+        # Requests that ended without a token (clients cut at the balancer's stall budget, as
+        # on a zombie) keep the silence timed, for at most twice the budget of idleness.
+        if silent_since is not None and (now - silent_since) * 1000 > 2 * stall_budget_ms:
+            silent_since = None
     elif silent_since is None:
         silent_since = now
     if moved:

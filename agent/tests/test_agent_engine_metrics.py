@@ -118,6 +118,10 @@ def _reply(watch: EngineWatch) -> str:
         # Idle for a long time, then a request: not stalled until it has had the whole budget.
         ([(0, 0, 0, 5), (10, 0, 0, 5), (10.25, 1, 0, 5), (11.0, 1, 0, 5)], "up 100%"),
         ([(0, 0, 0, 5), (0.25, 1, 0, 5), (1.0, 1, 0, 5), (1.3, 1, 0, 5)], "down #engine stalled"),
+        # Its streams cut at the balancer's budget without a token, new ones arrive: stalled.
+        ([(0, 0, 0, 5), (0.1, 2, 0, 5), (0.9, 0, 0, 5), (1.2, 1, 0, 5)], "down #engine stalled"),
+        # A request that ended without a token, then idle: a later request starts afresh.
+        ([(0, 1, 0, 5), (0.5, 0, 0, 5), (3.0, 0, 0, 5), (3.2, 1, 0, 5)], "up 100%"),
         # Full: every slot busy, a queue, tokens moving: only the weight drops (10 % a request).
         ([(0, 8, 3, 5), (0.5, 8, 3, 90), (1.0, 8, 3, 170), (1.5, 8, 3, 260)], "up 70%"),
         ([(0, 8, 50, 5), (1.0, 8, 50, 90), (2.0, 8, 50, 170)], "up 20%"),
@@ -135,6 +139,8 @@ def _reply(watch: EngineWatch) -> str:
     ids=[
         "idle-then-request",
         "zombie",
+        "zombie-streams-cut",
+        "ended-without-token-then-idle",
         "full-with-queue",
         "deep-queue-floor",
         "slow-tokens",
