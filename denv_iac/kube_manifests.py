@@ -43,7 +43,7 @@ from typing import Any
 from denv_iac.balancer.model import BalancerSettings
 from denv_iac.placement import PlacedReplica
 from denv_iac.spec.gateway_link import gateway_tls_on
-from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
+from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec, agent_replica_checks
 from denv_iac.spec.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
 
 Manifest = dict[str, Any]
@@ -445,12 +445,13 @@ def _agent_replica_toml(route: GatewayRoute, pod: str, recipe: RecipeSpec) -> st
         f"pod = {json.dumps(pod)}",
         f"health_url = {json.dumps(f'http://{route.pod_host}:{route.pod_port}{recipe.health_path}')}",
     ]
-    if recipe.ttft_budget_ms is not None:
-        lines += [
-            f"ttft_budget_ms = {recipe.ttft_budget_ms}",
-            f"stall_budget_ms = {recipe.stall_timeout_ms}",
-            f"probe_model = {json.dumps(recipe.model_names[0])}",
-        ]
+    lines += agent_replica_checks(
+        recipe.model_names[0],
+        recipe.ttft_budget_ms,
+        recipe.stall_timeout_ms,
+        recipe.engine,
+        f"http://{route.pod_host}:{route.pod_port}{recipe.metrics_path}" if recipe.engine else None,
+    )
     return "\n".join(lines)
 
 

@@ -43,6 +43,9 @@ class Intervals:
     health_timeout_s: float = 1.0
     probe_s: float = 10.0
     probe_timeout_s: float = 5.0
+    # An engine's /metrics is cheap to read: often enough that a stall is seen within a quarter
+    # second of outlasting its budget.
+    metrics_s: float = 0.25
     nvml_stall_s: float = 30.0
     agent_check_read_timeout_s: float = 0.25
 
@@ -54,6 +57,9 @@ class Thresholds:
     hot_weight_pct: int = 50
     throttle_weight_pct: int = 50
     slow_weight_pct: int = 50
+    # Each request queued in the engine takes this off the weight, down to the floor.
+    queued_weight_step_pct: int = 10
+    queued_weight_floor_pct: int = 20
     throttle_reasons: frozenset[str] = DEFAULT_THROTTLE_REASONS
 
 
@@ -67,6 +73,24 @@ class Probe:
     stall_budget_ms: float | None = None
 
 
+# Engine families whose Prometheus metrics the agent reads (see engine_metrics.ENGINE_NAMES).
+ENGINES = ("vllm", "sglang", "tgi")
+DEFAULT_STALL_BUDGET_MS = 1000.0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine's own metrics: its queue lowers the weight, a stall takes the replica down."""
+
+    family: str  # one of ENGINES: whose metric names to read
+    metrics_url: str
+    # Requests running with no token for longer than this: the replica is down.
+    stall_budget_ms: float
+    # The request the agent sends to see a stalled engine make a token again.
+    probe_url: str
+    probe_model: str
+
+
 @dataclass(frozen=True)
 class Replica:
     id: str
@@ -76,6 +100,7 @@ class Replica:
     probe: Probe | None
     # On Kubernetes: the replica's pod; the kubelet says which GPU or MIG device it was given.
     pod: str | None = None
+    engine: Engine | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +309,7 @@ def _intervals(table: _Table) -> Intervals:
         health_timeout_s=table.number("health_timeout_s", d.health_timeout_s),
         probe_s=table.number("probe_s", d.probe_s),
         probe_timeout_s=table.number("probe_timeout_s", d.probe_timeout_s),
+        metrics_s=table.number("metrics_s", d.metrics_s),
         nvml_stall_s=table.number("nvml_stall_s", d.nvml_stall_s),
         agent_check_read_timeout_s=table.number(
             "agent_check_read_timeout_s", d.agent_check_read_timeout_s
@@ -311,6 +337,12 @@ def _thresholds(table: _Table) -> Thresholds:
         hot_weight_pct=table.integer("hot_weight_pct", d.hot_weight_pct, 1, 100),
         throttle_weight_pct=table.integer("throttle_weight_pct", d.throttle_weight_pct, 1, 100),
         slow_weight_pct=table.integer("slow_weight_pct", d.slow_weight_pct, 1, 100),
+        queued_weight_step_pct=table.integer(
+            "queued_weight_step_pct", d.queued_weight_step_pct, 0, 100
+        ),
+        queued_weight_floor_pct=table.integer(
+            "queued_weight_floor_pct", d.queued_weight_floor_pct, 1, 100
+        ),
         throttle_reasons=frozenset(reasons),
     )
     table.done()
@@ -441,6 +473,7 @@ def _replica(table: _Table, intervals: Intervals, kubernetes: Kubernetes | None)
         mig_uuid=mig_uuid,
         probe=_probe(table, health_url, intervals),
         pod=pod,
+        engine=_engine(table, health_url),
     )
     table.done()
     return replica
@@ -450,16 +483,15 @@ def _probe(table: _Table, health_url: str, intervals: Intervals) -> Probe | None
     """The first-token probe is on when the replica has a TTFT budget."""
     budget = table.get("ttft_budget_ms")
     if budget is None:
+        engine = table.get("engine") is not None
         for key in ("probe_url", "probe_model", "probe_interval_s", "stall_budget_ms"):
-            if table.get(key) is not None:
+            if table.get(key) is not None and not (engine and key != "probe_interval_s"):
                 raise ConfigError(
                     table.name(key), "set without ttft_budget_ms", "add ttft_budget_ms"
                 )
         return None
     budget_ms = table.number("ttft_budget_ms", 300.0)
-    model = table.string("probe_model", '"voice" (the model name the server serves)')
-    default_url = f"http://{urlsplit(health_url).netloc}/v1/chat/completions"
-    url = _http_url(table, "probe_url", default_url) or default_url
+    model, url = _probe_request(table, health_url)
     return Probe(
         url=url,
         model=model,
@@ -470,6 +502,36 @@ def _probe(table: _Table, health_url: str, intervals: Intervals) -> Probe | None
             if table.get("stall_budget_ms") is not None
             else None
         ),
+    )
+
+
+def _probe_request(table: _Table, health_url: str) -> tuple[str, str]:
+    """The model and URL of the agent's own streamed request to the replica."""
+    model = table.string("probe_model", '"voice" (the model name the server serves)')
+    default_url = f"http://{urlsplit(health_url).netloc}/v1/chat/completions"
+    return model, _http_url(table, "probe_url", default_url) or default_url
+
+
+def _engine(table: _Table, health_url: str) -> Engine | None:
+    """Reading the engine's metrics is on when the replica names its engine."""
+    family = table.get("engine")
+    if family is None:
+        if table.get("metrics_url") is not None:
+            raise ConfigError(
+                table.name("metrics_url"), "set without engine", 'add engine = "vllm"'
+            )
+        return None
+    if family not in ENGINES:
+        names = ", ".join(f'"{name}"' for name in ENGINES)
+        raise ConfigError(table.name("engine"), f"{family!r} is not an engine", f"use {names}")
+    default_metrics = f"http://{urlsplit(health_url).netloc}/metrics"
+    model, url = _probe_request(table, health_url)
+    return Engine(
+        family=str(family),
+        metrics_url=_http_url(table, "metrics_url", default_metrics) or default_metrics,
+        stall_budget_ms=table.number("stall_budget_ms", DEFAULT_STALL_BUDGET_MS),
+        probe_url=url,
+        probe_model=model,
     )
 
 

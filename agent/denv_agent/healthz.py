@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from denv_agent.engine_metrics import EngineWatch
 from denv_agent.gpu_health import GpuReading
 from denv_agent.nvml_api import RECOVERY_ACTIONS
 from denv_agent.verdict import Snapshot
@@ -16,6 +17,18 @@ def _age(at: float | None, now: float) -> float | None:
 
 def _by_xid(item: tuple[tuple[int | None, int], int]) -> int:
     return item[0][1]
+
+
+def _engine(watch: EngineWatch | None) -> dict[str, Any] | None:
+    if watch is None:
+        return None
+    return {
+        "running": watch.running,
+        "waiting": watch.waiting,
+        "generation_tokens": watch.progress,
+        "stalled_ms": None if watch.stalled_ms is None else round(watch.stalled_ms),
+        "error": watch.error,
+    }
 
 
 def _gpu(index: int, reading: GpuReading | None, snap: Snapshot, now: float) -> dict[str, Any]:
@@ -81,6 +94,7 @@ def document(node: str, snap: Snapshot, *, simulated: bool) -> dict[str, Any]:
                     "probe_error": reading.probe_error,
                     "ttft_ms": None if reading.ttft_ms is None else round(reading.ttft_ms, 1),
                     "gap_ms": None if reading.gap_ms is None else round(reading.gap_ms, 1),
+                    "engine": _engine(reading.engine),
                 },
             }
         )

@@ -15,10 +15,22 @@ from urllib.parse import urlsplit
 
 from denv_agent import conditions
 from denv_agent.conditions import Condition
-from denv_agent.config import Intervals, Probe, Replica, Thresholds
+from denv_agent.config import Engine, Intervals, Probe, Replica, Thresholds
+from denv_agent.engine_metrics import (
+    ENGINE_NAMES,
+    EngineWatch,
+    MetricsError,
+    engine_conditions,
+    failed,
+    needs_token,
+    observe,
+    parse_load,
+    recovered,
+)
 from denv_agent.periodic import start_periodic
 
 _MAX_LINE = 64 * 1024
+_MAX_METRICS = 4 * 1024 * 1024
 _JOIN_S = 2.0
 
 
@@ -65,6 +77,23 @@ def check_health(url: str, timeout_s: float) -> str | None:
     finally:
         conn.close()
     return None if 200 <= status < 300 else f"http {status}"
+
+
+def fetch_metrics(url: str, timeout_s: float) -> str:
+    """The Prometheus text at `url`; MetricsError on failure."""
+    conn, path = _connection(url, timeout_s)
+    try:
+        conn.request("GET", path, headers={"Connection": "close"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise MetricsError(f"http {response.status}")
+        return response.read(_MAX_METRICS).decode("utf-8", "replace")
+    except MetricsError:
+        raise
+    except Exception as e:
+        raise MetricsError(describe_failure(e)) from e
+    finally:
+        conn.close()
 
 
 # Tokens the probe asks for: enough to time the gaps between them as well as the first one.
@@ -173,6 +202,7 @@ class ReplicaReading:
     probe_error: str | None = None
     ttft_ms: float | None = None
     gap_ms: float | None = None  # the last probe's longest silence between tokens
+    engine: EngineWatch | None = None  # what the engine's own metrics show, where it names them
 
 
 def replica_conditions(
@@ -207,11 +237,14 @@ def replica_conditions(
         found.append(
             conditions.drain(f"stream stalled {reading.gap_ms:.0f} ms, over {stall:.0f} ms budget")
         )
+    if replica.engine is not None:
+        found += engine_conditions(reading.engine, replica.engine, thresholds)
     return found
 
 
 class ReplicaMonitor:
-    """One health thread per replica, plus one probe thread where a TTFT budget is set."""
+    """One health thread per replica, plus one probe thread where a TTFT budget is set and one
+    metrics thread where the replica names its engine."""
 
     def __init__(
         self,
@@ -249,6 +282,15 @@ class ReplicaMonitor:
                         f"probe {r.id}",
                         r.probe.interval_s,
                         functools.partial(self._probe, r.id, r.probe),
+                        self._stop,
+                    )
+                )
+            if r.engine:
+                self._threads.append(
+                    start_periodic(
+                        f"metrics {r.id}",
+                        self.intervals.metrics_s,
+                        functools.partial(self._watch_engine, r.id, r.engine),
                         self._stop,
                     )
                 )
@@ -331,3 +373,32 @@ class ReplicaMonitor:
             # A stall drains the replica: the verdict stands a whole interval, so HAProxy's
             # agent checks see it before the next probe could overturn it.
             self._stop.wait(probe.interval_s)
+
+    def _watch_engine(self, replica_id: str, engine: Engine) -> None:
+        if not self.here(replica_id):
+            return
+        try:
+            text = fetch_metrics(engine.metrics_url, self.intervals.health_timeout_s)
+            load = parse_load(text, ENGINE_NAMES[engine.family])
+        except MetricsError as e:
+            error = str(e)
+            self._update(replica_id, lambda old: replace(old, engine=failed(_watch(old), error)))
+            return
+        now = time.monotonic()
+        watch = observe(_watch(self.view()[replica_id]), load, now, engine.stall_budget_ms)
+        self._update(replica_id, lambda old: replace(old, engine=watch))
+        if needs_token(watch) and self._engine_made_a_token(engine):
+            # Nothing reaches a replica that is down, so its counter would never move again:
+            # the agent's own request shows the engine serving.
+            self._update(replica_id, lambda old: replace(old, engine=recovered(_watch(old))))
+
+    def _engine_made_a_token(self, engine: Engine) -> bool:
+        try:
+            probe_stream(engine.probe_url, engine.probe_model, engine.stall_budget_ms / 1000)
+        except ProbeError:
+            return False
+        return True
+
+
+def _watch(reading: ReplicaReading) -> EngineWatch:
+    return reading.engine or EngineWatch()

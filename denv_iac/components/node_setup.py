@@ -145,9 +145,15 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
 
 
 def _probe(recipe: RecipeSpec) -> ProbeSpec | None:
-    if recipe.ttft_budget_ms is None:
+    if recipe.ttft_budget_ms is None and recipe.engine is None:
         return None
-    return ProbeSpec(recipe.model_names[0], recipe.ttft_budget_ms, recipe.stall_timeout_ms)
+    return ProbeSpec(
+        recipe.model_names[0],
+        recipe.ttft_budget_ms,
+        recipe.stall_timeout_ms,
+        recipe.engine,
+        recipe.metrics_path,
+    )
 
 
 def node_ssh_user(site: SiteSpec, node: str) -> str:

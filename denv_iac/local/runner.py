@@ -29,7 +29,7 @@ from denv_iac.balancer.runtime import HaproxyProcess
 from denv_iac.dataplane import balancer_pools
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.model import RecipeSpec, StackSpec
+from denv_iac.spec.model import RecipeSpec, StackSpec, agent_replica_checks
 from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import check_stack_name
 
@@ -254,6 +254,7 @@ def agent_config_toml(
         "health_s = 0.25",
         "health_timeout_s = 0.5",
         "probe_s = 1.0",
+        "metrics_s = 0.25",
         "",
         "[simulate]",
         f"gpus = {gpus}",
@@ -267,14 +268,15 @@ def agent_config_toml(
             f'health_url = "{replica.url}{recipe.health_path}"',
             f"gpu = {replica.gpu}",
         ]
-        if recipe.ttft_budget_ms is not None:
-            # The stream probe: a slow first token lowers the replica's weight; a pause between
-            # tokens past the stall budget (where the balancer cuts streams) drains it.
-            lines += [
-                f"ttft_budget_ms = {recipe.ttft_budget_ms}",
-                f"stall_budget_ms = {recipe.stall_timeout_ms}",
-                f'probe_model = "{recipe.name}"',
-            ]
+        # A recipe without a command runs the simulated replica, whose engine is known.
+        engine = recipe.agent_engine(simulated=not recipe.command)
+        lines += agent_replica_checks(
+            recipe.name,
+            recipe.ttft_budget_ms,
+            recipe.stall_timeout_ms,
+            engine,
+            f"{replica.url}{recipe.metrics_path}" if engine else None,
+        )
     return "\n".join(lines) + "\n"
 
 

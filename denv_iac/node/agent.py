@@ -13,6 +13,7 @@ from denv_iac.node.facts import AGENT_VENV, NodeFacts
 from denv_iac.node.holders import AGENT
 from denv_iac.node.spec import NodeDeploySpec, NodeSpecError
 from denv_iac.node.steps import UNIT_DIR, FileContent, Step, text_file, unit_path
+from denv_iac.spec.model import agent_replica_checks
 
 UNIT = AGENT  # its name is set with the other NVML holders
 CONFIG = "/etc/denv/agent.toml"  # the agent's default, so `denv-agent drain` needs no flag
@@ -48,13 +49,16 @@ def config(spec: NodeDeploySpec) -> FileContent:
             f"health_url = {_toml(f'http://127.0.0.1:{replica.port}{replica.health_path}')}",
             f"gpu = {replica.gpu}",
         ]
-        if replica.probe is not None:
-            lines += [
-                f"ttft_budget_ms = {replica.probe.ttft_budget_ms}",
-                f"probe_model = {_toml(replica.probe.model)}",
-            ]
-            if replica.probe.stall_budget_ms is not None:
-                lines.append(f"stall_budget_ms = {replica.probe.stall_budget_ms}")
+        probe = replica.probe
+        if probe is not None:
+            metrics = f"http://127.0.0.1:{replica.port}{probe.metrics_path}"
+            lines += agent_replica_checks(
+                probe.model,
+                probe.ttft_budget_ms,
+                probe.stall_budget_ms,
+                probe.engine,
+                metrics if probe.engine else None,
+            )
     return text_file(CONFIG, "\n".join(lines) + "\n")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from denv_iac.spec.model import WIREGUARD_PORT
+from denv_iac.spec.model import ENGINES, WIREGUARD_PORT
 from denv_iac.spec.values import (
     CACHE_ENV,
     DEPLOY_ENV,
@@ -94,12 +94,16 @@ class AgentSettings:
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    """The agent's stream probe of a replica: the model it asks for, and the budgets past
-    which it lowers the replica's weight (first token) or drains it (a pause between tokens)."""
+    """The agent's checks of a replica beyond its health path: the model its own requests ask
+    for; the stream probe's budgets past which it lowers the replica's weight (first token) or
+    drains it (a pause between tokens); the engine whose metrics it reads at `metrics_path`
+    (requests running with no token past the stall budget: down; a queue: a lower weight)."""
 
     model: str
-    ttft_budget_ms: int
+    ttft_budget_ms: int | None
     stall_budget_ms: int | None = None
+    engine: str | None = None
+    metrics_path: str = "/metrics"
 
 
 @dataclass(frozen=True)
@@ -308,10 +312,13 @@ def _probe_problems(where: str, probe: ProbeSpec) -> list[str]:
         problems.append(f"{where} probe model: the model name the server serves, no blanks")
     for key in ("ttft_budget_ms", "stall_budget_ms"):
         budget = getattr(probe, key)
-        if (budget is not None or key == "ttft_budget_ms") and (
+        required = key == "ttft_budget_ms" and probe.engine is None
+        if (budget is not None or required) and (
             isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
         ):
             problems.append(f"{where} probe {key} {budget!r}: milliseconds, a whole number over 0")
+    if probe.engine is not None and probe.engine not in ENGINES:
+        problems.append(f"{where} probe engine {probe.engine!r}: use one of {', '.join(ENGINES)}")
     return problems
 
 

@@ -1,5 +1,6 @@
 """The validated model of a stack: sites, recipes, the balancer. Plain data, no Pulumi."""
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -106,8 +107,10 @@ class SiteSpec:
 # What answers /v1/audio/speech on a simulated replica: a tone paced like tokens, or espeak-ng's
 # real synthesized speech (Debian's espeak-ng, on the CPU).
 SIMULATED_SPEECH = ("tone", "espeak-ng")
-# Whose Prometheus metric names a simulated replica serves at /metrics.
-SIMULATED_ENGINES = ("vllm", "sglang", "tgi")
+# Engines whose Prometheus metrics the node agent reads (queue, running, generated tokens), and
+# whose names a simulated replica serves at /metrics.
+ENGINES = ("vllm", "sglang", "tgi")
+SIMULATED_ENGINES = ENGINES
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,13 @@ class RecipeSpec:
     # the site's Kubernetes Secret, and is never printed.
     secret_env: tuple[tuple[str, Secret], ...] = ()
     simulate: SimulatedServer = field(default_factory=SimulatedServer)
+    # Whose metrics the node agent reads at metrics_path (one of ENGINES); None: it reads none.
+    engine: str | None = None
+    metrics_path: str = "/metrics"
+
+    def agent_engine(self, simulated: bool) -> str | None:
+        """The engine the agent watches: the recipe's, else the simulated replica's own."""
+        return self.engine or (self.simulate.engine if simulated else None)
 
     @property
     def is_mig(self) -> bool:
@@ -234,3 +244,31 @@ class StackSpec:
 
     def site(self, name: str) -> SiteSpec:
         return next(s for s in self.sites if s.name == name)
+
+
+def agent_replica_checks(
+    model: str,
+    ttft_budget_ms: int | None,
+    stall_budget_ms: int | None,
+    engine: str | None = None,
+    metrics_url: str | None = None,
+) -> list[str]:
+    """The agent config's lines (TOML) for a replica's stream probe and engine metrics.
+
+    The stream probe: a slow first token lowers the weight, a pause between tokens past the
+    stall budget (where the balancer cuts streams) drains it. The engine's metrics: requests
+    running with no token for the stall budget take it down, its queue lowers the weight.
+    """
+    lines: list[str] = []
+    if ttft_budget_ms is not None:
+        lines.append(f"ttft_budget_ms = {ttft_budget_ms}")
+    if ttft_budget_ms is None and engine is None:
+        return lines
+    if stall_budget_ms is not None:
+        lines.append(f"stall_budget_ms = {stall_budget_ms}")
+    lines.append(f"probe_model = {json.dumps(model)}")
+    if engine is not None:
+        lines.append(f"engine = {json.dumps(engine)}")
+        if metrics_url is not None:
+            lines.append(f"metrics_url = {json.dumps(metrics_url)}")
+    return lines

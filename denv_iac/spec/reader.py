@@ -11,6 +11,7 @@ from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
     BALANCER_HOST_KINDS,
     DRAIN_TIMEOUT_S,
+    ENGINES,
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
     SIMULATED_ENGINES,
@@ -328,6 +329,8 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         env=env,
         secret_env=secret_env,
         simulate=simulate,
+        engine=f.choice("engine", ENGINES, "") or None,
+        metrics_path=_metrics_path(f),
     )
     for cache_dir in recipe.cache_dirs:
         if not cache_dir.startswith("/"):
@@ -342,6 +345,13 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         f.problem("cache_dirs", f'"{dup}" is listed twice; one volume mounts at each path')
     f.finish()
     return recipe
+
+
+def _metrics_path(f: Fields) -> str:
+    path = f.text("metrics_path", "/metrics")
+    if not re.fullmatch(r"/[A-Za-z0-9._~/-]*", path):
+        f.problem("metrics_path", f'"{path}" is not a URL path; write it like /metrics')
+    return path
 
 
 def _image(f: Fields) -> str:

@@ -13,10 +13,12 @@ from denv_iac.spec.reader import read_stack
 from tests.components import stacks
 
 
-def _agent_config(ttft_budget_ms: int | None) -> tuple[str, str]:
+def _agent_config(ttft_budget_ms: int | None, engine: str | None = None) -> tuple[str, str]:
     args = stacks.multicloud()
     if ttft_budget_ms is not None:
         args["recipes"][2]["ttft_budget_ms"] = ttft_budget_ms  # assist, on the Hetzner boxes
+    if engine is not None:
+        args["recipes"][2]["engine"] = engine
     stack = read_stack("prod", {f"denv:{k}": args[k] for k in ("sites", "recipes", "balancer")})
     spec = node_deploy_specs(stack, place_replicas(stack))["hetzner-fsn.gex-1"]
     token = "t" * 32
@@ -42,6 +44,24 @@ def test_without_a_budget_no_probe(tmp_path: Path) -> None:
     text, _ = _agent_config(None)
     assert parse(text, tmp_path).replicas[0].probe is None
     assert "probe_model" not in text
+
+
+@pytest.mark.parametrize("ttft_budget_ms", [None, 250])
+def test_a_recipe_naming_its_engine_gets_its_metrics_read_on_its_nodes(
+    tmp_path: Path, ttft_budget_ms: int | None
+) -> None:
+    text, _ = _agent_config(ttft_budget_ms, engine="sglang")
+    config = parse(text, tmp_path)
+    engine = config.replicas[0].engine
+    assert engine is not None
+    assert (engine.family, engine.metrics_url) == ("sglang", "http://127.0.0.1:8000/metrics")
+    # The stall budget is where the balancer cuts a silent stream; polled every 250 ms, a stall
+    # is seen within 1.25 s of a request starting, inside the 2 s goal.
+    assert engine.stall_budget_ms == 1000.0 and config.intervals.metrics_s == 0.25
+    assert (engine.probe_model, config.replicas[0].probe is not None) == (
+        "assist",
+        ttft_budget_ms is not None,
+    )
 
 
 def test_a_hand_written_spec_with_a_bad_probe_is_refused() -> None:
