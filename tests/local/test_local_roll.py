@@ -151,13 +151,15 @@ def test_recipe_change_rolls_under_load_losing_nothing(started: LocalCluster) ->
     lines: list[str] = []
     with Load(cluster.state.endpoint, cluster) as load:
         _until(lambda: load.completed >= 10, 10, "serving")
+        before_roll = load.completed
         report = roll(cluster, changed, lines.append)
         before_end = load.completed
         _until(lambda: load.completed >= before_end + 10, 10, "serving after the roll")
     ids = [r.id for r in cluster.placement.replicas]
     assert [s.replica for s in report.steps] == ids
     assert load.lost == [] and load.cut == [] and report.cut == 0
-    assert load.completed > 50
+    # Traffic flowed through the roll (how much depends on the machine, not the product).
+    assert before_end - before_roll >= len(report.steps)
     assert load.ready_samples and min(load.ready_samples) >= 2  # min_warm
     for replica in cluster.state.replicas:
         assert "--tokens=12" in _cmdline(replica.pid), replica.id
