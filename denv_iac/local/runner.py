@@ -705,30 +705,31 @@ def stop_stack(directory: Path, timeout_s: float = 30.0) -> int:
 
 def _running_count(directory: Path) -> int:
     """How many processes that state.json records still run."""
-    state = _read_state(directory)
+    state = read_state(directory)
     if state is None:
         return 0
     return sum(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
 
 
-def _read_state(directory: Path) -> RunState | None:
+def read_state(directory: Path) -> RunState | None:
+    """The run's state file, None without one; StackError when it is not one `local up` wrote."""
     state_file = directory / STATE_FILE
     if not state_file.exists():
         return None
     try:
-        return RunState.from_json(state_file.read_text())
-    except (ValueError, TypeError, KeyError) as error:
+        return RunState.from_json(state_file.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, KeyError, AttributeError, OSError):
         raise StackError(
             [
-                f"{state_file}: unreadable ({error}); stop the stack's processes by hand "
-                "(pgrep -f denv) and delete the file"
+                f"{state_file}: not the run state `denv local up` writes (cut short or edited); "
+                "stop the stack's processes by hand (pgrep -f denv) and delete the file"
             ]
         ) from None
 
 
 def stop_recorded(directory: Path) -> int:
     """Stop what state.json records; returns how many processes it stopped."""
-    state = _read_state(directory)
+    state = read_state(directory)
     if state is None:
         return 0
     targets = _recorded_processes(state)
