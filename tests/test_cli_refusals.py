@@ -334,3 +334,26 @@ def test_bench_refuses_an_empty_pool(pool: str) -> None:
         denv("bench", "http://127.0.0.1:9", "--pool", pool, "--requests", "1"),
         "--pool: empty; name the pool (the model) to load, e.g. --pool voice",
     )
+
+
+def test_a_refused_local_up_leaves_no_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK.with_name("Pulumi.k8s.yaml"), project / "stacks" / "Pulumi.k8s.yaml")
+    result = denv("local", "up", "--stack", "k8s", "--detach")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.output
+    assert not (project / ".denv").exists()
+
+
+def test_a_refused_local_up_keeps_a_run_folder_it_did_not_make(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK.with_name("Pulumi.k8s.yaml"), project / "stacks" / "Pulumi.k8s.yaml")
+    kept = project / ".denv" / "k8s" / "notes.txt"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("mine")
+    assert denv("local", "up", "--stack", "k8s", "--detach").exit_code == 2
+    assert kept.read_text() == "mine"

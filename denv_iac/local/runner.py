@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,9 +134,12 @@ class StackLock:
     def __init__(self, directory: Path) -> None:
         self.path = directory / "lock"
         self._file: int | None = None
+        self._made: Path | None = None  # the highest folder acquire made, if it made any
 
     def acquire(self, stack: str) -> None:
+        missing = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._made = missing[-1] if missing else None
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,6 +160,14 @@ class StackLock:
         if self._file is not None:
             os.close(self._file)  # closing drops the lock
             self._file = None
+
+    def abandon(self) -> None:
+        """Release a start that was refused, and remove the folders acquire made for it: a
+        refused `local up` leaves nothing behind. A folder that was already there stays."""
+        self.release()
+        if self._made is not None:
+            shutil.rmtree(self._made, ignore_errors=True)
+            self._made = None
 
     def holder(self) -> int | None:
         """The pid of the process holding the lock (a foreground `denv local up` supervising the
