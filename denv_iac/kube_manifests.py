@@ -182,6 +182,44 @@ def site_problems(site: SiteSpec, recipes: Sequence[RecipeSpec]) -> list[str]:
     return problems
 
 
+def resource_parts(manifest: Manifest) -> tuple[str, str]:
+    """What a site's Pulumi resource for this object is named after, below the site's own
+    name: its kind in lower case and its name (dash-joined, as every child's name is)."""
+    return manifest["kind"].lower(), manifest["metadata"]["name"]
+
+
+def resource_name_problems(stack: StackSpec, replicas: Sequence[PlacedReplica]) -> list[str]:
+    """Objects of kubernetes sites whose Pulumi names would be one: site a's Service b-service-c
+    and site a-service-b's Service c are both a-service-b-service-c, and a recipe named like one
+    of a site's own objects (denv-agent) is that object's name twice. One line per clash,
+    naming both objects; `denv plan` and the Cluster refuse the stack on them."""
+    owners: dict[tuple[str, str], str] = {}
+    problems = []
+    for site in stack.sites:
+        if site.kind != "kubernetes":
+            continue
+        placed = [r for r in replicas if r.site == site.name]
+        manifests = site_manifests(stack, site, placed)
+        for manifest in manifests.objects()[1:]:  # the Namespace is named after the site alone
+            kind, name = resource_parts(manifest)
+            full = "-".join((site.name, kind, name))
+            pool = manifest["metadata"]["labels"].get("denv/pool")
+            owner = (
+                f"recipe {pool}'s {manifest['kind']} on kubernetes site {site.name}"
+                if pool
+                else f"kubernetes site {site.name}'s own {manifest['kind']} {name}"
+            )
+            key = (manifest["kind"], full)
+            if key in owners:
+                problems.append(
+                    f"sites: {site.name}: {owner} and {owners[key]} would both be the resource "
+                    f"{full}; rename a site or a recipe (names starting with denv- are the "
+                    "sites' own)"
+                )
+            owners.setdefault(key, owner)
+    return problems
+
+
 def site_manifests(
     stack: StackSpec, site: SiteSpec, replicas: Sequence[PlacedReplica]
 ) -> SiteManifests:

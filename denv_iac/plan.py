@@ -4,7 +4,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from denv_iac.catalog import Catalog, load_catalog
-from denv_iac.kube_manifests import site_problems
+from denv_iac.kube_manifests import resource_name_problems, site_problems
 from denv_iac.overlay import OverlayPlan, plan_overlay
 from denv_iac.placement import PlacedNode, Placement, place_replicas
 from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
@@ -115,6 +115,8 @@ def deploy_problems(stack: StackSpec, placement: Placement) -> list[str]:
     for site in stack.sites:
         if site.kind == "kubernetes":
             problems += site_problems(site, stack.recipes)
+    if not problems:  # names are those of objects the sites can make
+        problems += resource_name_problems(stack, placement.replicas)
     return problems
 
 

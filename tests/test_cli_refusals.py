@@ -4,6 +4,7 @@ Each case is run through the real command line; `--strict` turns the warnings in
 """
 
 import copy
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import check_stack_name
 from tests.stacks import SECRET
 
+LOCAL_STACK = Path(__file__).resolve().parents[1] / "stacks" / "Pulumi.local.yaml"
 WORLD_OPEN: dict[str, Any] = {
     "denv:sites": [
         {
@@ -224,18 +226,38 @@ def test_local_down_touches_nothing_outside_the_project(
     assert outside.read_text() == "{}"
 
 
-def test_local_down_with_a_truncated_state_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("command", [("local", "down"), ("status",)], ids=["local-down", "status"])
+@pytest.mark.parametrize(
+    "text",
+    ['{"replicas": [', "{}", "[]", '{"replicas": [1], "agents": []}', "\udcff", "null"],
+    ids=["truncated", "no-keys", "a-list", "odd-replica", "not-utf8", "null"],
+)
+def test_a_state_file_local_up_did_not_write_is_named_not_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...], text: str
 ) -> None:
-    state = _project(tmp_path, monkeypatch) / ".denv" / "local" / "state.json"
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK, project / "stacks" / "Pulumi.local.yaml")
+    state = project / ".denv" / "local" / "state.json"
     state.parent.mkdir(parents=True)
-    state.write_text('{"replicas": [')
+    state.write_bytes(text.encode("utf-8", "surrogateescape"))
     refused(
-        denv("local", "down", "--stack", "local"),
-        f"{state.resolve()}: unreadable (Expecting value: line 1 column 15 (char 14)); stop the "
-        "stack's processes by hand (pgrep -f denv) and delete the file",
+        denv(*command, "--stack", "local"),
+        f"{state.resolve()}: not the run state `denv local up` writes (cut short or edited); "
+        "stop the stack's processes by hand (pgrep -f denv) and delete the file",
     )
     assert state.exists()
+
+
+def test_status_with_a_missing_admin_socket_names_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK, project / "stacks" / "Pulumi.local.yaml")
+    socket = project / "missing.sock"
+    refused(
+        denv("status", "--stack", "local", "--admin-socket", str(socket)),
+        f"admin socket {socket}: cannot read the balancer's stats (No such file or directory)",
+    )
 
 
 def test_a_digest_of_a_key_anyone_would_try_is_a_warning(tmp_path: Path) -> None:
@@ -312,3 +334,26 @@ def test_bench_refuses_an_empty_pool(pool: str) -> None:
         denv("bench", "http://127.0.0.1:9", "--pool", pool, "--requests", "1"),
         "--pool: empty; name the pool (the model) to load, e.g. --pool voice",
     )
+
+
+def test_a_refused_local_up_leaves_no_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK.with_name("Pulumi.k8s.yaml"), project / "stacks" / "Pulumi.k8s.yaml")
+    result = denv("local", "up", "--stack", "k8s", "--detach")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.output
+    assert not (project / ".denv").exists()
+
+
+def test_a_refused_local_up_keeps_a_run_folder_it_did_not_make(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK.with_name("Pulumi.k8s.yaml"), project / "stacks" / "Pulumi.k8s.yaml")
+    kept = project / ".denv" / "k8s" / "notes.txt"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("mine")
+    assert denv("local", "up", "--stack", "k8s", "--detach").exit_code == 2
+    assert kept.read_text() == "mine"

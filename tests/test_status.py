@@ -196,7 +196,7 @@ def test_bad_input_exits_2_with_one_line(project: Path) -> None:
     refused(["--admin-socket", str(project / "missing.sock")], "cannot read the balancer's stats")
     run_dir(project, "t").mkdir(parents=True)
     (run_dir(project, "t") / "state.json").write_text("{")
-    refused(["--stack", "t"], "unreadable")
+    refused(["--stack", "t"], "state.json: not the run state `denv local up` writes")
 
 
 @needs_haproxy

@@ -149,6 +149,7 @@ def plan(
     from denv_iac.spec.exposure import stack_warnings
     from denv_iac.spec.reader import StackError
     from denv_iac.spec.stackfile import (
+        check_lock_writable,
         find_stacks_dir,
         load_lock,
         load_stack,
@@ -161,6 +162,8 @@ def plan(
         fail(problems)
     try:
         folder = stacks_dir or find_stacks_dir()
+        if lock:
+            check_lock_writable(folder, stack_name)
         stack = load_stack(folder, stack_name)
         warnings = stack_warnings(stack)
         if strict and warnings:
@@ -189,7 +192,10 @@ def plan(
         if json_file:
             write_output("--json", json_file, json.dumps(document, indent=2) + "\n")
     if lock:
-        path = write_lock(folder, stack_name, [r.id for r in result.placement.replicas])
+        try:
+            path = write_lock(folder, stack_name, [r.id for r in result.placement.replicas])
+        except StackError as error:
+            fail(error.problems)
         click.echo(f"wrote {path.name}", err=True)
 
 

@@ -43,8 +43,10 @@ def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, StackLock
         directory = run_dir(stacks.parent, stack_name)
         lock = StackLock(directory)
         lock.acquire(stack_name)
+    except StackError as error:
+        fail(error.problems)
+    try:
         if running_recorded(directory):  # a detached run: its processes hold no lock
-            lock.release()
             raise StackError(
                 [
                     f"--stack: {stack_name} is already running locally; "
@@ -55,6 +57,7 @@ def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, StackLock
         (directory / STATE_FILE).unlink(missing_ok=True)
         return LocalCluster(stack, directory, port), lock
     except StackError as error:
+        lock.abandon()
         fail(error.problems)
 
 

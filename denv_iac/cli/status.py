@@ -16,7 +16,7 @@ from rich.table import Table
 
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.cli.console import fail, wide_console
-from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, run_dir
+from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, read_state, run_dir
 from denv_iac.ops.status import (
     AgentEndpoint,
     AgentHealth,
@@ -39,14 +39,9 @@ EXAMPLE = "http://203.0.113.5:8405"
 
 
 def _run_state(stack_name: str, required: bool) -> RunState | None:
-    state_file = run_dir(find_stacks_dir().parent, stack_name) / "state.json"
-    if state_file.exists():
-        try:
-            return RunState.from_json(state_file.read_text())
-        except (ValueError, KeyError, TypeError) as error:
-            raise StackError(
-                [f"{state_file}: unreadable ({error}); `denv local down --stack {stack_name}`"]
-            ) from None
+    state = read_state(run_dir(find_stacks_dir().parent, stack_name))
+    if state is not None:
+        return state
     if required:
         raise StackError(
             [
@@ -97,8 +92,12 @@ def _server_rows(
     assert socket_path is not None  # _sources gives one without --endpoint
     try:
         return server_stats(socket_path)
-    except (OSError, KeyError) as error:
-        fail([f"admin socket {socket_path}: cannot read the balancer's stats ({error})"])
+    except OSError as error:
+        fail([f"admin socket {socket_path}: cannot read the balancer's stats ({error.strerror})"])
+    except KeyError:
+        fail(
+            [f"admin socket {socket_path}: answers, but not with HAProxy's stats; name its socket"]
+        )
 
 
 def _agent_endpoints(state: RunState | None) -> list[AgentEndpoint]:

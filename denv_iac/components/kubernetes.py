@@ -100,10 +100,9 @@ class KubernetesSite(pulumi.ComponentResource):
 
 
 def _register(name: str, manifest: dict[str, Any], opts: pulumi.ResourceOptions) -> Any:
-    kind = manifest["kind"]
     body = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
-    resource_name = child_name(name, kind.lower(), manifest["metadata"]["name"])
-    return _KINDS[kind](resource_name, **body, opts=opts)
+    resource_name = child_name(name, *kube_manifests.resource_parts(manifest))
+    return _KINDS[manifest["kind"]](resource_name, **body, opts=opts)
 
 
 def _register_env_secret(
@@ -117,7 +116,7 @@ def _register_env_secret(
     if pool not in env_secrets:
         raise ValueError(f"KubernetesSite {name}: give env_secrets for recipe {pool}")
     k8s.core.v1.Secret(
-        child_name(name, "secret", manifest["metadata"]["name"]),
+        child_name(name, *kube_manifests.resource_parts(manifest)),
         metadata=manifest["metadata"],
         type=manifest["type"],
         string_data={k: pulumi.Output.secret(v) for k, v in sorted(env_secrets[pool].items())},
@@ -135,7 +134,7 @@ def _register_gateway_secret(
     if tls is None:
         raise ValueError(f"KubernetesSite {name}: give gateway_tls, the gateway's TLS link is on")
     k8s.core.v1.Secret(
-        child_name(name, "secret", manifest["metadata"]["name"]),
+        child_name(name, *kube_manifests.resource_parts(manifest)),
         metadata=manifest["metadata"],
         type=manifest["type"],
         string_data={

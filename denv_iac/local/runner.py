@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,9 +134,12 @@ class StackLock:
     def __init__(self, directory: Path) -> None:
         self.path = directory / "lock"
         self._file: int | None = None
+        self._made: Path | None = None  # the highest folder acquire made, if it made any
 
     def acquire(self, stack: str) -> None:
+        missing = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._made = missing[-1] if missing else None
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,6 +160,14 @@ class StackLock:
         if self._file is not None:
             os.close(self._file)  # closing drops the lock
             self._file = None
+
+    def abandon(self) -> None:
+        """Release a start that was refused, and remove the folders acquire made for it: a
+        refused `local up` leaves nothing behind. A folder that was already there stays."""
+        self.release()
+        if self._made is not None:
+            shutil.rmtree(self._made, ignore_errors=True)
+            self._made = None
 
     def holder(self) -> int | None:
         """The pid of the process holding the lock (a foreground `denv local up` supervising the
@@ -718,30 +730,31 @@ def stop_stack(directory: Path, timeout_s: float = 30.0) -> int:
 
 def _running_count(directory: Path) -> int:
     """How many processes that state.json records still run."""
-    state = _read_state(directory)
+    state = read_state(directory)
     if state is None:
         return 0
     return sum(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
 
 
-def _read_state(directory: Path) -> RunState | None:
+def read_state(directory: Path) -> RunState | None:
+    """The run's state file, None without one; StackError when it is not one `local up` wrote."""
     state_file = directory / STATE_FILE
     if not state_file.exists():
         return None
     try:
-        return RunState.from_json(state_file.read_text())
-    except (ValueError, TypeError, KeyError) as error:
+        return RunState.from_json(state_file.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, KeyError, AttributeError, OSError):
         raise StackError(
             [
-                f"{state_file}: unreadable ({error}); stop the stack's processes by hand "
-                "(pgrep -f denv) and delete the file"
+                f"{state_file}: not the run state `denv local up` writes (cut short or edited); "
+                "stop the stack's processes by hand (pgrep -f denv) and delete the file"
             ]
         ) from None
 
 
 def stop_recorded(directory: Path) -> int:
     """Stop what state.json records; returns how many processes it stopped."""
-    state = _read_state(directory)
+    state = read_state(directory)
     if state is None:
         return 0
     targets = _recorded_processes(state)

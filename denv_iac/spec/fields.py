@@ -44,7 +44,7 @@ def describe(value: object) -> str:
     if isinstance(value, int | float):
         return "a number"
     if isinstance(value, str):
-        return "a string"
+        return "a string" if value.strip() else "an empty string"
     if isinstance(value, list):
         return "a list"
     if isinstance(value, dict):

@@ -30,7 +30,7 @@ def read_overlay(f: Fields) -> OverlaySpec:
     cidr = f.text("cidr", OVERLAY_CIDR)
     port = f.integer("port", OverlaySpec.port, 1, 65535)
     f.finish()
-    if cidr and _network(f, cidr) is None:
+    if not cidr or _network(f, cidr) is None:
         cidr = OVERLAY_CIDR  # reported; the default keeps the later checks quiet
     return OverlaySpec(enabled, cidr, port)
 

@@ -250,11 +250,22 @@ def _region(f: Fields, kind: str) -> str:
 
 def _cidrs(f: Fields) -> tuple[str, ...]:
     cidrs = f.text_list("admin_cidrs")
-    for cidr in cidrs:
+    # Each block becomes firewall rules named after it: one block twice would be one name twice.
+    seen: dict[ipaddress.IPv4Network | ipaddress.IPv6Network, int] = {}
+    for index, cidr in enumerate(cidrs):
         try:
-            ipaddress.ip_network(cidr)
+            network = ipaddress.ip_network(cidr)
         except ValueError:
             f.problem("admin_cidrs", f'"{cidr}" is not a CIDR block; write it like 198.51.100.0/24')
+            continue
+        if network in seen:
+            first = seen[network]
+            f.problem(
+                f"admin_cidrs[{index}]",
+                f'"{cidr}" is the block of admin_cidrs[{first}] ("{cidrs[first]}"); list each '
+                "block once",
+            )
+        seen.setdefault(network, index)
     return cidrs
 
 
@@ -499,7 +510,15 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
                 )
                 continue
             _check_share(problems, path, recipe, listed, catalog)
-    for name in stack.balancer.sites:
+    first_listed: dict[str, int] = {}
+    for index, name in enumerate(stack.balancer.sites):
+        if name in first_listed:
+            problems.add(
+                f"balancer.sites[{index}]",
+                f'site "{name}" is also balancer.sites[{first_listed[name]}]; list each site once',
+            )
+            continue
+        first_listed[name] = index
         if name not in by_name:
             problems.add(
                 "balancer.sites",

@@ -88,10 +88,17 @@ class _DuplicateKey(yaml.YAMLError):
     pass
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _refuse_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
+    """Keys written twice in one mapping are refused. A merge key (`<<: *base`) is YAML's way
+    to reuse a mapping and override some of its keys: the keys it brings in are not written in
+    this mapping, and the ones written here win, as YAML 1.1 says."""
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == MERGE_TAG:
+            continue
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
         if not isinstance(key, Hashable):
@@ -166,9 +173,32 @@ def load_lock(stacks_dir: Path, name: str) -> list[str]:
     return ids
 
 
+def check_lock_writable(stacks_dir: Path, name: str) -> None:
+    """StackError when `--lock` could not write the lock: something not a file is in its place.
+
+    Checked before the plan, so that a refused lock leaves nothing written."""
+    path = lock_path(stacks_dir, name)
+    if path.exists() and not path.is_file():
+        raise StackError(
+            [
+                f"--lock: {path.name} in {stacks_dir.name}/ is not a file; move it away so the "
+                "placement lock can be written there"
+            ]
+        )
+
+
 def write_lock(stacks_dir: Path, name: str, replica_ids: list[str]) -> Path:
     path = lock_path(stacks_dir, name)
-    path.write_text(
-        json.dumps({"replicas": sorted(replica_ids)}, indent=2) + "\n", encoding="utf-8"
-    )
+    check_lock_writable(stacks_dir, name)
+    try:
+        path.write_text(
+            json.dumps({"replicas": sorted(replica_ids)}, indent=2) + "\n", encoding="utf-8"
+        )
+    except OSError as error:
+        raise StackError(
+            [
+                f"--lock: cannot write {path.name} ({error.strerror}); make {stacks_dir.name}/ "
+                "writable"
+            ]
+        ) from None
     return path
