@@ -27,6 +27,7 @@ from denv_iac.balancer import BalancerSettings, render_haproxy_config
 from denv_iac.balancer.files import relocate_maps, write_config
 from denv_iac.balancer.runtime import HaproxyProcess
 from denv_iac.dataplane import balancer_pools
+from denv_iac.endpoint import balancer_settings
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.placement import PlacedReplica, place_replicas
 from denv_iac.spec.model import RecipeSpec, StackSpec
@@ -446,12 +447,16 @@ class LocalCluster:
         pools = balancer_pools(self.stack, self.placement, locate)
         socket_path = self.directory / "haproxy.sock"
         prometheus = free_port()
-        settings = BalancerSettings(
+        # The stack's settings, timers included, as `denv plan` shows them; only where HAProxy
+        # listens and keeps its files is local (plain HTTP: no certificate is installed here).
+        settings = dataclasses.replace(
+            balancer_settings(self.stack),
             bind_address=self.balancer.address,
             port=self.port,
-            api_key_digests=self.stack.balancer.api_key_digests,
+            tls_cert_path=None,
             stats_socket=str(socket_path),
             prometheus_port=prometheus,
+            prometheus_address=None,
             state_file=str(self.directory / "haproxy.state"),
         )
         self._pools, self._settings = pools, settings

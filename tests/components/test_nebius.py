@@ -15,10 +15,10 @@ from denv_iac.components.nebius import (
     offering_parts,
     port_groups,
 )
-from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_of
-from denv_iac.components.security import IngressRule
+from denv_iac.ingress import IngressRule
 from denv_iac.overlay import plan_overlay
+from denv_iac.sites import CLOUD_SSH_USER
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
