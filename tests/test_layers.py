@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.endpoint",
             "denv_iac.ingress",
             "denv_iac.sites",
+            "denv_iac.agent_config",
         ),
     ),
     ("machines", ("denv_iac.node", "denv_iac.local", "denv_iac.lambda_api", "denv_iac.robot_api")),

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
 from denv_iac.balancer import BalancerSettings, render_haproxy_config
 from denv_iac.balancer.files import relocate_maps, write_config
 from denv_iac.balancer.runtime import HaproxyProcess
@@ -232,7 +233,7 @@ def check_local_only(stack: StackSpec) -> None:
         )
 
 
-def agent_config_toml(
+def local_agent_config(
     node: str,
     gpus: int,
     state: AgentState,
@@ -241,42 +242,32 @@ def agent_config_toml(
     replicas: list[ReplicaState],
     recipes: dict[str, RecipeSpec],
 ) -> str:
-    lines = [
-        f'node = "{node}"',
-        f'state_file = "{state_file}"',
-        f'control_token = "{token}"',
-        "",
-        "[listen]",
-        f'agent_check = "{state.address}:{state.agent_port}"',
-        f'http = "{state.address}:{state.http_port}"',
-        "",
-        "[intervals]",
-        "gpu_poll_s = 0.1",
-        "health_s = 0.25",
-        "health_timeout_s = 0.5",
-        "probe_s = 1.0",
-        "",
-        "[simulate]",
-        f"gpus = {gpus}",
-    ]
+    """A simulated node's agent config: fast intervals, the node's GPUs simulated."""
+    intervals = {"gpu_poll_s": 0.1, "health_s": 0.25, "health_timeout_s": 0.5, "probe_s": 1.0}
+    entries = []
     for replica in replicas:
         recipe = recipes[replica.pool]
-        lines += [
-            "",
-            "[[replicas]]",
-            f'id = "{replica.id}"',
-            f'health_url = "{replica.url}{recipe.health_path}"',
-            f"gpu = {replica.gpu}",
-        ]
-        if recipe.ttft_budget_ms is not None:
-            # The stream probe: a slow first token lowers the replica's weight; a pause between
-            # tokens past the stall budget (where the balancer cuts streams) drains it.
-            lines += [
-                f"ttft_budget_ms = {recipe.ttft_budget_ms}",
-                f"stall_budget_ms = {recipe.stall_timeout_ms}",
-                f'probe_model = "{recipe.name}"',
-            ]
-    return "\n".join(lines) + "\n"
+        probe = recipe_probe(recipe)
+        entries.append(
+            AgentReplica(
+                id=replica.id,
+                health_url=f"{replica.url}{recipe.health_path}",
+                gpu=replica.gpu,
+                # The simulated replica serves the recipe's name.
+                probe=None if probe is None else dataclasses.replace(probe, model=recipe.name),
+            )
+        )
+    return agent_config_toml(
+        AgentConfig(
+            node=node,
+            state_file=str(state_file),
+            control_token=token,
+            agent_check=f"{state.address}:{state.agent_port}",
+            http=f"{state.address}:{state.http_port}",
+            replicas=tuple(entries),
+            tables={"intervals": intervals, "simulate": {"gpus": gpus}},
+        )
+    )
 
 
 class LocalCluster:
@@ -404,7 +395,7 @@ class LocalCluster:
             host = self.host_of(node.site)
             state = AgentState(key, mine[0].agent_port, free_port(), 0, str(path), host.address)
             path.write_text(
-                agent_config_toml(
+                local_agent_config(
                     key,
                     node.gpu_count,
                     state,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import posixpath
 import shlex
 
+from denv_iac.agent_config import AgentConfig, AgentProbe, AgentReplica, agent_config_toml
 from denv_iac.node import overlay
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps
@@ -25,44 +25,43 @@ DIST_DIR = "/opt/denv/dist"
 
 def config(spec: NodeDeploySpec) -> FileContent:
     """The agent's TOML config (the format `denv-agent --config` reads; see agent/README.md)."""
-    lines = [
-        f"node = {_toml(spec.node_id)}",
-        f"state_file = {_toml(STATE_FILE)}",
-        f"control_token_file = {_toml(TOKEN)}",
-        "",
-        "[listen]",
-        # HAProxy polls agent-check from the balancers (the host firewall admits only them),
-        # over the overlay when the node is on it; the control endpoint stays local, reached
-        # over SSH.
-        f'agent_check = "{spec.listen_address or "0.0.0.0"}:{spec.agent_port}"',
-        f'http = "127.0.0.1:{spec.agent_port + 1}"',
-    ]
-    for table, values in sorted(spec.agent.config.items()):
-        if isinstance(values, dict):
-            lines += ["", f"[{table}]", *(f"{k} = {_toml(v)}" for k, v in sorted(values.items()))]
-    for replica in spec.replicas:
-        lines += [
-            "",
-            "[[replicas]]",
-            f"id = {_toml(replica.id)}",
-            f"health_url = {_toml(f'http://127.0.0.1:{replica.port}{replica.health_path}')}",
-            f"gpu = {replica.gpu}",
-        ]
-        if replica.probe is not None:
-            lines += [
-                f"ttft_budget_ms = {replica.probe.ttft_budget_ms}",
-                f"probe_model = {_toml(replica.probe.model)}",
-            ]
-            if replica.probe.stall_budget_ms is not None:
-                lines.append(f"stall_budget_ms = {replica.probe.stall_budget_ms}")
-    return text_file(CONFIG, "\n".join(lines) + "\n")
-
-
-def _toml(value: object) -> str:
-    """A TOML scalar: JSON's string and number syntax is valid TOML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(value)
+    replicas = tuple(
+        AgentReplica(
+            id=replica.id,
+            health_url=f"http://127.0.0.1:{replica.port}{replica.health_path}",
+            gpu=replica.gpu,
+            probe=(
+                AgentProbe(
+                    replica.probe.model,
+                    replica.probe.ttft_budget_ms,
+                    replica.probe.stall_budget_ms,
+                )
+                if replica.probe is not None
+                else None
+            ),
+        )
+        for replica in spec.replicas
+    )
+    tables = {
+        table: dict(sorted(values.items()))
+        for table, values in sorted(spec.agent.config.items())
+        if isinstance(values, dict)
+    }
+    text = agent_config_toml(
+        AgentConfig(
+            node=spec.node_id,
+            state_file=STATE_FILE,
+            control_token_file=TOKEN,
+            # HAProxy polls agent-check from the balancers (the host firewall admits only
+            # them), over the overlay when the node is on it; the control endpoint stays local,
+            # reached over SSH.
+            agent_check=f"{spec.listen_address or '0.0.0.0'}:{spec.agent_port}",
+            http=f"127.0.0.1:{spec.agent_port + 1}",
+            replicas=replicas,
+            tables=tables,
+        )
+    )
+    return text_file(CONFIG, text)
 
 
 def unit(spec: NodeDeploySpec) -> FileContent:

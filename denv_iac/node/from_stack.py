@@ -1,5 +1,8 @@
 """What each placed node of a stack runs: the node deploys' input, built from the stack."""
 
+from dataclasses import asdict
+
+from denv_iac.agent_config import recipe_probe
 from denv_iac.node.spec import (
     CacheDirs,
     MigSlice,
@@ -74,6 +77,5 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
 
 
 def _probe(recipe: RecipeSpec) -> ProbeSpec | None:
-    if recipe.ttft_budget_ms is None:
-        return None
-    return ProbeSpec(recipe.model_names[0], recipe.ttft_budget_ms, recipe.stall_timeout_ms)
+    probe = recipe_probe(recipe)
+    return None if probe is None else ProbeSpec(**asdict(probe))
