@@ -34,16 +34,16 @@ client certificate of the stack's own CA, whose certificate and key reach the po
 """
 
 import hashlib
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
 from denv_iac.balancer.model import BalancerSettings
 from denv_iac.placement import PlacedReplica
 from denv_iac.spec.gateway_link import gateway_tls_on
-from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec, agent_replica_checks
+from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
 
 Manifest = dict[str, Any]
@@ -227,7 +227,7 @@ def site_manifests(
     ns = site.namespace
     pools = []
     routes: list[GatewayRoute] = []
-    agent_replicas: list[str] = []
+    agent_replicas: list[AgentReplica] = []
     for recipe in stack.recipes:
         placed = [r for r in replicas if r.pool == recipe.name and r.site == site.name]
         if not placed:
@@ -244,7 +244,7 @@ def site_manifests(
                 recipe.port,
             )
             routes.append(route)
-            agent_replicas.append(_agent_replica_toml(route, pod, recipe))
+            agent_replicas.append(_agent_replica(route, pod, recipe))
     tls = gateway_tls_on(stack)
     haproxy_cfg = gateway_haproxy_config(site, routes, tls)
     agent_toml = _agent_toml(site, agent_replicas)
@@ -456,41 +456,34 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
     }
 
 
-def _agent_toml(site: SiteSpec, replicas: Sequence[str]) -> str:
-    # JSON strings are valid TOML strings. Every node's agent reads this same file.
-    lines = [
-        f"node = {json.dumps(site.name)}",
-        f'state_file = "{AGENT_RUN_DIR}/state.json"',
-        f'control_token_file = "{AGENT_RUN_DIR}/agent.token"',
-        "",
-        "[listen]",
-        f'agent_check = "0.0.0.0:{AGENT_PORT}"',
-        f'http = "127.0.0.1:{AGENT_PORT + 1}"',
-        "",
-        "[kubernetes]",
-        f"namespace = {json.dumps(site.namespace)}",
-        f'container = "{SERVER_CONTAINER}"',
-        f'pod_resources_socket = "{POD_RESOURCES_DIR}/kubelet.sock"',
-    ]
-    return "\n".join([*lines, *replicas]) + "\n"
-
-
-def _agent_replica_toml(route: GatewayRoute, pod: str, recipe: RecipeSpec) -> str:
-    lines = [
-        "",
-        "[[replicas]]",
-        f"id = {json.dumps(route.replica_id)}",
-        f"pod = {json.dumps(pod)}",
-        f"health_url = {json.dumps(f'http://{route.pod_host}:{route.pod_port}{recipe.health_path}')}",
-    ]
-    lines += agent_replica_checks(
-        recipe.model_names[0],
-        recipe.ttft_budget_ms,
-        recipe.stall_timeout_ms,
-        recipe.engine,
-        f"http://{route.pod_host}:{route.pod_port}{recipe.metrics_path}" if recipe.engine else None,
+def _agent_toml(site: SiteSpec, replicas: Sequence[AgentReplica]) -> str:
+    # Every node's agent reads this same file.
+    kubernetes = {
+        "namespace": site.namespace,
+        "container": SERVER_CONTAINER,
+        "pod_resources_socket": f"{POD_RESOURCES_DIR}/kubelet.sock",
+    }
+    return agent_config_toml(
+        AgentConfig(
+            node=site.name,
+            state_file=f"{AGENT_RUN_DIR}/state.json",
+            control_token_file=f"{AGENT_RUN_DIR}/agent.token",
+            agent_check=f"0.0.0.0:{AGENT_PORT}",
+            http=f"127.0.0.1:{AGENT_PORT + 1}",
+            replicas=tuple(replicas),
+            tables={"kubernetes": kubernetes},
+        )
     )
-    return "\n".join(lines)
+
+
+def _agent_replica(route: GatewayRoute, pod: str, recipe: RecipeSpec) -> AgentReplica:
+    return AgentReplica(
+        id=route.replica_id,
+        pod=pod,
+        health_url=f"http://{route.pod_host}:{route.pod_port}{recipe.health_path}",
+        probe=recipe_probe(recipe),
+        metrics_url=f"http://{route.pod_host}:{route.pod_port}{recipe.metrics_path}",
+    )
 
 
 def env_secret_name(recipe: RecipeSpec) -> str:

@@ -13,7 +13,7 @@ from denv_agent.config import parse as parse_agent_config
 from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.catalog import load_catalog
-from denv_iac.components.security import AGENT_PORT
+from denv_iac.ingress import AGENT_PORT
 from denv_iac.kube_manifests import (
     AGENT_RUN_DIR,
     AGENT_UNKNOWN,

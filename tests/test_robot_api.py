@@ -23,7 +23,7 @@ from denv_iac.components.hetzner_robot import (
     robot_problems,
     robot_rules,
 )
-from denv_iac.components.security import IngressRule, OverlayAccess, wireguard_rules
+from denv_iac.ingress import IngressRule, OverlayAccess, wireguard_rules
 from denv_iac.robot_api import RULE_FIELDS, RobotApiError, RobotClient
 
 LOGIN, SECRET = "#ws+denvTEST", "robot-password-material"

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from denv_iac.balancer.haproxy import render_haproxy_config
-from denv_iac.components.balancer import balancer_settings
+from denv_iac.endpoint import balancer_settings
 from denv_iac.spec.model import AGENT_INTER_MS, MAX_CONCURRENCY, Secret, SimulatedServer
 from denv_iac.spec.reader import StackError, read_stack
 from tests.balancer.sample_pools import MAP_DIR, VOICE

@@ -17,6 +17,12 @@ from denv_iac.spec.model import (
 # HAProxy's runtime API on a balancer host. Its folder is made by the haproxy unit at each
 # start (the balancer host deploy's RuntimeDirectory), so it is the one place that names it.
 STATS_SOCKET = "/run/denv/haproxy.sock"
+CONFIG_DIR = "/etc/haproxy/denv"  # the map files and the certificate the config reads
+TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"  # certificate and key in one PEM, as `ssl crt` reads it
+# Mutual TLS to Kubernetes gateways: the stack's CA, which the gateways' certificates must be
+# signed by, and the balancer's client certificate and key in one PEM.
+GATEWAY_CA_PATH = f"{CONFIG_DIR}/gateway-ca.pem"
+GATEWAY_CLIENT_PATH = f"{CONFIG_DIR}/gateway-client.pem"
 
 
 @dataclass(frozen=True)

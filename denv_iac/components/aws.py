@@ -7,7 +7,7 @@ import pulumi
 import pulumi_aws as aws
 
 from denv_iac.components.naming import aws_tags, child_name, resolved
-from denv_iac.components.security import IngressRule, OverlayAccess, site_ingress_rules
+from denv_iac.ingress import IngressRule, OverlayAccess, site_ingress_rules
 from denv_iac.placement import PlacedNode
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
@@ -155,7 +155,7 @@ class AwsSiteArgs(TypedDict):
     public_key: pulumi.Input[str]  # OpenSSH public key of the site's SSH key
     balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
     # The nodes join the WireGuard overlay: its port instead of replica and agent ports
-    # (`denv_iac.components.security.node_overlay_access`).
+    # (`denv_iac.ingress.node_overlay_access`).
     overlay: NotRequired[OverlayAccess]
 
 

@@ -1,13 +1,13 @@
 """GlobalBalancer: the HAProxy config of the one endpoint, from the pools' replica addresses."""
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from typing import NotRequired, TypedDict
 
 import pulumi
 import pulumi_aws as aws
 
-from denv_iac.balancer import BalancerSettings, RenderedConfig, render_haproxy_config
+from denv_iac.balancer import RenderedConfig, render_haproxy_config
+from denv_iac.balancer.model import CONFIG_DIR
 from denv_iac.components.naming import child_name
 from denv_iac.components.node_setup import (
     BalancerFiles,
@@ -18,44 +18,12 @@ from denv_iac.components.node_setup import (
 from denv_iac.components.overlay import MachineOverlay
 from denv_iac.components.pool import ReplicaEndpoint
 from denv_iac.dataplane import balancer_pools
-from denv_iac.node.balancer_host import (
-    CONFIG_DIR,
-    GATEWAY_CA_PATH,
-    GATEWAY_CLIENT_PATH,
-    TLS_CERT_PATH,
-)
+from denv_iac.endpoint import balancer_settings, endpoint_url
 from denv_iac.placement import PlacedReplica, Placement
-from denv_iac.spec.exposure import metrics_on_loopback
-from denv_iac.spec.gateway_link import gateway_tls_on
 from denv_iac.spec.model import DnsSpec, StackSpec
 
-_DEFAULT_PORT = {"http": 80, "https": 443}
-LOOPBACK = "127.0.0.1"
 # Every balancer host serves the same config, so each takes an equal share of clients.
 DNS_WEIGHT = 100
-
-
-def balancer_settings(stack: StackSpec) -> BalancerSettings:
-    spec = stack.balancer
-    gateway_tls = gateway_tls_on(stack)
-    return BalancerSettings(
-        port=spec.port,
-        **asdict(spec.timers),  # BalancerSettings names each timer as the stack does
-        tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
-        api_key_digests=spec.api_key_digests,
-        prometheus_port=spec.prometheus_port,
-        prometheus_address=LOOPBACK if metrics_on_loopback(stack) else None,
-        gateway_ca_file=GATEWAY_CA_PATH if gateway_tls else None,
-        gateway_client_cert=GATEWAY_CLIENT_PATH if gateway_tls else None,
-    )
-
-
-def endpoint_url(stack: StackSpec, host: str) -> str:
-    spec = stack.balancer
-    scheme = "https" if spec.tls_certificate else "http"
-    name = spec.dns.name if spec.dns else host
-    port = "" if _DEFAULT_PORT[scheme] == spec.port else f":{spec.port}"
-    return f"{scheme}://{name}{port}"
 
 
 class HostAccess(TypedDict):

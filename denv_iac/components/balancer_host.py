@@ -18,7 +18,7 @@ from denv_iac.components.aws import (
 from denv_iac.components.hcloud_firewall import hcloud_rules, overlay_firewall
 from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
-from denv_iac.components.security import IngressRule, balancer_ingress_rules
+from denv_iac.ingress import IngressRule, balancer_ingress_rules
 from denv_iac.spec.model import BalancerSpec, SiteSpec
 
 AWS_INSTANCE_TYPE = "c7i.large"

@@ -15,15 +15,7 @@ from denv_iac.components.kubernetes import kubernetes_site
 from denv_iac.components.lambda_cloud import lambda_site
 from denv_iac.components.naming import child_name
 from denv_iac.components.nebius import nebius_site
-from denv_iac.components.node_setup import (
-    CLOUD_SITE_KINDS,
-    NodeSetup,
-    NodeSetupArgs,
-    balancer_ssh_user,
-    node_deploy_specs,
-    node_id,
-    node_ssh_user,
-)
+from denv_iac.components.node_setup import NodeSetup, NodeSetupArgs
 from denv_iac.components.overlay import Overlay
 from denv_iac.components.pool import ReplicaEndpointArgs, WarmPool
 from denv_iac.components.secrets import (
@@ -33,18 +25,20 @@ from denv_iac.components.secrets import (
     recipe_env_secrets,
     seal_secrets,
 )
-from denv_iac.components.security import (
+from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
+from denv_iac.ingress import (
     AGENT_PORT,
     host_overlay_access,
     node_overlay_access,
     replica_port,
     wireguard_rules,
 )
-from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
 from denv_iac.node import NodeDeploySpec
+from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.overlay import host_member, node_member, overlay_hosts, plan_overlay
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.plan import deploy_problems
+from denv_iac.sites import CLOUD_SITE_KINDS, balancer_ssh_user, node_id, node_ssh_user
 from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
 from denv_iac.spec.model import (
     MADE_BALANCER_HOST_KINDS,

@@ -1,7 +1,7 @@
 """The Robot firewall of Hetzner GEX boxes, as a dynamic resource over Robot's webservice.
 
 The firewall filters each box's switch port, statelessly: it sees packets, not connections.
-So besides the site's ingress rows (`denv_iac.components.security.site_ingress_rules`: SSH from
+So besides the site's ingress rows (`denv_iac.ingress.site_ingress_rules`: SSH from
 the admin CIDRs, WireGuard's UDP port from the balancer hosts when the overlay is on, their
 replica and agent ports when it is off) it must accept the replies to
 the node's own traffic (package mirrors, model downloads, DNS, NTP): TCP segments with ACK set
@@ -30,13 +30,13 @@ import pulumi.dynamic as dynamic
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.joined import HetznerSite
 from denv_iac.components.naming import child_name
-from denv_iac.components.security import (
+from denv_iac.components.site import SiteContext, SiteNodes
+from denv_iac.ingress import (
     IngressRule,
     Protocol,
     node_overlay_access,
     site_ingress_rules,
 )
-from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.robot_api import MAX_INPUT_RULES, RobotApiError, RobotClient
 from denv_iac.spec.model import SiteSpec
 from denv_iac.spec.reader import StackError

@@ -10,8 +10,7 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 import pulumi_kubernetes as k8s
 
-# The module, not its names: it imports the ports of `denv_iac.components.security`, so when
-# it is imported first this package is initialised in the middle of it.
+# The module, not its names: its calls read as kube_manifests.<name> here.
 from denv_iac import kube_manifests
 from denv_iac.components.aws import _cidr_of
 from denv_iac.components.naming import child_name, resolved

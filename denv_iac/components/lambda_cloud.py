@@ -16,13 +16,13 @@ import pulumi.dynamic as dynamic
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, machine_name, resolved
 from denv_iac.components.secrets import public_key_output
-from denv_iac.components.security import (
+from denv_iac.components.site import SiteContext, SiteNodes
+from denv_iac.ingress import (
     IngressRule,
     OverlayAccess,
     node_overlay_access,
     site_ingress_rules,
 )
-from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.lambda_api import (
     DEFAULT_RETRY,
     GONE_STATUSES,
@@ -34,23 +34,13 @@ from denv_iac.lambda_api import (
     Retry,
 )
 from denv_iac.placement import PlacedNode
+from denv_iac.sites import cache_file_system_name
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
 # Re-exported: the name rule lives with the stack model, which checks names for their length.
 from denv_iac.spec.values import lambda_name as lambda_name
 
 API_KEY = "api_key"
-LAMBDA_NFS = "/lambda/nfs"  # Lambda mounts each filesystem at /lambda/nfs/<its name>
-
-
-def cache_file_system_name(stack: str, site: str) -> str:
-    """The name of the site's cache filesystem; names are unique per Lambda account."""
-    return lambda_name(stack, site, "cache")
-
-
-def cache_mount_point(stack: str, site: str) -> str:
-    """Where Lambda mounts the site's cache filesystem on every instance launched with it."""
-    return f"{LAMBDA_NFS}/{cache_file_system_name(stack, site)}"
 
 
 def firewall_rules(
@@ -420,7 +410,7 @@ class LambdaSite(pulumi.ComponentResource):
     its region (spec 1.8.3's `/firewall-rulesets`), attached to each instance at launch:
     WireGuard's UDP port open to the balancer hosts' addresses when the overlay is on (replica
     and agent ports to them when it is off), SSH to the admin CIDRs
-    (`denv_iac.components.security.site_ingress_rules`); a balancer moving patches its rules in
+    (`denv_iac.ingress.site_ingress_rules`); a balancer moving patches its rules in
     place. The node deploy's host firewall narrows them again on each node.
     """
 

@@ -7,7 +7,6 @@ and leaves its driver. Under Pulumi's unit-test mocks the provider is never call
 """
 
 import dataclasses
-import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,17 +19,9 @@ import pulumi.dynamic
 
 from denv_iac.balancer import RenderedConfig
 from denv_iac.components.dynamic_resource import DynamicResource
-from denv_iac.components.lambda_cloud import cache_mount_point
 from denv_iac.components.naming import child_name
-from denv_iac.components.security import replica_port
 from denv_iac.node import (
-    CACHE_MOUNT_POINT,
-    CacheDirs,
-    MigSlice,
     NodeDeploySpec,
-    NodeSpecError,
-    ProbeSpec,
-    ReplicaSpec,
     Step,
     Target,
     prepare_balancer,
@@ -41,18 +32,10 @@ from denv_iac.node.balancer_host import GatewayCredentials
 from denv_iac.node.deploy import connect, quiet_progress
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
-from denv_iac.overlay import plan_overlay, with_private_key
-from denv_iac.placement import Placement
-from denv_iac.plan import imageless_problems
-from denv_iac.spec.model import SSH_SITE_KINDS, WIREGUARD_PORT, RecipeSpec, SiteSpec, StackSpec
-from denv_iac.spec.reader import StackError
+from denv_iac.node.spec import spec_to_json
+from denv_iac.overlay import with_private_key
+from denv_iac.spec.model import WIREGUARD_PORT
 
-# Sites that create their machines from a provider's image, with the site's SSH key. The
-# image ships the NVIDIA driver (the deploy keeps a working one) and logs in as CLOUD_SSH_USER:
-# the Deep Learning AMIs, Lambda's images, and the user cloud-init makes on Nebius nodes.
-CLOUD_SITE_KINDS = ("aws", "lambda", "nebius")
-CLOUD_SSH_USER = "ubuntu"
-HCLOUD_SSH_USER = "root"  # Hetzner's images
 # A change of these re-runs the deploy in place; another host is another machine.
 UPDATE_ON = (
     "ssh_user",
@@ -71,123 +54,6 @@ UPDATE_ON = (
     "overlay_port",
 )
 REPLACE_ON = ("host",)
-
-
-def node_id(site: str, node: str) -> str:
-    return f"{site}.{node}"
-
-
-def cache_root(stack: str, site: SiteSpec) -> str | None:
-    """Where the site's nodes have storage that outlives them; None: the node's own disk.
-
-    AWS nodes mount their EBS volume there (see NodeSetup's `cache_device`), Nebius nodes the
-    site's filesystem (cloud-init), and Lambda mounts the site's filesystem by its name.
-    """
-    if site.kind == "lambda":
-        return cache_mount_point(stack, site.name)
-    return CACHE_MOUNT_POINT if site.kind in CLOUD_SITE_KINDS else None
-
-
-def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeDeploySpec]:
-    """What each placed node on an SSH site runs, by node id; StackError if one cannot run it.
-
-    The replicas' weights and compile caches go under the site's `cache_root`. The balancer
-    addresses are left out: they are known only once the hosts exist.
-    """
-    recipes = {recipe.name: recipe for recipe in stack.recipes}
-    problems = imageless_problems(stack, placement)
-    if problems:
-        raise StackError(problems)
-    overlay = plan_overlay(stack, placement)
-    specs = {}
-    for node in placement.nodes:
-        if stack.site(node.site).kind not in SSH_SITE_KINDS:
-            continue
-        replicas = tuple(
-            ReplicaSpec(
-                id=r.id,
-                image=recipes[r.pool].image,
-                port=replica_port(recipes[r.pool], r),
-                gpu=r.gpu,
-                command=recipes[r.pool].command,
-                mig_profile=r.share if recipes[r.pool].is_mig else None,
-                mig_instance=r.slice or 0,
-                env=dict(recipes[r.pool].env),
-                health_path=recipes[r.pool].health_path,
-                probe=_probe(recipes[r.pool]),
-            )
-            for r in placement.replicas
-            if (r.site, r.node) == (node.site, node.name)
-        )
-        mig = tuple(
-            MigSlice(m.gpu, m.profile, m.instances)
-            for m in placement.mig_layouts
-            if (m.site, m.node) == (node.site, node.name)
-        )
-        name = node_id(node.site, node.name)
-        site = stack.site(node.site)
-        root = cache_root(stack.name, site)
-        try:
-            specs[name] = NodeDeploySpec(
-                node_id=name,
-                image_driver=site.kind in CLOUD_SITE_KINDS,
-                mig=mig,
-                cache=CacheDirs() if root is None else CacheDirs.under(root),
-                replicas=replicas,
-                admin_cidrs=site.admin_cidrs,
-                listen_address=overlay.address_of(node.site, node.name) if overlay.on else "",
-                overlay_port=stack.balancer.overlay.port,
-            )
-        except NodeSpecError as error:
-            where = f"sites: {node.site}.{node.name}"
-            raise StackError([f"{where}: {p}" for p in error.problems]) from None
-    return specs
-
-
-def _probe(recipe: RecipeSpec) -> ProbeSpec | None:
-    if recipe.ttft_budget_ms is None and recipe.engine is None:
-        return None
-    return ProbeSpec(
-        recipe.model_names[0],
-        recipe.ttft_budget_ms,
-        recipe.stall_timeout_ms,
-        recipe.engine,
-        recipe.metrics_path,
-    )
-
-
-def node_ssh_user(site: SiteSpec, node: str) -> str:
-    """Who the deploy logs in as on a GPU node of the site."""
-    if site.kind in CLOUD_SITE_KINDS:
-        return CLOUD_SSH_USER
-    return next(n.ssh_user for n in site.nodes if n.name == node)
-
-
-def balancer_ssh_user(site: SiteSpec) -> str:
-    """Who the deploy logs in as on the site's balancer host (see BalancerHost)."""
-    if site.kind == "aws":
-        return CLOUD_SSH_USER
-    if site.kind == "hetzner":
-        return HCLOUD_SSH_USER
-    return site.nodes[0].ssh_user
-
-
-def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
-    """The JSON form `spec_from_json` reads: what a NodeSetup keeps in its inputs."""
-    data: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(spec)))
-    # Added after the first release: left out when unset, so the state of a stack that does
-    # not use them stays as it was and its next preview shows no change.
-    for replica in data["replicas"]:
-        if replica["probe"] is None:
-            del replica["probe"]
-    if not data["admin_cidrs"]:
-        del data["admin_cidrs"]
-    if data["ssh_port"] == NodeDeploySpec.ssh_port:
-        del data["ssh_port"]
-    if not data["listen_address"]:  # off the overlay: neither its address nor its port
-        for key in ("listen_address", "overlay_port", "overlay_senders"):
-            del data[key]
-    return data
 
 
 def deploy_node(target: Target, spec: NodeDeploySpec, overlay_config: str | None) -> list[Step]:

@@ -24,13 +24,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
 from denv_iac.balancer import BalancerSettings, render_haproxy_config
 from denv_iac.balancer.files import relocate_maps, write_config
 from denv_iac.balancer.runtime import HaproxyProcess
 from denv_iac.dataplane import balancer_pools
+from denv_iac.endpoint import balancer_settings
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.model import RecipeSpec, StackSpec, agent_replica_checks
+from denv_iac.spec.model import RecipeSpec, StackSpec
 from denv_iac.spec.reader import StackError
 from denv_iac.spec.stackfile import check_stack_name
 
@@ -243,7 +245,7 @@ def check_local_only(stack: StackSpec) -> None:
         )
 
 
-def agent_config_toml(
+def local_agent_config(
     node: str,
     gpus: int,
     state: AgentState,
@@ -252,44 +254,40 @@ def agent_config_toml(
     replicas: list[ReplicaState],
     recipes: dict[str, RecipeSpec],
 ) -> str:
-    lines = [
-        f'node = "{node}"',
-        f'state_file = "{state_file}"',
-        f'control_token = "{token}"',
-        "",
-        "[listen]",
-        f'agent_check = "{state.address}:{state.agent_port}"',
-        f'http = "{state.address}:{state.http_port}"',
-        "",
-        "[intervals]",
-        "gpu_poll_s = 0.1",
-        "health_s = 0.25",
-        "health_timeout_s = 0.5",
-        "probe_s = 1.0",
-        "metrics_s = 0.25",
-        "",
-        "[simulate]",
-        f"gpus = {gpus}",
-    ]
+    """A simulated node's agent config: fast intervals, the node's GPUs simulated."""
+    intervals = {
+        "gpu_poll_s": 0.1,
+        "health_s": 0.25,
+        "health_timeout_s": 0.5,
+        "probe_s": 1.0,
+        "metrics_s": 0.25,
+    }
+    entries = []
     for replica in replicas:
         recipe = recipes[replica.pool]
-        lines += [
-            "",
-            "[[replicas]]",
-            f'id = "{replica.id}"',
-            f'health_url = "{replica.url}{recipe.health_path}"',
-            f"gpu = {replica.gpu}",
-        ]
         # A recipe without a command runs the simulated replica, whose engine is known.
-        engine = recipe.agent_engine(simulated=not recipe.command)
-        lines += agent_replica_checks(
-            recipe.name,
-            recipe.ttft_budget_ms,
-            recipe.stall_timeout_ms,
-            engine,
-            f"{replica.url}{recipe.metrics_path}" if engine else None,
+        probe = recipe_probe(recipe, recipe.agent_engine(simulated=not recipe.command))
+        entries.append(
+            AgentReplica(
+                id=replica.id,
+                health_url=f"{replica.url}{recipe.health_path}",
+                gpu=replica.gpu,
+                # The simulated replica serves the recipe's name.
+                probe=None if probe is None else dataclasses.replace(probe, model=recipe.name),
+                metrics_url=f"{replica.url}{recipe.metrics_path}",
+            )
         )
-    return "\n".join(lines) + "\n"
+    return agent_config_toml(
+        AgentConfig(
+            node=node,
+            state_file=str(state_file),
+            control_token=token,
+            agent_check=f"{state.address}:{state.agent_port}",
+            http=f"{state.address}:{state.http_port}",
+            replicas=tuple(entries),
+            tables={"intervals": intervals, "simulate": {"gpus": gpus}},
+        )
+    )
 
 
 class LocalCluster:
@@ -421,7 +419,7 @@ class LocalCluster:
             host = self.host_of(node.site)
             state = AgentState(key, mine[0].agent_port, free_port(), 0, str(path), host.address)
             path.write_text(
-                agent_config_toml(
+                local_agent_config(
                     key,
                     node.gpu_count,
                     state,
@@ -464,12 +462,16 @@ class LocalCluster:
         pools = balancer_pools(self.stack, self.placement, locate)
         socket_path = self.directory / "haproxy.sock"
         prometheus = free_port()
-        settings = BalancerSettings(
+        # The stack's settings, timers included, as `denv plan` shows them; only where HAProxy
+        # listens and keeps its files is local (plain HTTP: no certificate is installed here).
+        settings = dataclasses.replace(
+            balancer_settings(self.stack),
             bind_address=self.balancer.address,
             port=self.port,
-            api_key_digests=self.stack.balancer.api_key_digests,
+            tls_cert_path=None,
             stats_socket=str(socket_path),
             prometheus_port=prometheus,
+            prometheus_address=None,
             state_file=str(self.directory / "haproxy.state"),
         )
         self._pools, self._settings = pools, settings

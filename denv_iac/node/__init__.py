@@ -9,7 +9,6 @@ from denv_iac.node.facts import GpuInfo, MigDevice, NodeFacts, parse_facts
 from denv_iac.node.plan import fact_query, plan_node
 from denv_iac.node.repair import RepairLevel, RepairReport, StepReport, repair_node
 from denv_iac.node.spec import (
-    CACHE_MOUNT_POINT,
     AgentSettings,
     CacheDirs,
     CacheVolume,
@@ -22,6 +21,7 @@ from denv_iac.node.spec import (
     spec_from_json,
 )
 from denv_iac.node.steps import FileContent, Step
+from denv_iac.sites import CACHE_MOUNT_POINT
 
 __all__ = [
     "CACHE_MOUNT_POINT",

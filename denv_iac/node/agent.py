@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import posixpath
 import shlex
+from dataclasses import asdict
 
+from denv_iac.agent_config import AgentConfig, AgentProbe, AgentReplica, agent_config_toml
 from denv_iac.node import overlay
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps
@@ -13,7 +14,6 @@ from denv_iac.node.facts import AGENT_VENV, NodeFacts
 from denv_iac.node.holders import AGENT
 from denv_iac.node.spec import NodeDeploySpec, NodeSpecError
 from denv_iac.node.steps import UNIT_DIR, FileContent, Step, text_file, unit_path
-from denv_iac.spec.model import agent_replica_checks
 
 UNIT = AGENT  # its name is set with the other NVML holders
 CONFIG = "/etc/denv/agent.toml"  # the agent's default, so `denv-agent drain` needs no flag
@@ -26,47 +26,40 @@ DIST_DIR = "/opt/denv/dist"
 
 def config(spec: NodeDeploySpec) -> FileContent:
     """The agent's TOML config (the format `denv-agent --config` reads; see agent/README.md)."""
-    lines = [
-        f"node = {_toml(spec.node_id)}",
-        f"state_file = {_toml(STATE_FILE)}",
-        f"control_token_file = {_toml(TOKEN)}",
-        "",
-        "[listen]",
-        # HAProxy polls agent-check from the balancers (the host firewall admits only them),
-        # over the overlay when the node is on it; the control endpoint stays local, reached
-        # over SSH.
-        f'agent_check = "{spec.listen_address or "0.0.0.0"}:{spec.agent_port}"',
-        f'http = "127.0.0.1:{spec.agent_port + 1}"',
-    ]
-    for table, values in sorted(spec.agent.config.items()):
-        if isinstance(values, dict):
-            lines += ["", f"[{table}]", *(f"{k} = {_toml(v)}" for k, v in sorted(values.items()))]
-    for replica in spec.replicas:
-        lines += [
-            "",
-            "[[replicas]]",
-            f"id = {_toml(replica.id)}",
-            f"health_url = {_toml(f'http://127.0.0.1:{replica.port}{replica.health_path}')}",
-            f"gpu = {replica.gpu}",
-        ]
-        probe = replica.probe
-        if probe is not None:
-            metrics = f"http://127.0.0.1:{replica.port}{probe.metrics_path}"
-            lines += agent_replica_checks(
-                probe.model,
-                probe.ttft_budget_ms,
-                probe.stall_budget_ms,
-                probe.engine,
-                metrics if probe.engine else None,
-            )
-    return text_file(CONFIG, "\n".join(lines) + "\n")
-
-
-def _toml(value: object) -> str:
-    """A TOML scalar: JSON's string and number syntax is valid TOML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(value)
+    replicas = tuple(
+        AgentReplica(
+            id=replica.id,
+            health_url=f"http://127.0.0.1:{replica.port}{replica.health_path}",
+            gpu=replica.gpu,
+            probe=None if replica.probe is None else AgentProbe(**asdict(replica.probe)),
+            metrics_url=(
+                None
+                if replica.probe is None
+                else f"http://127.0.0.1:{replica.port}{replica.probe.metrics_path}"
+            ),
+        )
+        for replica in spec.replicas
+    )
+    tables = {
+        table: dict(sorted(values.items()))
+        for table, values in sorted(spec.agent.config.items())
+        if isinstance(values, dict)
+    }
+    text = agent_config_toml(
+        AgentConfig(
+            node=spec.node_id,
+            state_file=STATE_FILE,
+            control_token_file=TOKEN,
+            # HAProxy polls agent-check from the balancers (the host firewall admits only
+            # them), over the overlay when the node is on it; the control endpoint stays local,
+            # reached over SSH.
+            agent_check=f"{spec.listen_address or '0.0.0.0'}:{spec.agent_port}",
+            http=f"127.0.0.1:{spec.agent_port + 1}",
+            replicas=replicas,
+            tables=tables,
+        )
+    )
+    return text_file(CONFIG, text)
 
 
 def unit(spec: NodeDeploySpec) -> FileContent:

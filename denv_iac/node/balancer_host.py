@@ -7,7 +7,13 @@ import re
 from dataclasses import dataclass
 
 from denv_iac.balancer.files import CONFIG_FILE_NAME, relocate_maps
-from denv_iac.balancer.model import STATS_SOCKET, RenderedConfig
+from denv_iac.balancer.model import (
+    GATEWAY_CA_PATH,
+    GATEWAY_CLIENT_PATH,
+    STATS_SOCKET,
+    TLS_CERT_PATH,
+    RenderedConfig,
+)
 from denv_iac.node import firewall, overlay
 from denv_iac.node.deploy import Progress, Target, connect, quiet_progress
 from denv_iac.node.facts import FactQuery, NodeFacts
@@ -23,12 +29,6 @@ from denv_iac.node.steps import (
 )
 
 CONFIG = "/etc/haproxy/haproxy.cfg"
-CONFIG_DIR = "/etc/haproxy/denv"  # the map files and the certificate the config reads
-TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"  # certificate and key in one PEM, as `ssl crt` reads it
-# Mutual TLS to Kubernetes gateways: the stack's CA, which the gateways' certificates must be
-# signed by, and the balancer's client certificate and key in one PEM.
-GATEWAY_CA_PATH = f"{CONFIG_DIR}/gateway-ca.pem"
-GATEWAY_CLIENT_PATH = f"{CONFIG_DIR}/gateway-client.pem"
 STAGING = "/etc/haproxy/denv-staged"
 UNIT = "haproxy.service"
 RUN_DIR = posixpath.dirname(STATS_SOCKET)

@@ -7,10 +7,11 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from denv_iac.sites import CACHE_MOUNT_POINT
 from denv_iac.spec.model import ENGINES, WIREGUARD_PORT
 from denv_iac.spec.values import (
     CACHE_ENV,
@@ -62,10 +63,6 @@ class CacheDirs:
 
     def paths(self) -> tuple[str, str, str]:
         return (self.hf_home, self.vllm_cache, self.inductor_cache)
-
-
-# Where a site's persistent cache storage is mounted when the site does not say otherwise.
-CACHE_MOUNT_POINT = "/var/cache/denv"
 
 
 @dataclass(frozen=True)
@@ -372,6 +369,24 @@ def spec_from_json(data: Mapping[str, Any]) -> NodeDeploySpec:
         # The dataclass constructors name the unknown or missing field in their message.
         message = str(error).split("__init__() ", 1)[-1]
         raise NodeSpecError([f"spec: {message}; see docs/node.md for the fields"]) from None
+
+
+def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
+    """The JSON form `spec_from_json` reads: what a NodeSetup keeps in its inputs."""
+    data: dict[str, Any] = json.loads(json.dumps(asdict(spec)))
+    # Added after the first release: left out when unset, so the state of a stack that does
+    # not use them stays as it was and its next preview shows no change.
+    for replica in data["replicas"]:
+        if replica["probe"] is None:
+            del replica["probe"]
+    if not data["admin_cidrs"]:
+        del data["admin_cidrs"]
+    if data["ssh_port"] == NodeDeploySpec.ssh_port:
+        del data["ssh_port"]
+    if not data["listen_address"]:  # off the overlay: neither its address nor its port
+        for key in ("listen_address", "overlay_port", "overlay_senders"):
+            del data[key]
+    return data
 
 
 def load_spec(path: Path) -> NodeDeploySpec:

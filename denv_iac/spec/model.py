@@ -1,6 +1,5 @@
 """The validated model of a stack: sites, recipes, the balancer. Plain data, no Pulumi."""
 
-import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -244,31 +243,3 @@ class StackSpec:
 
     def site(self, name: str) -> SiteSpec:
         return next(s for s in self.sites if s.name == name)
-
-
-def agent_replica_checks(
-    model: str,
-    ttft_budget_ms: int | None,
-    stall_budget_ms: int | None,
-    engine: str | None = None,
-    metrics_url: str | None = None,
-) -> list[str]:
-    """The agent config's lines (TOML) for a replica's stream probe and engine metrics.
-
-    The stream probe: a slow first token lowers the weight, a pause between tokens past the
-    stall budget (where the balancer cuts streams) drains it. The engine's metrics: requests
-    running with no token for the stall budget take it down, its queue lowers the weight.
-    """
-    lines: list[str] = []
-    if ttft_budget_ms is not None:
-        lines.append(f"ttft_budget_ms = {ttft_budget_ms}")
-    if ttft_budget_ms is None and engine is None:
-        return lines
-    if stall_budget_ms is not None:
-        lines.append(f"stall_budget_ms = {stall_budget_ms}")
-    lines.append(f"probe_model = {json.dumps(model)}")
-    if engine is not None:
-        lines.append(f"engine = {json.dumps(engine)}")
-        if metrics_url is not None:
-            lines.append(f"metrics_url = {json.dumps(metrics_url)}")
-    return lines

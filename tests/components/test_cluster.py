@@ -9,10 +9,10 @@ import pytest
 
 from denv_iac.components import Cluster
 from denv_iac.components.cluster import SITE_BUILDERS, validate_cluster
-from denv_iac.components.node_setup import CLOUD_SITE_KINDS
 from denv_iac.components.preview import _address as mock_address
 from denv_iac.components.secrets import public_key_of
 from denv_iac.overlay import plan_overlay
+from denv_iac.sites import CLOUD_SITE_KINDS
 from denv_iac.spec.model import SITE_KINDS
 from denv_iac.spec.reader import StackError
 from tests.components import stacks

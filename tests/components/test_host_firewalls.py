@@ -9,7 +9,7 @@ import pytest
 
 from denv_iac.components.aws import SecurityGroupWiring
 from denv_iac.components.hcloud_firewall import hcloud_rules, overlay_firewall
-from denv_iac.components.security import OverlayAccess, balancer_ingress_rules, wireguard_rules
+from denv_iac.ingress import OverlayAccess, balancer_ingress_rules, wireguard_rules
 from denv_iac.spec.model import BalancerSpec
 from tests.components.harness import Run, run_program
 

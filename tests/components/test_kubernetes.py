@@ -13,7 +13,7 @@ import pytest
 from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
-from denv_iac.components.security import AGENT_PORT
+from denv_iac.ingress import AGENT_PORT
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program

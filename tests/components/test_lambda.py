@@ -126,9 +126,9 @@ def test_the_balancer_routes_voice_to_the_lambda_instances_addresses(overlay: bo
     run = _run(preview=False, args=args)
     config = run.outputs["haproxy_config"]
     servers = [line.split()[1:3] for line in config.splitlines() if "server voice." in line]
-    # Each replica is one server of its tier and one of the tier's realtime twin.
+    # Each replica is one server of its tier and one of each twin (realtime, speech).
     names = [f"voice.lambda-use1.node-{i}.0" for i in range(3)]
-    assert [s[0] for s in servers] == names * 2
+    assert [s[0] for s in servers] == names * 3
     # Through the tunnel at the nodes' overlay addresses; with it off, at their public ones.
     if overlay:
         stack, placement, _ = validate_cluster("prod", args)

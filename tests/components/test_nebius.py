@@ -15,10 +15,10 @@ from denv_iac.components.nebius import (
     offering_parts,
     port_groups,
 )
-from denv_iac.components.node_setup import CLOUD_SSH_USER
 from denv_iac.components.secrets import public_key_of
-from denv_iac.components.security import IngressRule
+from denv_iac.ingress import IngressRule
 from denv_iac.overlay import plan_overlay
+from denv_iac.sites import CLOUD_SSH_USER
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
@@ -171,9 +171,9 @@ def test_the_balancer_routes_voice_to_the_instances_addresses(overlay: bool) -> 
         for line in run.outputs["haproxy_config"].splitlines()
         if "server voice." in line
     ]
-    # Each replica is one server of its tier and one of the tier's realtime twin.
+    # Each replica is one server of its tier and one of each twin (realtime, speech).
     names = [f"voice.nebius-eun1.node-{i}.0" for i in range(3)]
-    assert sorted(s[0] for s in servers) == sorted(names * 2)
+    assert sorted(s[0] for s in servers) == sorted(names * 3)
     if overlay:  # through the tunnel, at the nodes' overlay addresses
         stack, placement, _ = validate_cluster("prod", args)
         plan = plan_overlay(stack, placement)

@@ -11,21 +11,18 @@ from typing import Any
 import pytest
 
 from denv_iac.balancer import RenderedConfig
+from denv_iac.balancer.model import TLS_CERT_PATH
 from denv_iac.components.aws import ebs_device
 from denv_iac.components.cluster import validate_cluster
-from denv_iac.components.node_setup import (
-    DeployRunner,
-    NodeSetup,
-    NodeSetupProvider,
-    node_deploy_specs,
-    spec_to_json,
-)
+from denv_iac.components.node_setup import DeployRunner, NodeSetup, NodeSetupProvider
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
-from denv_iac.node.balancer_host import TLS_CERT_PATH, GatewayCredentials
+from denv_iac.node.balancer_host import GatewayCredentials
 from denv_iac.node.firewall import BalancerAccess
+from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
+from denv_iac.node.spec import spec_to_json
 from denv_iac.node.steps import wants_link
 from denv_iac.overlay import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
 from denv_iac.placement import place_replicas

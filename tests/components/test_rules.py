@@ -3,7 +3,7 @@
 import pytest
 
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels, machine_name
-from denv_iac.components.security import (
+from denv_iac.ingress import (
     AGENT_PORT,
     IngressRule,
     OverlayAccess,

@@ -129,6 +129,28 @@ def test_stop_recorded_stops_only_its_own_processes(cluster: LocalCluster) -> No
     assert not any(alive(r.pid) for r in state.replicas)
 
 
+def test_local_up_runs_with_the_stacks_balancer_timers(tmp_path: Path) -> None:
+    timers = {
+        "connect_timeout_ms": 300,
+        "check_timeout_ms": 1500,
+        "check_inter_ms": 3000,
+        "agent_inter_ms": 2500,
+    }
+    stack = read_stack("t", {**CONFIG, "denv:balancer": {"sites": ["local"], "timers": timers}})
+    running = LocalCluster(stack, tmp_path / "run", free_endpoint_port())
+    running.up()
+    try:
+        settings = running.balancer_settings
+        assert {name: getattr(settings, name) for name in timers} == timers
+        config = (running.directory / "haproxy" / "haproxy.cfg").read_text()
+        assert "timeout connect 300ms" in config
+        assert "timeout check 1500ms" in config
+        assert "default-server check inter 3000ms fastinter 750ms" in config
+        assert "agent-inter 2500ms" in config
+    finally:
+        running.down()
+
+
 def test_remote_sites_are_refused(tmp_path: Path) -> None:
     with pytest.raises(StackError, match="runs local sites only"):
         LocalCluster(read_stack("t", valid_config()), tmp_path)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from denv_agent.config import parse
 
-from denv_iac.components.node_setup import node_deploy_specs
 from denv_iac.node import agent
+from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeSpecError, spec_from_json
 from denv_iac.placement import place_replicas
 from denv_iac.spec.reader import read_stack

@@ -18,12 +18,12 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
+from denv_iac.balancer.model import TLS_CERT_PATH
 from denv_iac.node import plan_balancer
 from denv_iac.node.balancer_host import (
     CONFIG,
     DROP_IN,
     STAGING,
-    TLS_CERT_PATH,
     fact_query,
     plan_host,
 )

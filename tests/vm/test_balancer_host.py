@@ -35,9 +35,9 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.balancer.model import STATS_SOCKET
+from denv_iac.balancer.model import CONFIG_DIR, STATS_SOCKET, TLS_CERT_PATH
 from denv_iac.local.replica_sim import READY_PREFIX
-from denv_iac.node.balancer_host import CONFIG, CONFIG_DIR, TLS_CERT_PATH
+from denv_iac.node.balancer_host import CONFIG
 from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
 from tests.vm.debian_repo import offer_packages

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from denv_iac.components.node_setup import spec_to_json
 from denv_iac.node import NodeDeploySpec, ReplicaSpec
 from denv_iac.node.agent import CONFIG
 from denv_iac.node.facts import AGENT_VENV
+from denv_iac.node.spec import spec_to_json
 from tests.node import standin
 from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS

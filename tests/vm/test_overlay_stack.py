@@ -43,13 +43,13 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.components.balancer import balancer_settings
-from denv_iac.components.node_setup import node_deploy_specs, spec_to_json
+from denv_iac.balancer.model import CONFIG_DIR
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.dataplane import balancer_pools
+from denv_iac.endpoint import balancer_settings
 from denv_iac.local.netns import call_in
-from denv_iac.node.balancer_host import CONFIG_DIR
-from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.from_stack import node_deploy_specs
+from denv_iac.node.spec import NodeDeploySpec, spec_to_json
 from denv_iac.overlay import (
     INTERFACE,
     OverlayPlan,

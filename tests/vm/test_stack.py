@@ -41,12 +41,12 @@ from typing import Any
 import pytest
 
 from denv_iac.balancer import RenderedConfig, render_haproxy_config
+from denv_iac.balancer.model import CONFIG_DIR
 from denv_iac.balancer.runtime import parse_stats_csv
-from denv_iac.components.balancer import balancer_settings, endpoint_url
-from denv_iac.components.node_setup import node_deploy_specs, spec_to_json
 from denv_iac.dataplane import balancer_pools
-from denv_iac.node.balancer_host import CONFIG_DIR
-from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.endpoint import balancer_settings, endpoint_url
+from denv_iac.node.from_stack import node_deploy_specs
+from denv_iac.node.spec import NodeDeploySpec, spec_to_json
 from denv_iac.ops.demo import count_replayed
 from denv_iac.ops.loadgen import StreamResult
 from denv_iac.placement import PlacedReplica

@@ -1,0 +1,81 @@
+"""What each placed node of a stack runs: the node deploys' input, built from the stack."""
+
+from dataclasses import asdict
+
+from denv_iac.agent_config import recipe_probe
+from denv_iac.node.spec import (
+    CacheDirs,
+    MigSlice,
+    NodeDeploySpec,
+    NodeSpecError,
+    ProbeSpec,
+    ReplicaSpec,
+)
+from denv_iac.overlay import plan_overlay
+from denv_iac.placement import Placement
+from denv_iac.plan import imageless_problems
+from denv_iac.sites import CLOUD_SITE_KINDS, cache_root, node_id
+from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, StackSpec
+from denv_iac.spec.ports import replica_port
+from denv_iac.spec.reader import StackError
+
+
+def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeDeploySpec]:
+    """What each placed node on an SSH site runs, by node id; StackError if one cannot run it.
+
+    The replicas' weights and compile caches go under the site's `cache_root`. The balancer
+    addresses are left out: they are known only once the hosts exist.
+    """
+    recipes = {recipe.name: recipe for recipe in stack.recipes}
+    problems = imageless_problems(stack, placement)
+    if problems:
+        raise StackError(problems)
+    overlay = plan_overlay(stack, placement)
+    specs = {}
+    for node in placement.nodes:
+        if stack.site(node.site).kind not in SSH_SITE_KINDS:
+            continue
+        replicas = tuple(
+            ReplicaSpec(
+                id=r.id,
+                image=recipes[r.pool].image,
+                port=replica_port(recipes[r.pool], r),
+                gpu=r.gpu,
+                command=recipes[r.pool].command,
+                mig_profile=r.share if recipes[r.pool].is_mig else None,
+                mig_instance=r.slice or 0,
+                env=dict(recipes[r.pool].env),
+                health_path=recipes[r.pool].health_path,
+                probe=_probe(recipes[r.pool]),
+            )
+            for r in placement.replicas
+            if (r.site, r.node) == (node.site, node.name)
+        )
+        mig = tuple(
+            MigSlice(m.gpu, m.profile, m.instances)
+            for m in placement.mig_layouts
+            if (m.site, m.node) == (node.site, node.name)
+        )
+        name = node_id(node.site, node.name)
+        site = stack.site(node.site)
+        root = cache_root(stack.name, site)
+        try:
+            specs[name] = NodeDeploySpec(
+                node_id=name,
+                image_driver=site.kind in CLOUD_SITE_KINDS,
+                mig=mig,
+                cache=CacheDirs() if root is None else CacheDirs.under(root),
+                replicas=replicas,
+                admin_cidrs=site.admin_cidrs,
+                listen_address=overlay.address_of(node.site, node.name) if overlay.on else "",
+                overlay_port=stack.balancer.overlay.port,
+            )
+        except NodeSpecError as error:
+            where = f"sites: {node.site}.{node.name}"
+            raise StackError([f"{where}: {p}" for p in error.problems]) from None
+    return specs
+
+
+def _probe(recipe: RecipeSpec) -> ProbeSpec | None:
+    probe = recipe_probe(recipe)
+    return None if probe is None else ProbeSpec(**asdict(probe))
