@@ -11,6 +11,7 @@ from typing import Any
 import pulumi
 from cryptography.hazmat.primitives import serialization
 
+from denv_iac.spec.fields import is_empty_secret
 from denv_iac.spec.reader import ROBOT_FIELDS
 
 SITE_SECRET_FIELDS = ("ssh_private_key", "api_key", "kubeconfig", *ROBOT_FIELDS)
@@ -40,13 +41,18 @@ def recipe_env_secrets(secrets: SecretValues, recipe: str) -> dict[str, pulumi.O
     }
 
 
+def _seal(value: Mapping[str, Any]) -> dict[str, Any]:
+    # An empty secret stays as given, for read_stack to refuse as `denv plan` does.
+    return dict(value) if is_empty_secret(value) else {"secure": _SEAL}
+
+
 def _take(owner: str, raw: Mapping[str, Any], fields: tuple[str, ...], found: SecretValues) -> Any:
     sealed = dict(raw)
     for field in fields:
         value = raw.get(field)
         if isinstance(value, Mapping) and set(value) == {"secure"}:
             found[(owner, field)] = pulumi.Output.secret(value["secure"])
-            sealed[field] = {"secure": _SEAL}
+            sealed[field] = _seal(value)
     return sealed
 
 
@@ -59,7 +65,7 @@ def _take_env(recipe: Any, found: SecretValues) -> Any:
         if isinstance(value, Mapping) and set(value) == {"secure"}:
             owner = recipe_owner(str(recipe.get("name", "")))
             found[(owner, env_field(str(variable)))] = pulumi.Output.secret(value["secure"])
-            sealed[variable] = {"secure": _SEAL}
+            sealed[variable] = _seal(value)
     return {**recipe, "env": sealed}
 
 
