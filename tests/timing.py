@@ -11,15 +11,20 @@ each overshoot to the file `DENV_TIMING_LOG` names: the margin below comes from 
 import os
 
 TIMER_SLACK_S = 0.1
+# A replica back in rotation after its fault cleared waits on health checks and agent polls,
+# each a scheduled task on the busy machine: measured up to 0.46 s past its 1 s at a load of 7.
+RECOVERY_SLACK_S = 1.0
 
 
-def assert_within(elapsed_s: float, budget_s: float, what: str) -> None:
+def assert_within(
+    elapsed_s: float, budget_s: float, what: str, margin_s: float = TIMER_SLACK_S
+) -> None:
     """`elapsed_s` is at most `budget_s` plus the margin; the overshoot is logged when asked."""
     overshoot_s = elapsed_s - budget_s
     if log := os.environ.get("DENV_TIMING_LOG"):
         with open(log, "a", encoding="utf-8") as file:
             file.write(f"{what}\t{budget_s:.3f}\t{overshoot_s:.4f}\n")
-    assert overshoot_s < TIMER_SLACK_S, (
+    assert overshoot_s < margin_s, (
         f"{what}: {elapsed_s:.3f} s, {overshoot_s * 1000:.0f} ms past its {budget_s:.3f} s "
-        f"budget (the margin is {TIMER_SLACK_S * 1000:.0f} ms)"
+        f"budget (the margin is {margin_s * 1000:.0f} ms)"
     )

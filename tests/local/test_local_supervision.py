@@ -31,6 +31,13 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     running.down()
 
 
+def _stack_project(tmp_path: Path) -> Path:
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "Pulumi.yaml").write_text("name: t\nruntime: python\n")
+    (tmp_path / "stacks" / "Pulumi.t.yaml").write_text(yaml.safe_dump({"config": CONFIG}))
+    return tmp_path
+
+
 def _supervise_until(cluster: LocalCluster, done: object, timeout_s: float = 10) -> list[str]:
     lines: list[str] = []
     deadline = time.monotonic() + timeout_s
@@ -149,9 +156,7 @@ def test_a_second_lock_on_one_stack_is_refused_with_the_holder(tmp_path: Path) -
 
 
 def test_two_local_up_of_one_stack_the_second_fails_and_orphans_nothing(tmp_path: Path) -> None:
-    (tmp_path / "stacks").mkdir()
-    (tmp_path / "Pulumi.yaml").write_text("name: t\nruntime: python\n")
-    (tmp_path / "stacks" / "Pulumi.t.yaml").write_text(yaml.safe_dump({"config": CONFIG}))
+    _stack_project(tmp_path)
     denv = [sys.executable, "-m", "denv_iac", "local", "up", "--stack", "t", "--quiet"]
     port = str(free_endpoint_port())
     first = subprocess.Popen(
@@ -187,9 +192,7 @@ def test_two_local_up_of_one_stack_the_second_fails_and_orphans_nothing(tmp_path
 
 
 def test_a_left_over_state_file_is_dropped(tmp_path: Path) -> None:
-    (tmp_path / "stacks").mkdir()
-    (tmp_path / "Pulumi.yaml").write_text("name: t\nruntime: python\n")
-    (tmp_path / "stacks" / "Pulumi.t.yaml").write_text(yaml.safe_dump({"config": CONFIG}))
+    _stack_project(tmp_path)
     run = tmp_path / ".denv" / "t"
     run.mkdir(parents=True)
     # Recorded processes that are long gone (pids no process of ours has).
@@ -227,13 +230,6 @@ def test_a_left_over_state_file_is_dropped(tmp_path: Path) -> None:
             timeout=60,
         )
     assert down.stdout.strip() == "stopped 7 processes"
-
-
-def _stack_project(tmp_path: Path) -> Path:
-    (tmp_path / "stacks").mkdir()
-    (tmp_path / "Pulumi.yaml").write_text("name: t\nruntime: python\n")
-    (tmp_path / "stacks" / "Pulumi.t.yaml").write_text(yaml.safe_dump({"config": CONFIG}))
-    return tmp_path
 
 
 def _ignore_sigint() -> None:
