@@ -136,7 +136,8 @@ def handshake_response(headers: dict[str, str], extra: dict[str, str]) -> bytes 
 
 
 class WebSocketClosed(ConnectionError):
-    """The connection ended without a closing handshake, or the peer broke the protocol."""
+    """The session is over: the socket ended without a closing handshake, the peer broke the
+    protocol, or its close frame was already received."""
 
 
 class WebSocket:
