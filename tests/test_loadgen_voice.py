@@ -3,9 +3,13 @@ direct path, the transcription upload, the transcript answer, and the client's W
 
 import asyncio
 import io
+import socket
 import wave
 
 import pytest
+from websockets.frames import Close, Frame, Opcode
+from websockets.protocol import Protocol as WsProtocol
+from websockets.protocol import Side
 
 from denv_iac.local import voice_sim
 from denv_iac.ops.loadgen import (
@@ -92,26 +96,100 @@ def test_the_upload_is_a_playable_wav_in_a_form_the_simulator_reads() -> None:
     assert upload.audio == wav(1.0)
 
 
+Peer = tuple[voice_sim.WebSocket, WsProtocol, asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _pair(side: Side) -> Peer:
+    """A WebSocket on one end of a socket pair, and on the other a bare sans-IO peer of the
+    other side, whose bytes the test writes and reads itself."""
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=ours)
+    peer_reader, peer_writer = await asyncio.open_connection(sock=theirs)
+    peer = WsProtocol(Side.CLIENT if side is Side.SERVER else Side.SERVER)
+    return voice_sim.WebSocket(reader, writer, side), peer, peer_reader, peer_writer
+
+
+async def _peer_frames(peer: WsProtocol, reader: asyncio.StreamReader) -> list[Frame]:
+    """The frames the peer receives until the WebSocket's side has sent something."""
+    frames: list[Frame] = []
+    while not frames:
+        data = await reader.read(65536)
+        if data:
+            peer.receive_data(data)
+        else:
+            peer.receive_eof()
+        frames = [e for e in peer.events_received() if isinstance(e, Frame)]
+    return frames
+
+
 @pytest.mark.parametrize("size", [0, 5, 125, 126, 65535, 65536, 70_001])
 def test_a_masked_client_frame_reads_back_whole(size: int) -> None:
     payload = bytes(range(256)) * (size // 256 + 1)
     payload = payload[:size]
-    frame = voice_sim.encode_frame(voice_sim.OpCode.TEXT, payload, b"\x01\x80\xfe\x7f")
+
+    async def main() -> tuple[bytes, tuple[Opcode, bytes]]:
+        ws, peer, _, writer = await _pair(Side.SERVER)
+        peer.send_binary(payload)
+        frame = b"".join(peer.data_to_send())
+        writer.write(frame)
+        await writer.drain()
+        return frame, await ws.receive()
+
+    frame, message = asyncio.run(asyncio.wait_for(main(), 5))
     assert frame[1] & 0x80  # the mask bit: a server must refuse an unmasked client frame
     assert payload not in frame or size < 4
-
-    async def read() -> tuple[int, bytes]:
-        reader = asyncio.StreamReader()
-        reader.feed_data(frame)
-        reader.feed_eof()
-        return await voice_sim.read_frame(reader)
-
-    assert asyncio.run(read()) == (voice_sim.OpCode.TEXT, payload)
+    assert message == (Opcode.BINARY, payload)
 
 
-def test_masking_twice_gives_the_payload_back() -> None:
-    mask = b"\xa5\x5a\x00\xff"
-    masked = voice_sim.apply_mask(b"hello realtime", mask)
-    assert masked != b"hello realtime"
-    assert voice_sim.apply_mask(masked, mask) == b"hello realtime"
-    assert masked[0] == ord("h") ^ 0xA5 and masked[4] == ord("o") ^ 0xA5
+@pytest.mark.parametrize("side", [Side.SERVER, Side.CLIENT])
+def test_a_message_fragmented_around_a_ping_arrives_whole_and_the_ping_is_answered(
+    side: Side,
+) -> None:
+    """RFC 6455 5.4: control frames may come between the fragments of a message."""
+
+    async def main() -> tuple[tuple[Opcode, bytes], list[Frame]]:
+        ws, peer, reader, writer = await _pair(side)
+        peer.send_text(b'{"type":', fin=False)
+        peer.send_ping(b"between")
+        peer.send_continuation(b'"response', fin=False)
+        peer.send_continuation(b'.create"}', fin=True)
+        for chunk in peer.data_to_send():
+            writer.write(chunk)
+            await writer.drain()
+        message = await ws.receive()
+        return message, await _peer_frames(peer, reader)
+
+    message, answers = asyncio.run(asyncio.wait_for(main(), 5))
+    assert message == (Opcode.TEXT, b'{"type":"response.create"}')
+    assert [(f.opcode, f.data) for f in answers] == [(Opcode.PONG, b"between")]
+
+
+def test_an_unmasked_client_frame_is_refused_with_a_protocol_error_close() -> None:
+    async def main() -> list[Frame]:
+        ws, peer, reader, writer = await _pair(Side.SERVER)
+        writer.write(bytes([0x81, 5]) + b"hello")  # a final text frame, no mask
+        await writer.drain()
+        with pytest.raises(voice_sim.WebSocketClosed):
+            await ws.receive()
+        return await _peer_frames(peer, reader)
+
+    answers = asyncio.run(asyncio.wait_for(main(), 5))
+    assert [f.opcode for f in answers] == [Opcode.CLOSE]
+    assert Close.parse(answers[0].data).code == 1002
+
+
+def test_a_close_from_the_peer_is_answered_and_ends_the_session() -> None:
+    async def main() -> tuple[tuple[Opcode, bytes], list[Frame]]:
+        ws, peer, reader, writer = await _pair(Side.CLIENT)
+        peer.send_close(1000)
+        writer.write(b"".join(peer.data_to_send()))
+        await writer.drain()
+        message = await ws.receive()
+        answers = await _peer_frames(peer, reader)
+        with pytest.raises(voice_sim.WebSocketClosed):
+            await ws.receive()
+        return message, answers
+
+    message, answers = asyncio.run(asyncio.wait_for(main(), 5))
+    assert message[0] is Opcode.CLOSE and Close.parse(message[1]).code == 1000
+    assert [f.opcode for f in answers] == [Opcode.CLOSE]

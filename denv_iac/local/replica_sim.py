@@ -8,7 +8,8 @@ multipart upload, `GET /v1/realtime` over WebSocket; see voice_sim), `GET /healt
 it received, so tests can prove a request was never replayed) and `POST /control/fault` to make
 it fail the ways real replicas do (only with `Authorization: Bearer <control token>`, see
 control_headers). Plain asyncio and a minimal HTTP/1.1, so that it is never the bottleneck of a
-measurement and needs nothing beyond the standard library.
+measurement; beyond the standard library it needs only the `websockets` sans-IO protocol, which
+frames the realtime sessions (see voice_sim).
 
 Chat, speech and transcription each have the capacity of an engine (see engine_sim): a few
 slots and a FIFO queue behind them. As a uvicorn/starlette StreamingResponse does, a streamed
@@ -41,6 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from websockets.frames import Opcode
+from websockets.protocol import Side
+
 from denv_iac.local import voice_sim
 from denv_iac.local.engine_sim import (
     Capacity,
@@ -51,7 +55,6 @@ from denv_iac.local.engine_sim import (
     render_metrics,
     total,
 )
-from denv_iac.local.voice_sim import OpCode
 from denv_iac.spec.model import SIMULATED_ENGINES, SIMULATED_SPEECH, SimulatedServer
 
 READY_PREFIX = "replica_sim ready"
@@ -610,22 +613,18 @@ class ReplicaSim:
         self._count(request.headers.get("x-request-id"))
         await self._hang_if_asked()
         writer.write(handshake)
-        session = _RealtimeSession(self, writer, request)
+        ws = voice_sim.WebSocket(reader, writer, Side.SERVER)
+        session = _RealtimeSession(self, ws, request)
         await session.send("session.created", session=session.config())
         while True:
             try:
-                opcode, payload = await voice_sim.read_frame(reader)
-            except (asyncio.IncompleteReadError, ValueError):
+                opcode, payload = await ws.receive()
+            except voice_sim.WebSocketClosed:
                 return
-            if opcode == OpCode.CLOSE:
-                writer.write(voice_sim.encode_frame(OpCode.CLOSE, payload[:2]))
-                await writer.drain()
+            if opcode == Opcode.CLOSE:  # the protocol has sent the answering close frame
                 writer.close()
                 return
-            if opcode == OpCode.PING:
-                writer.write(voice_sim.encode_frame(OpCode.PONG, payload))
-                await writer.drain()
-            elif opcode == OpCode.TEXT:
+            if opcode == Opcode.TEXT:
                 await session.on_event(payload)
 
     def _gap_s(self, index: int, itl_s: float) -> float:
@@ -685,8 +684,8 @@ class _RealtimeSession:
     (`openai.types.realtime`), e.g. `response.output_audio.delta`, not the beta
     `response.audio.delta`."""
 
-    def __init__(self, sim: ReplicaSim, writer: asyncio.StreamWriter, request: _Request) -> None:
-        self.sim, self.writer = sim, writer
+    def __init__(self, sim: ReplicaSim, ws: voice_sim.WebSocket, request: _Request) -> None:
+        self.sim, self.ws = sim, ws
         self.seq = 0
         self.turns = 0
         query = request.path.partition("?")[2]
@@ -711,8 +710,7 @@ class _RealtimeSession:
 
     async def send(self, kind: str, **fields: Any) -> None:
         self.seq += 1
-        self.writer.write(voice_sim.realtime_event(kind, self.seq, **fields))
-        await self.writer.drain()
+        await self.ws.send_text(voice_sim.realtime_event(kind, self.seq, **fields))
 
     async def on_event(self, payload: bytes) -> None:
         try:
@@ -771,7 +769,7 @@ class _RealtimeSession:
             await _sleep_until(due)
             if index == die_after:
                 sim.stats.realtime_turns_aborted += 1
-                _reset(self.writer)
+                _reset(self.ws.writer)
                 raise _ConnectionAborted
             audio = base64.b64encode(voice_sim.audio_frame(index)).decode()
             await self.send("response.output_audio.delta", **at_part, delta=audio)

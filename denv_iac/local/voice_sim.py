@@ -1,40 +1,40 @@
 """The voice protocols of the simulated replica: streamed speech, transcription of an upload,
-and realtime sessions over WebSocket (RFC 6455, the few frames a realtime turn needs).
+and realtime sessions over WebSocket.
+
+WebSocket framing (RFC 6455: masking, fragmented messages with control frames between their
+fragments, pings, the closing handshake) is the `websockets` library's sans-IO protocol, started
+open after the HTTP upgrade; `WebSocket` moves its bytes over an asyncio connection, for the
+replica's `/v1/realtime` and the load generator's realtime client alike.
 
 Audio is PCM16 mono at 24 kHz, sent in 20 ms frames (480 samples, 960 bytes), as OpenAI's
 realtime API and `response_format=pcm` speech send it. Timing follows the replica's config: the
 first audio frame `ttft_ms` after the request (or after `response.create`), then one frame
-every `itl_ms`, `tokens` frames per answer. Standard library only.
+every `itl_ms`, `tokens` frames per answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import math
 import struct
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from websockets.frames import Frame, Opcode
+from websockets.protocol import SEND_EOF, Protocol, Side, State
+from websockets.utils import accept_key
 
 SAMPLE_RATE = 24_000
 FRAME_MS = 20
 FRAME_SAMPLES = SAMPLE_RATE * FRAME_MS // 1000
 FRAME_BYTES = FRAME_SAMPLES * 2  # PCM16 mono
-_WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-_MAX_FRAME_BYTES = 16 * 1024 * 1024
+_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_READ_BYTES = 64 * 1024
 # Subprotocols a realtime client may offer (OpenAI's browser form sends its key and beta flag
 # as subprotocols too); the answer names `realtime` when offered.
 REALTIME_SUBPROTOCOL = "realtime"
-
-
-class OpCode:
-    TEXT = 0x1
-    BINARY = 0x2
-    CLOSE = 0x8
-    PING = 0x9
-    PONG = 0xA
 
 
 def audio_frame(index: int) -> bytes:
@@ -112,7 +112,8 @@ def transcript_text(upload: Upload) -> str:
 
 
 def websocket_accept(key: str) -> str:
-    return base64.b64encode(hashlib.sha1((key + _WS_GUID).encode()).digest()).decode()
+    """The `Sec-WebSocket-Accept` answer to a client's `Sec-WebSocket-Key` (RFC 6455 4.2.2)."""
+    return accept_key(key)
 
 
 def handshake_response(headers: dict[str, str], extra: dict[str, str]) -> bytes | None:
@@ -134,54 +135,78 @@ def handshake_response(headers: dict[str, str], extra: dict[str, str]) -> bytes 
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def apply_mask(payload: bytes, mask: bytes) -> bytes:
-    """`payload` XOR the repeated 4-byte `mask` (masking and unmasking are the same)."""
-    if not mask or not payload:
-        return payload
-    key = (mask * (len(payload) // 4 + 1))[: len(payload)]
-    masked = int.from_bytes(payload, "big") ^ int.from_bytes(key, "big")
-    return masked.to_bytes(len(payload), "big")
+class WebSocketClosed(ConnectionError):
+    """The session is over: the socket ended without a closing handshake, the peer broke the
+    protocol, or its close frame was already received."""
 
 
-def encode_frame(opcode: int, payload: bytes, mask: bytes = b"") -> bytes:
-    """A final frame: unmasked as a server sends it, or masked by the 4-byte `mask` as a client
-    must send it (RFC 6455 5.3)."""
-    length = len(payload)
-    masked = 0x80 if mask else 0
-    if length < 126:
-        head = struct.pack("!BB", 0x80 | opcode, masked | length)
-    elif length < 1 << 16:
-        head = struct.pack("!BBH", 0x80 | opcode, masked | 126, length)
-    else:
-        head = struct.pack("!BBQ", 0x80 | opcode, masked | 127, length)
-    return head + mask + apply_mask(payload, mask)
+class WebSocket:
+    """One side of an open WebSocket connection (after the HTTP upgrade) over asyncio streams.
 
+    The `websockets` sans-IO protocol does the framing: it unmasks and masks, answers pings and
+    the peer's close frame, and refuses what RFC 6455 forbids; this class feeds it the bytes read,
+    writes the bytes it has to send, and joins the fragments of a message. No task or thread of
+    its own: a read happens only inside `receive()`, so a caller's timeout bounds it.
+    """
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """One whole message (fragments joined); IncompleteReadError when the peer is gone."""
-    opcode, message = 0, b""
-    while True:
-        first, second = await reader.readexactly(2)
-        length = second & 0x7F
-        if length == 126:
-            (length,) = struct.unpack("!H", await reader.readexactly(2))
-        elif length == 127:
-            (length,) = struct.unpack("!Q", await reader.readexactly(8))
-        if length > _MAX_FRAME_BYTES:
-            raise ValueError("frame too large")
-        mask = await reader.readexactly(4) if second & 0x80 else b""
-        payload = await reader.readexactly(length)
-        payload = apply_mask(payload, mask)
-        frame_opcode = first & 0x0F
-        if frame_opcode >= 0x8:  # control frames come whole, between fragments too
-            return frame_opcode, payload
-        if frame_opcode:
-            opcode = frame_opcode
-        message += payload
-        if first & 0x80:
-            return opcode, message
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, side: Side
+    ) -> None:
+        self.reader, self.writer = reader, writer
+        self.protocol = Protocol(side, state=State.OPEN, max_size=_MAX_MESSAGE_BYTES)
+        self._frames: deque[Frame] = deque()
+        self._opcode: Opcode | None = None
+        self._parts: list[bytes] = []
+
+    async def receive(self) -> tuple[Opcode, bytes]:
+        """The next whole message: TEXT or BINARY with its fragments joined (control frames
+        between them are answered on the way), or CLOSE with the peer's close payload, already
+        answered. WebSocketClosed when the socket ends without a close frame or the peer breaks
+        the protocol (a close frame naming the error has been sent then)."""
+        while True:
+            while self._frames:
+                frame = self._frames.popleft()
+                if frame.opcode is Opcode.CLOSE:
+                    return Opcode.CLOSE, bytes(frame.data)
+                if frame.opcode is Opcode.TEXT or frame.opcode is Opcode.BINARY:
+                    self._opcode, self._parts = frame.opcode, [bytes(frame.data)]
+                elif frame.opcode is Opcode.CONT:
+                    self._parts.append(bytes(frame.data))
+                else:
+                    continue  # a ping (the protocol answered it) or a pong
+                if frame.fin and self._opcode is not None:
+                    opcode, parts = self._opcode, self._parts
+                    self._opcode, self._parts = None, []
+                    return opcode, b"".join(parts)
+            if self.protocol.parser_exc is not None or self.protocol.close_rcvd is not None:
+                raise WebSocketClosed(str(self.protocol.parser_exc or "closed"))
+            data = await self.reader.read(_READ_BYTES)
+            if data:
+                self.protocol.receive_data(data)
+            else:
+                self.protocol.receive_eof()
+            self._frames.extend(e for e in self.protocol.events_received() if isinstance(e, Frame))
+            await self._flush()
+
+    async def send_text(self, data: bytes) -> None:
+        """One text message (`data` is UTF-8), in one frame."""
+        self.protocol.send_text(data)
+        await self._flush()
+
+    async def close(self, code: int = 1000) -> None:
+        """Start the closing handshake (a close frame with `code`), when still open."""
+        if self.protocol.state is State.OPEN:
+            self.protocol.send_close(code)
+            await self._flush()
+
+    async def _flush(self) -> None:
+        data = [chunk for chunk in self.protocol.data_to_send() if chunk != SEND_EOF]
+        if data:
+            self.writer.write(b"".join(data))
+            await self.writer.drain()
 
 
 def realtime_event(kind: str, seq: int, **fields: Any) -> bytes:
+    """A realtime event as the UTF-8 JSON text of one message."""
     event = {"type": kind, "event_id": f"event_{seq}", **fields}
-    return encode_frame(OpCode.TEXT, json.dumps(event, separators=(",", ":")).encode())
+    return json.dumps(event, separators=(",", ":")).encode()

@@ -29,6 +29,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from websockets.frames import Opcode
+from websockets.protocol import Side
+
 from denv_iac.local import voice_sim
 
 Protocol = Literal["chat", "speech", "transcription", "realtime"]
@@ -194,6 +197,7 @@ class Connection:
         self.connect_timeout_s = connect_timeout_s
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._ws: voice_sim.WebSocket | None = None
         self._ssl = ssl.create_default_context() if endpoint.tls else None
 
     @property
@@ -210,6 +214,7 @@ class Connection:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
+        self._ws = None
 
     async def send(
         self, path: str, headers: dict[str, str], body: bytes | None, method: str = "POST"
@@ -225,21 +230,31 @@ class Connection:
         self._writer.write("\r\n".join(lines).encode("latin-1") + (body or b""))
         await self._writer.drain()
 
-    async def send_frame(self, opcode: int, payload: bytes) -> None:
-        """One WebSocket frame, masked as a client's must be (RFC 6455 5.3)."""
-        assert self._writer is not None
-        self._writer.write(voice_sim.encode_frame(opcode, payload, os.urandom(4)))
-        await self._writer.drain()
+    def upgrade(self) -> None:
+        """The connection carries a WebSocket from here on (after a 101 answer), as its client."""
+        assert self._reader is not None and self._writer is not None
+        self._ws = voice_sim.WebSocket(self._reader, self._writer, Side.CLIENT)
 
-    async def frame(self) -> tuple[int, bytes]:
-        """The next WebSocket message: its opcode and payload."""
-        assert self._reader is not None
-        reader = self._reader
+    async def send_text(self, payload: bytes) -> None:
+        """One WebSocket text message (masked, as a client's frames must be)."""
+        assert self._ws is not None
+        await self._ws.send_text(payload)
+
+    async def message(self) -> tuple[Opcode, bytes]:
+        """The next WebSocket message, whole: TEXT or BINARY, or CLOSE when the peer closed.
+        Pings are answered on the way."""
+        assert self._ws is not None
+        ws = self._ws
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await voice_sim.read_frame(reader)
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, ValueError) as error:
+                return await ws.receive()
+        except (ConnectionError, ssl.SSLError) as error:
             raise _Closed from error
+
+    async def close_websocket(self) -> None:
+        """A clean close: the close frame (1000), when the session is still open."""
+        if self._ws is not None:
+            await self._ws.close(1000)
 
     async def _read(self, read: Callable[[], Awaitable[bytes]]) -> bytes:
         try:
@@ -570,6 +585,7 @@ class RealtimeSession:
             if response.get("sec-websocket-accept") != voice_sim.websocket_accept(key):
                 return self._give_up("bad_answer")
             self.replica = response.get(REPLICA_HEADER, "")
+            self.connection.upgrade()
             while (event := await self._event()) is not None:
                 if event.get("type") == "session.created":
                     return ""
@@ -588,12 +604,10 @@ class RealtimeSession:
     async def _event(self) -> dict[str, object] | None:
         """The next event of the session; None when the peer sent a close."""
         while True:
-            opcode, payload = await self.connection.frame()
-            if opcode == voice_sim.OpCode.CLOSE:
+            opcode, payload = await self.connection.message()
+            if opcode == Opcode.CLOSE:
                 return None
-            if opcode == voice_sim.OpCode.PING:
-                await self.connection.send_frame(voice_sim.OpCode.PONG, payload)
-            elif opcode == voice_sim.OpCode.TEXT:
+            if opcode == Opcode.TEXT:
                 try:
                     event = json.loads(payload)
                 except ValueError:
@@ -613,7 +627,7 @@ class RealtimeSession:
         outcome = "aborted"
         try:
             create = json.dumps({"type": "response.create"}).encode()
-            await self.connection.send_frame(voice_sim.OpCode.TEXT, create)
+            await self.connection.send_text(create)
             while (event := await self._event()) is not None:
                 kind = event.get("type")
                 if kind in AUDIO_DELTA_EVENTS:
@@ -656,7 +670,7 @@ class RealtimeSession:
         """A clean close: the close frame (1000), then the socket."""
         if self.is_open:
             with contextlib.suppress(OSError):
-                await self.connection.send_frame(voice_sim.OpCode.CLOSE, (1000).to_bytes(2, "big"))
+                await self.connection.close_websocket()
         self.connection.close()
 
 

@@ -10,6 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.frames import Frame, Opcode
+from websockets.protocol import Protocol as WsProtocol
+from websockets.protocol import Side
 
 from denv_iac.local.replica_sim import (
     ReplicaProcess,
@@ -335,3 +338,48 @@ def test_two_replicas_get_different_tokens() -> None:
     first, second = ReplicaSimConfig("a.s.n.0"), ReplicaSimConfig("b.s.n.0")
     assert len(first.control_token) == 32 and first.control_token != second.control_token
     assert first.control_token not in repr(first)
+
+
+def test_a_realtime_message_fragmented_around_a_ping_is_answered_whole() -> None:
+    """RFC 6455 5.4: a client may send a ping between the fragments of a message; the replica
+    answers the ping and then the whole `response.create`."""
+
+    async def scenario(sim: ReplicaSim) -> None:
+        upgrade = (
+            "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        )
+        reader, writer = await request(sim, "GET", "/v1/realtime?model=voice", None, upgrade)
+        status, headers = await read_head(reader)
+        assert status == 101
+        assert headers["sec-websocket-accept"] == "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+        client = WsProtocol(Side.CLIENT)
+        received: list[Frame] = []
+
+        async def until(done: Callable[[Frame], bool]) -> None:
+            while not any(done(frame) for frame in received):
+                data = await reader.read(65536)
+                assert data, "the replica closed the session"
+                client.receive_data(data)
+                received.extend(e for e in client.events_received() if isinstance(e, Frame))
+
+        def event(frame: Frame) -> str:
+            return str(json.loads(frame.data)["type"]) if frame.opcode is Opcode.TEXT else ""
+
+        await until(lambda frame: event(frame) == "session.created")
+        client.send_text(b'{"type":"response', fin=False)
+        client.send_ping(b"mid-message")
+        client.send_continuation(b'.create"}', fin=True)
+        for chunk in client.data_to_send():
+            writer.write(chunk)
+            await writer.drain()
+        async with asyncio.timeout(3):
+            await until(lambda frame: event(frame) == "response.done")
+        pongs = [frame.data for frame in received if frame.opcode is Opcode.PONG]
+        assert pongs == [b"mid-message"]
+        kinds = [event(frame) for frame in received if frame.opcode is Opcode.TEXT]
+        assert kinds.count("response.output_audio.delta") == 3
+        assert sim.stats.realtime_turns_completed == 1
+        writer.close()
+
+    run_with_sim(scenario, ttft_ms=1, itl_ms=1, tokens=3)
