@@ -127,6 +127,10 @@ HEALTH_PATH = "/health"
 _HEALTH_OK = '{"status":"ok"}'
 _HEALTH_UNAVAILABLE = '{"status":"unavailable","message":"a pool has no healthy replica"}'
 MODELS_PATH = "/v1/models"
+# HAProxy builds a `return` answer in one buffer of tune.bufsize, less the room it keeps for
+# header rewrites (tune.maxrewrite, 1 KiB): a longer body came back empty with a 200, or as a
+# 500. The model list stays below this, leaving room for the answer's own headers.
+MODELS_LIST_LIMIT = 60 * 1024
 REQUEST_ID_HEADER = "X-Request-Id"
 # Every 503 of the endpoint tells the client when to try again; the OpenAI SDKs and most HTTP
 # clients honour it. One second: a voice turn frees a slot within about that.
@@ -172,6 +176,9 @@ def render_haproxy_config(
     Raises BalancerConfigError (a ValueError) naming the offending field.
     """
     validate_balancer_inputs(pools, settings, map_dir)
+    error = _models_list_error(name for pool in pools for name in (pool.name, *pool.models))
+    if error is not None:
+        raise error
     ordered = sorted(pools, key=lambda pool: pool.name)
     maps = _MapPaths(map_dir)
     relays = agent_relays(ordered, settings)
@@ -447,9 +454,35 @@ def _health_answer(pools: Sequence[BalancerPool]) -> list[str]:
 def _models_list(pools: Sequence[BalancerPool]) -> str:
     """OpenAI's `GET /v1/models` answer: each pool and its aliases (names are JSON-safe,
     validated)."""
-    names = sorted({name for pool in pools for name in (pool.name, *pool.models)})
-    models = ",".join(f'{{"id":"{name}","object":"model","owned_by":"denv"}}' for name in names)
+    return models_list({name for pool in pools for name in (pool.name, *pool.models)})
+
+
+def models_list(names: Iterable[str]) -> str:
+    """OpenAI's model list of these names, as the endpoint answers `GET /v1/models`."""
+    models = ",".join(
+        f'{{"id":"{name}","object":"model","owned_by":"denv"}}' for name in sorted(set(names))
+    )
     return f'{{"object":"list","data":[{models}]}}'
+
+
+def models_list_problem(names: Iterable[str]) -> str | None:
+    """Why the endpoint could not answer `GET /v1/models` whole with these model names, as one
+    line naming the field and the fix; None when it can. `denv plan` and the renderer both
+    refuse on it."""
+    error = _models_list_error(names)
+    return None if error is None else str(error)
+
+
+def _models_list_error(names: Iterable[str]) -> BalancerConfigError | None:
+    size = len(models_list(names).encode())
+    if size <= MODELS_LIST_LIMIT:
+        return None
+    return BalancerConfigError(
+        "recipes[].models",
+        f"the model list the endpoint answers on {MODELS_PATH} would be {size} bytes,"
+        f" over HAProxy's limit of {MODELS_LIST_LIMIT} (one buffer)",
+        "give fewer aliases or shorter names",
+    )
 
 
 def _config_word(text: str) -> str:
