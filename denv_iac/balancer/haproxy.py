@@ -61,6 +61,23 @@ _ERROR_NOT_JSON = (
     '{"error":{"type":"invalid_request_error","code":"invalid_json",'
     '"message":"the body is not a JSON object: send JSON, or multipart for audio uploads"}}'
 )
+_ERROR_AMBIGUOUS_MODEL = (
+    '{"error":{"type":"invalid_request_error","code":"ambiguous_model",'
+    '"message":"the body has more than one model key, or one spelled with \\\\u escapes:'
+    ' send model once, spelled plainly, or send the X-Denv-Pool header"}}'
+)
+# A key `model` of a JSON body, in every spelling a JSON parser reads as "model": each letter
+# plain or as a \u escape (JSON has no other escape for a letter). The quotes are raw, so
+# the match is a key, never text inside a string (where a quote is escaped), and the `{` or
+# `,` before it keeps a string's closing quote from starting a match. Keys at any depth count:
+# a regex cannot tell the top level from a nested object.
+_MODEL_KEY = (
+    r'[{,][[:space:]]*"(?:m|\\u006[dD])(?:o|\\u006[fF])(?:d|\\u0064)(?:e|\\u0065)'
+    r'(?:l|\\u006[cC])"[[:space:]]*:'
+)
+_MODEL_KEY_TWICE = f"{_MODEL_KEY}[\\s\\S]*?{_MODEL_KEY}"
+# The same key with an escape: the balancer's json_query reads it otherwise than a replica.
+_MODEL_KEY_ESCAPED = _MODEL_KEY.replace('"(?:m', '"(?=[^"]*\\\\)(?:m', 1)
 _ERROR_NO_MODEL_PART = (
     '{"error":{"type":"invalid_request_error","code":"missing_model",'
     '"message":"no model field before the file in the multipart body:'
@@ -387,6 +404,13 @@ def _endpoint_frontend(
         "# session: /v1/realtime?model=voice). pools.map takes pool names and their aliases.",
         "acl pool_header req.hdr(X-Denv-Pool) -m found",
         "acl multipart req.hdr(Content-Type) -m beg -i multipart/form-data",
+        "# The balancer reads the first model key, a replica's JSON parser the last: a body",
+        "# routed by its model key must have one, spelled plainly (see docs/balancer.md).",
+        f"acl model_key_twice req.body -m reg {_config_word(_MODEL_KEY_TWICE)}",
+        f"acl model_key_escaped req.body -m reg {_config_word(_MODEL_KEY_ESCAPED)}",
+        "http-request return status 400 content-type application/json"
+        f" string '{_ERROR_AMBIGUOUS_MODEL}' if !pool_header METH_POST !multipart"
+        " model_key_twice || !pool_header METH_POST !multipart model_key_escaped",
         f"http-request set-var(txn.pool) req.hdr(X-Denv-Pool),map({maps.pools}) if pool_header",
         "http-request set-var(txn.pool)"
         f" req.body,json_query('$.model'),map({maps.pools}) if !pool_header METH_POST !multipart",

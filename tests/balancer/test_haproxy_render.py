@@ -409,8 +409,9 @@ def test_answers_of_the_balancer_are_json_and_cannot_break_out_of_their_quotes()
     bodies = re.findall(r"(?:lf-)?string '([^']*)'", cfg)
     errors = [body for body in bodies if body.startswith('{"error":{')]
     # 401, 404 (no such endpoint, unknown pool), 413 (too large to route), 400 (a control
-    # character in a header, not JSON, no model part), 503 of ours; HAProxy's own 502, 503, 504.
-    assert len(errors) == 11
+    # character in a header, not JSON, no model part, an ambiguous model key), 503 of ours;
+    # HAProxy's own 502, 503, 504.
+    assert len(errors) == 12
     # /health: 503 (one line per pool) and 200; the model list.
     assert len(bodies) == len(errors) + 4
     for body in bodies:
