@@ -8,6 +8,7 @@ from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.kube_manifests import resource_name_problems, site_problems
 from denv_iac.overlay import OverlayPlan, plan_overlay
 from denv_iac.placement import PlacedNode, Placement, place_replicas
+from denv_iac.robot_firewall import site_robot_problems
 from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
 from denv_iac.spec.ports import placed_port_problems
 from denv_iac.spec.reader import StackError
@@ -118,6 +119,7 @@ def deploy_problems(stack: StackSpec, placement: Placement) -> list[str]:
     for site in stack.sites:
         if site.kind == "kubernetes":
             problems += site_problems(site, stack.recipes)
+        problems += site_robot_problems(stack, site)
     if not problems:  # names are those of objects the sites can make
         problems += resource_name_problems(stack, placement.replicas)
     return problems

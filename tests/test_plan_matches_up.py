@@ -146,3 +146,17 @@ def test_every_spec_case_refused_by_both_alike(
     config = valid_config()
     change(config)
     assert _plain_plan(config, tmp_path) == _up(config)
+
+
+def test_a_robot_firewall_over_robots_limit_is_refused_by_both(tmp_path: Path) -> None:
+    # Counted only under `--resources` before: plain `denv plan` accepted the stack.
+    config = valid_config()
+    hetzner = next(s for s in config["denv:sites"] if s["kind"] == "hetzner")
+    cidrs = [f"198.51.100.{n}/32" for n in range(12)]
+    hetzner.update(robot_user=SECRET, robot_password=SECRET, admin_cidrs=cidrs)
+    refused = _plain_plan(config, tmp_path)
+    line = (
+        f"sites: {hetzner['name']}: the Robot firewall takes at most 10 input rules and this site"
+        " needs 17 ("
+    )
+    assert [r for r in refused if r.startswith(line)], "\n".join(refused)
