@@ -148,7 +148,7 @@ def test_every_spec_case_refused_by_both_alike(
     assert _plain_plan(config, tmp_path) == _up(config)
 
 
-def test_a_robot_firewall_over_robots_limit_is_refused_by_both(tmp_path: Path) -> None:
+def test_a_robot_firewall_over_robots_limit_is_refused_by_plain_plan(tmp_path: Path) -> None:
     # Counted only under `--resources` before: plain `denv plan` accepted the stack.
     config = valid_config()
     hetzner = next(s for s in config["denv:sites"] if s["kind"] == "hetzner")
