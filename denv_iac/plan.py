@@ -3,10 +3,12 @@
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from denv_iac.balancer.haproxy import models_list_problem
 from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.kube_manifests import resource_name_problems, site_problems
 from denv_iac.overlay import OverlayPlan, plan_overlay
 from denv_iac.placement import PlacedNode, Placement, place_replicas
+from denv_iac.robot_firewall import site_robot_problems
 from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
 from denv_iac.spec.ports import placed_port_problems
 from denv_iac.spec.reader import StackError
@@ -112,9 +114,12 @@ def deploy_problems(stack: StackSpec, placement: Placement) -> list[str]:
     so a plan that succeeds is one `pulumi up` accepts."""
     problems = placed_port_problems(stack, placement.replicas)
     problems += imageless_problems(stack, placement)
+    models = models_list_problem(n for r in stack.recipes for n in (r.name, *r.model_names))
+    problems += [models] if models is not None else []
     for site in stack.sites:
         if site.kind == "kubernetes":
             problems += site_problems(site, stack.recipes)
+        problems += site_robot_problems(stack, site)
     if not problems:  # names are those of objects the sites can make
         problems += resource_name_problems(stack, placement.replicas)
     return problems

@@ -10,9 +10,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from denv_iac.balancer.haproxy import MODELS_LIST_LIMIT
 from denv_iac.cli import main
 from denv_iac.components.cluster import validate_cluster
 from denv_iac.spec.reader import StackError
+from tests.balancer.sample_pools import aliases_filling
 from tests.stacks import SECRET
 from tests.test_spec_validation import CASES, valid_config
 
@@ -74,6 +76,17 @@ PLACED: list[tuple[str, Callable[[dict[str, Any]], object], list[str]]] = [
         ],
     ),
     (
+        "the model list outgrows HAProxy's buffer",
+        lambda c: _recipe(c, "voice").update(
+            models=list(aliases_filling(("voice", "rtx", "big"), MODELS_LIST_LIMIT + 1))
+        ),
+        [
+            f"recipes[].models: the model list the endpoint answers on /v1/models would be"
+            f" {MODELS_LIST_LIMIT + 1} bytes, over HAProxy's limit of {MODELS_LIST_LIMIT}"
+            " (one buffer); give fewer aliases or shorter names"
+        ],
+    ),
+    (
         "kubernetes gateway ports run out",
         lambda c: c["denv:sites"][2].update(gpus_per_node=8, max_nodes=1000),
         [
@@ -109,8 +122,12 @@ def test_placed_problems_refused_by_both(
     assert _plain_plan(config, tmp_path) == _up(config) == expected
 
 
-def test_the_placeable_stack_is_accepted_by_both(tmp_path: Path) -> None:
+@pytest.mark.parametrize("longest_model_list", [False, True])
+def test_the_placeable_stack_is_accepted_by_both(tmp_path: Path, longest_model_list: bool) -> None:
     config = placeable()
+    if longest_model_list:
+        aliases = aliases_filling(("voice", "rtx", "big"), MODELS_LIST_LIMIT)
+        _recipe(config, "voice")["models"] = ["voice", *aliases]
     (tmp_path / "Pulumi.s.yaml").write_text(yaml.safe_dump({"config": config}))
     result = CliRunner().invoke(main, ["plan", "--stack", "s", "--stacks-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -129,3 +146,17 @@ def test_every_spec_case_refused_by_both_alike(
     config = valid_config()
     change(config)
     assert _plain_plan(config, tmp_path) == _up(config)
+
+
+def test_a_robot_firewall_over_robots_limit_is_refused_by_plain_plan(tmp_path: Path) -> None:
+    # Counted only under `--resources` before: plain `denv plan` accepted the stack.
+    config = valid_config()
+    hetzner = next(s for s in config["denv:sites"] if s["kind"] == "hetzner")
+    cidrs = [f"198.51.100.{n}/32" for n in range(12)]
+    hetzner.update(robot_user=SECRET, robot_password=SECRET, admin_cidrs=cidrs)
+    refused = _plain_plan(config, tmp_path)
+    line = (
+        f"sites: {hetzner['name']}: the Robot firewall takes at most 10 input rules and this site"
+        " needs 17 ("
+    )
+    assert [r for r in refused if r.startswith(line)], "\n".join(refused)

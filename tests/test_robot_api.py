@@ -15,16 +15,10 @@ from urllib.parse import parse_qsl
 import httpx
 import pytest
 
-from denv_iac.components.hetzner_robot import (
-    PASSWORD,
-    REPLY_RULES,
-    USER,
-    RobotFirewallProvider,
-    robot_problems,
-    robot_rules,
-)
+from denv_iac.components.hetzner_robot import PASSWORD, USER, RobotFirewallProvider
 from denv_iac.ingress import IngressRule, OverlayAccess, wireguard_rules
 from denv_iac.robot_api import RULE_FIELDS, RobotApiError, RobotClient
+from denv_iac.robot_firewall import REPLY_RULES, robot_problems, robot_rules
 
 LOGIN, SECRET = "#ws+denvTEST", "robot-password-material"
 BOX, NUMBER = "203.0.113.21", 2187654

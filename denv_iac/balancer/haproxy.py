@@ -61,6 +61,23 @@ _ERROR_NOT_JSON = (
     '{"error":{"type":"invalid_request_error","code":"invalid_json",'
     '"message":"the body is not a JSON object: send JSON, or multipart for audio uploads"}}'
 )
+_ERROR_AMBIGUOUS_MODEL = (
+    '{"error":{"type":"invalid_request_error","code":"ambiguous_model",'
+    '"message":"the body has more than one model key, or one spelled with \\\\u escapes:'
+    ' send model once, spelled plainly, or send the X-Denv-Pool header"}}'
+)
+# A key `model` of a JSON body, in every spelling a JSON parser reads as "model": each letter
+# plain or as a \u escape (JSON has no other escape for a letter). The quotes are raw, so
+# the match is a key, never text inside a string (where a quote is escaped), and the `{` or
+# `,` before it keeps a string's closing quote from starting a match. Keys at any depth count:
+# a regex cannot tell the top level from a nested object.
+_MODEL_KEY = (
+    r'[{,][[:space:]]*"(?:m|\\u006[dD])(?:o|\\u006[fF])(?:d|\\u0064)(?:e|\\u0065)'
+    r'(?:l|\\u006[cC])"[[:space:]]*:'
+)
+_MODEL_KEY_TWICE = f"{_MODEL_KEY}[\\s\\S]*?{_MODEL_KEY}"
+# The same key with an escape: the balancer's json_query reads it otherwise than a replica.
+_MODEL_KEY_ESCAPED = _MODEL_KEY.replace('"(?:m', '"(?=[^"]*\\\\)(?:m', 1)
 _ERROR_NO_MODEL_PART = (
     '{"error":{"type":"invalid_request_error","code":"missing_model",'
     '"message":"no model field before the file in the multipart body:'
@@ -127,6 +144,10 @@ HEALTH_PATH = "/health"
 _HEALTH_OK = '{"status":"ok"}'
 _HEALTH_UNAVAILABLE = '{"status":"unavailable","message":"a pool has no healthy replica"}'
 MODELS_PATH = "/v1/models"
+# HAProxy builds a `return` answer in one buffer of tune.bufsize, less the room it keeps for
+# header rewrites (tune.maxrewrite, 1 KiB): a longer body came back empty with a 200, or as a
+# 500. The model list stays below this, leaving room for the answer's own headers.
+MODELS_LIST_LIMIT = 60 * 1024
 REQUEST_ID_HEADER = "X-Request-Id"
 # Every 503 of the endpoint tells the client when to try again; the OpenAI SDKs and most HTTP
 # clients honour it. One second: a voice turn frees a slot within about that.
@@ -172,6 +193,9 @@ def render_haproxy_config(
     Raises BalancerConfigError (a ValueError) naming the offending field.
     """
     validate_balancer_inputs(pools, settings, map_dir)
+    error = _models_list_error(name for pool in pools for name in (pool.name, *pool.models))
+    if error is not None:
+        raise error
     ordered = sorted(pools, key=lambda pool: pool.name)
     maps = _MapPaths(map_dir)
     relays = agent_relays(ordered, settings)
@@ -380,6 +404,13 @@ def _endpoint_frontend(
         "# session: /v1/realtime?model=voice). pools.map takes pool names and their aliases.",
         "acl pool_header req.hdr(X-Denv-Pool) -m found",
         "acl multipart req.hdr(Content-Type) -m beg -i multipart/form-data",
+        "# The balancer reads the first model key, a replica's JSON parser the last: a body",
+        "# routed by its model key must have one, spelled plainly (see docs/balancer.md).",
+        f"acl model_key_twice req.body -m reg {_config_word(_MODEL_KEY_TWICE)}",
+        f"acl model_key_escaped req.body -m reg {_config_word(_MODEL_KEY_ESCAPED)}",
+        "http-request return status 400 content-type application/json"
+        f" string '{_ERROR_AMBIGUOUS_MODEL}' if !pool_header METH_POST !multipart"
+        " model_key_twice || !pool_header METH_POST !multipart model_key_escaped",
         f"http-request set-var(txn.pool) req.hdr(X-Denv-Pool),map({maps.pools}) if pool_header",
         "http-request set-var(txn.pool)"
         f" req.body,json_query('$.model'),map({maps.pools}) if !pool_header METH_POST !multipart",
@@ -447,9 +478,35 @@ def _health_answer(pools: Sequence[BalancerPool]) -> list[str]:
 def _models_list(pools: Sequence[BalancerPool]) -> str:
     """OpenAI's `GET /v1/models` answer: each pool and its aliases (names are JSON-safe,
     validated)."""
-    names = sorted({name for pool in pools for name in (pool.name, *pool.models)})
-    models = ",".join(f'{{"id":"{name}","object":"model","owned_by":"denv"}}' for name in names)
+    return models_list({name for pool in pools for name in (pool.name, *pool.models)})
+
+
+def models_list(names: Iterable[str]) -> str:
+    """OpenAI's model list of these names, as the endpoint answers `GET /v1/models`."""
+    models = ",".join(
+        f'{{"id":"{name}","object":"model","owned_by":"denv"}}' for name in sorted(set(names))
+    )
     return f'{{"object":"list","data":[{models}]}}'
+
+
+def models_list_problem(names: Iterable[str]) -> str | None:
+    """Why the endpoint could not answer `GET /v1/models` whole with these model names, as one
+    line naming the field and the fix; None when it can. `denv plan` and the renderer both
+    refuse on it."""
+    error = _models_list_error(names)
+    return None if error is None else str(error)
+
+
+def _models_list_error(names: Iterable[str]) -> BalancerConfigError | None:
+    size = len(models_list(names).encode())
+    if size <= MODELS_LIST_LIMIT:
+        return None
+    return BalancerConfigError(
+        "recipes[].models",
+        f"the model list the endpoint answers on {MODELS_PATH} would be {size} bytes,"
+        f" over HAProxy's limit of {MODELS_LIST_LIMIT} (one buffer)",
+        "give fewer aliases or shorter names",
+    )
 
 
 def _config_word(text: str) -> str:

@@ -18,9 +18,8 @@ The webservice user and password are secret inputs, kept in the resource's state
 the engine hands `delete` and `read` only the state, and they must reach Robot too.
 """
 
-import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -31,120 +30,14 @@ from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.joined import HetznerSite
 from denv_iac.components.naming import child_name
 from denv_iac.components.site import SiteContext, SiteNodes
-from denv_iac.ingress import (
-    IngressRule,
-    Protocol,
-    node_overlay_access,
-    site_ingress_rules,
-)
-from denv_iac.robot_api import MAX_INPUT_RULES, RobotApiError, RobotClient
+from denv_iac.ingress import node_overlay_access, site_ingress_rules
+from denv_iac.robot_api import RobotApiError, RobotClient
+from denv_iac.robot_firewall import robot_rules, site_robot_problems
 from denv_iac.spec.model import SiteSpec
 from denv_iac.spec.reader import StackError
 
 USER, PASSWORD = "robot_user", "robot_password"
 INPUTS = ("address", "rules")
-EPHEMERAL_PORTS = "32768-65535"
-ANY = "0.0.0.0/0"
-# Replies to what the node itself opened, and ICMP (unreachable, fragmentation needed).
-REPLY_RULES: tuple[dict[str, str], ...] = (
-    {"name": "icmp", "ip_version": "ipv4", "protocol": "icmp", "action": "accept"},
-    {
-        "name": "tcp replies",
-        "ip_version": "ipv4",
-        "protocol": "tcp",
-        "dst_port": EPHEMERAL_PORTS,
-        "tcp_flags": "ack",
-        "action": "accept",
-    },
-    {
-        "name": "udp replies",
-        "ip_version": "ipv4",
-        "protocol": "udp",
-        "dst_port": EPHEMERAL_PORTS,
-        "action": "accept",
-    },
-)
-_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9 -]+")
-
-
-def robot_rules(rules: Sequence[IngressRule], addresses: Mapping[str, str]) -> list[dict[str, str]]:
-    """The firewall's input rules: per source and protocol, its ports merged into ranges; then
-    the replies."""
-    ports: dict[tuple[str, Protocol], list[tuple[int, int]]] = {}
-    names: dict[str, str] = {}
-    for rule in rules:
-        source = addresses[rule.source] if rule.from_machine else rule.source
-        if not source or ":" in source:
-            continue
-        cidr = source if "/" in source else f"{source}/32"
-        ports.setdefault((cidr, rule.protocol), []).append((rule.from_port, rule.to_port))
-        who = f"balancer {rule.source}" if rule.from_machine else rule.name
-        names.setdefault(cidr, _NAME_UNSAFE.sub(" ", who)[:40].strip())
-    out = []
-    for (cidr, protocol), ranges in ports.items():
-        for low, high in _merged(ranges):
-            out.append(
-                {
-                    "name": names[cidr],
-                    "ip_version": "ipv4",
-                    "protocol": protocol,
-                    "src_ip": cidr,
-                    "dst_port": _ports(low, high),
-                    "action": "accept",
-                }
-            )
-    return [*out, *_shut_udp(ports), *REPLY_RULES]
-
-
-def _shut_udp(
-    ports: Mapping[tuple[str, Protocol], Sequence[tuple[int, int]]],
-) -> list[dict[str, str]]:
-    """Discard rules for UDP ports opened to some sources only that the reply rule would open
-    to everyone (those in the ephemeral range): the first rule that matches decides."""
-    first, last = (int(p) for p in EPHEMERAL_PORTS.split("-"))
-    limited = [
-        r for (cidr, proto), rs in ports.items() if proto == "udp" and cidr != ANY for r in rs
-    ]
-    return [
-        {
-            "name": "udp others",
-            "ip_version": "ipv4",
-            "protocol": "udp",
-            "dst_port": _ports(low, high),
-            "action": "discard",
-        }
-        for low, high in _merged(limited)
-        if low <= last and high >= first
-    ]
-
-
-def _ports(low: int, high: int) -> str:
-    return str(low) if low == high else f"{low}-{high}"
-
-
-def robot_problems(site_name: str, rules: Sequence[Mapping[str, str]], overlay: bool) -> list[str]:
-    if len(rules) <= MAX_INPUT_RULES:
-        return []
-    per_host = "WireGuard rule" if overlay else "port range"
-    fix = "list fewer admin_cidrs or balancer sites"
-    if not overlay:
-        fix += " (or turn balancer.overlay back on: one rule per balancer host)"
-    replies = len(REPLY_RULES) + sum(rule["action"] == "discard" for rule in rules)
-    return [
-        f"sites: {site_name}: the Robot firewall takes at most {MAX_INPUT_RULES} input rules and "
-        f"this site needs {len(rules)} ({replies} for replies, the rest one per admin CIDR and "
-        f"per balancer host and {per_host}); {fix}"
-    ]
-
-
-def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for low, high in sorted(ranges):
-        if out and low <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], high))
-        else:
-            out.append((low, high))
-    return out
 
 
 def _state(props: Mapping[str, Any]) -> dict[str, Any]:
@@ -243,11 +136,7 @@ def hetzner_site(
         hosts = sorted(balancers)
         overlay = node_overlay_access(context["spec"], site.name)
         rows = site_ingress_rules(site, context["spec"].recipes, tuple(hosts), overlay)
-        # The count does not depend on the addresses, only on how many there are (IPv4 ones):
-        # one stand-in each, distinct, as rules from one source would merge into one.
-        stand_ins = {host: f"0.0.0.{n}" for n, host in enumerate(hosts, start=1)}
-        count = robot_rules(rows, stand_ins)
-        problems = robot_problems(site.name, count, overlay is not None)
+        problems = site_robot_problems(context["spec"], site)
         if problems:
             raise StackError(problems)
         rules = pulumi.Output.all(*(balancers[h] for h in hosts)).apply(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from denv_iac.balancer import BalancerPool, BalancerServer, BalancerSettings, BalancerTier
+from denv_iac.balancer.haproxy import models_list
 
 MAP_DIR = "/etc/denv/maps"
 API_KEY = "sk-denv-example"
@@ -50,3 +51,14 @@ SETTINGS = BalancerSettings(
     api_key_digests=(hashlib.sha256(API_KEY.encode()).hexdigest(),),
     state_file="/var/lib/denv/haproxy.state",
 )
+
+
+def aliases_filling(pool_names: tuple[str, ...], size: int) -> tuple[str, ...]:
+    """Aliases that make the model list of `GET /v1/models` exactly `size` bytes long."""
+    aliases: list[str] = []
+    while (left := size - len(models_list([*pool_names, *aliases]))) > 0:
+        # An entry costs its name and 45 bytes of JSON around it; names are 12 to 128 long.
+        cost = left if left <= 173 else min(157, left - 100)
+        aliases.append(f"alias-{len(aliases):05d}-".ljust(cost - 45, "x"))
+    assert len(models_list([*pool_names, *aliases])) == size
+    return tuple(aliases)

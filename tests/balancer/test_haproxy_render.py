@@ -22,8 +22,9 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
+from denv_iac.balancer.haproxy import MODELS_LIST_LIMIT, models_list
 
-from .sample_pools import LLM, MAP_DIR, POOLS, SETTINGS, VOICE, server
+from .sample_pools import LLM, MAP_DIR, POOLS, SETTINGS, VOICE, aliases_filling, server
 
 GOLDEN = Path(__file__).parent / "golden" / "representative.cfg"
 
@@ -408,14 +409,34 @@ def test_answers_of_the_balancer_are_json_and_cannot_break_out_of_their_quotes()
     bodies = re.findall(r"(?:lf-)?string '([^']*)'", cfg)
     errors = [body for body in bodies if body.startswith('{"error":{')]
     # 401, 404 (no such endpoint, unknown pool), 413 (too large to route), 400 (a control
-    # character in a header, not JSON, no model part), 503 of ours; HAProxy's own 502, 503, 504.
-    assert len(errors) == 11
+    # character in a header, not JSON, no model part, an ambiguous model key), 503 of ours;
+    # HAProxy's own 502, 503, 504.
+    assert len(errors) == 12
     # /health: 503 (one line per pool) and 200; the model list.
     assert len(bodies) == len(errors) + 4
     for body in bodies:
         assert body.endswith("}") and "\n" not in body
         if "%[" not in body:  # lf-string bodies are JSON once HAProxy fills them in
             json.loads(body)
+
+
+@pytest.mark.parametrize("size", [MODELS_LIST_LIMIT, MODELS_LIST_LIMIT + 1])
+def test_the_model_list_fits_one_buffer_or_the_stack_is_refused(size: int) -> None:
+    # HAProxy answered a longer list with a 200 and an empty body.
+    aliases = aliases_filling((VOICE.name, LLM.name), size)
+    pools = (dataclasses.replace(VOICE, models=aliases), LLM)
+    if size > MODELS_LIST_LIMIT:
+        with pytest.raises(BalancerConfigError) as refused:
+            render(pools)
+        assert str(refused.value) == (
+            f"recipes[].models: the model list the endpoint answers on /v1/models would be"
+            f" {size} bytes, over HAProxy's limit of {MODELS_LIST_LIMIT} (one buffer);"
+            " give fewer aliases or shorter names"
+        )
+        return
+    cfg = render(pools).haproxy_cfg
+    listed = models_list([VOICE.name, LLM.name, *aliases])
+    assert f" string '{listed}' if METH_GET api:models" in cfg
 
 
 def test_map_files() -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 
 import pytest
 
-from .dataplane_harness import Dataplane
+from denv_iac.balancer.haproxy import MODELS_LIST_LIMIT
+from tests.balancer.sample_pools import aliases_filling
+
+from .dataplane_harness import STANDARD_POOLS, STANDARD_REPLICAS, Dataplane
 
 VOICE = ("voice.home-a.n0.0", "voice.home-b.n1.0", "voice.fallback.n2.0")
 
@@ -52,6 +57,26 @@ def test_models_lists_the_pools(dataplane: Dataplane) -> None:
         ],
     }
     assert _replica_requests(dataplane) == 0
+
+
+def test_the_longest_model_list_a_stack_may_have_comes_whole(
+    start_dataplane: Callable[..., Dataplane],
+) -> None:
+    # Longer lists are refused by `denv plan`; HAProxy answered them with a 200 and no body.
+    voice, llm = STANDARD_POOLS
+    aliases = aliases_filling((voice.name, llm.name), MODELS_LIST_LIMIT)
+    plane = start_dataplane(
+        pools=(dataclasses.replace(voice, models=aliases), llm),
+        replica_ids=(STANDARD_REPLICAS[0], STANDARD_REPLICAS[-1]),
+    )
+    with plane.client() as client:
+        # A client's own request id is echoed on the answer too: room is left for it.
+        response = client.get("/v1/models", headers={"X-Request-Id": "r" * 1024})
+    assert response.status_code == 200
+    assert len(response.content) == MODELS_LIST_LIMIT
+    ids = [model["id"] for model in response.json()["data"]]
+    assert ids == sorted([voice.name, llm.name, *aliases])
+    assert _replica_requests(plane) == 0
 
 
 def test_health_says_whether_every_pool_can_serve(dataplane: Dataplane) -> None:

@@ -128,3 +128,58 @@ def test_a_control_character_in_a_header_is_refused_with_400(dataplane: Dataplan
     # A tab in a value, and large headers, still pass.
     answer = raw_exchange(dataplane, with_header(pad + pad + b"X-Note: a\tb"))
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
+def _replica_requests(plane: Dataplane) -> int:
+    return sum(r.stats()["requests"] for r in plane.replicas.values())
+
+
+# The balancer reads the first model key; a replica's parser (Python's json, vLLM) the last.
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "voice", "model": "llm"}',
+        b'{"model":"voice","messages":[],"model":"llm"}',
+        b'{"model": "voice", "mod\\u0065l": "llm"}',
+        b'{"\\u006d\\u006F\\u0064\\u0065\\u006C": "llm", "model": "voice"}',
+        b'{"mod\\u0065l": "voice"}',  # once, but the balancer cannot read it as model
+        b'{\n  "model" : "voice",\n\t"model"\t:\t"llm"\n}',
+        b'{"model": "voice", "stream": false, "n": {"model": "llm"}}',  # nested: counted too
+    ],
+)
+def test_a_body_with_its_model_key_twice_or_escaped_is_refused_before_routing(
+    dataplane: Dataplane, body: bytes
+) -> None:
+    response = post(dataplane, body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "ambiguous_model")
+    assert "X-Denv-Pool" in error["message"]
+    assert "x-denv-replica" not in response.headers
+    assert _replica_requests(dataplane) == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "pool"),
+    [
+        (b'{"model": "voice", "messages": [{"role": "user", "content": "hi"}]}', {}, "voice"),
+        # "model" inside string values, quotes escaped: text, not keys.
+        (
+            b'{"model": "llm", "messages": [{"role": "user", "content":'
+            b' "{\\"model\\": \\"voice\\", \\"model\\": \\"x\\"}"}], "user": "model"}',
+            {},
+            "llm",
+        ),
+        (b'{"messages": [{"content": "\\u00e9t\\u00e9"}], "model": "voice"}', {}, "voice"),
+        (b'{"tools": [{"caf\\u00e9": 1}], "model": "llm"}', {}, "llm"),
+        (b'{"model_name": "x", "models": [], "model": "voice"}', {}, "voice"),
+        # The header names the pool: the body's keys do not route it.
+        (b'{"model": "voice", "model": "llm"}', {"X-Denv-Pool": "llm"}, "llm"),
+    ],
+)
+def test_a_body_read_one_way_is_still_routed(
+    dataplane: Dataplane, body: bytes, headers: dict[str, str], pool: str
+) -> None:
+    response = post(dataplane, body, headers)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-denv-replica"].startswith(f"{pool}.")
