@@ -20,8 +20,9 @@ from typing import Any
 
 import httpx
 
+from denv_iac.robot_firewall import MAX_INPUT_RULES
+
 API_URL = "https://robot-ws.your-server.de"
-MAX_INPUT_RULES = 10
 RULE_FIELDS = (
     "name",
     "ip_version",

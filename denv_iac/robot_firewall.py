@@ -9,9 +9,10 @@ import re
 from collections.abc import Mapping, Sequence
 
 from denv_iac.ingress import IngressRule, Protocol, node_overlay_access, site_ingress_rules
-from denv_iac.robot_api import MAX_INPUT_RULES
 from denv_iac.spec.model import SiteSpec, StackSpec
 
+# Robot's webservice refuses a firewall with more input rules than this.
+MAX_INPUT_RULES = 10
 EPHEMERAL_PORTS = "32768-65535"
 ANY = "0.0.0.0/0"
 # Replies to what the node itself opened, and ICMP (unreachable, fragmentation needed).

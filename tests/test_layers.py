@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.ingress",
             "denv_iac.sites",
             "denv_iac.agent_config",
+            "denv_iac.robot_firewall",
         ),
     ),
     ("machines", ("denv_iac.node", "denv_iac.local", "denv_iac.lambda_api", "denv_iac.robot_api")),
