@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.reliability import FAST, PARTITION, SCENARIOS, Scenario, run_scenario
 from denv_iac.local.netns import unavailable_reason
+from tests.timing import DETECTION_SLACK_S, RECOVERY_SLACK_S, assert_within
 
 if shutil.which("haproxy") is None:
     pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
@@ -42,11 +43,25 @@ def _check(scenario: Scenario, duration_s: float) -> None:
         # With nothing healthy left the answer is a 503, which under the suite's load was seen
         # to take up to 1.9 s; `make reliability` reports it as hung all the same.
         assert outcome.worst_overshoot_ms < OVERSHOOT_IN_SUITE_MS, outcome
+    # Detection and recovery wait on checks and agent polls, each a task scheduled on two cores
+    # shared with the rest of the suite: `make reliability` holds the scenario's own bounds, the
+    # suite adds tests/timing.py's margins (a detection 79 ms past its 500 ms with `make bench`
+    # beside; recoveries up to 0.46 s past theirs at a load of 7).
     if scenario.faulty is not None:
         assert outcome.detection_ms is not None
-        assert outcome.detection_ms < scenario.detect_within_ms, outcome
+        assert_within(
+            outcome.detection_ms / 1000,
+            scenario.detect_within_ms / 1000,
+            f"{scenario.name}: detection",
+            DETECTION_SLACK_S,
+        )
     assert outcome.recovered_ms is not None, outcome
-    assert outcome.recovered_ms < SLOW_RECOVERY_MS.get(scenario.name, RECOVERED_WITHIN_MS), outcome
+    assert_within(
+        outcome.recovered_ms / 1000,
+        SLOW_RECOVERY_MS.get(scenario.name, RECOVERED_WITHIN_MS) / 1000,
+        f"{scenario.name}: recovery",
+        RECOVERY_SLACK_S,
+    )
 
 
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.name in FAST], ids=FAST)
