@@ -712,7 +712,7 @@ def stop_stack(directory: Path, timeout_s: float = 30.0) -> int:
     returns how many processes it stopped."""
     lock = StackLock(directory)
     supervisor = lock.holder()
-    if supervisor is None or supervisor == os.getpid():  # this process supervises nothing
+    if supervisor is None:
         return stop_recorded(directory)
     supervised = _running_count(directory)
     os.kill(supervisor, signal.SIGTERM)
