@@ -5,7 +5,8 @@ Two simulated replicas shaped like an engine (8 slots each, a FIFO queue behind 
 at admission, a client that leaves is aborted; see engine_sim) give a known capacity: a request
 holds its slot for SERVICE_S, so the pool completes CAPACITY_RPS requests/s at best. Open-loop
 Poisson arrivals of streamed chat (loadgen's `run_load(rate=...)`) at each LEVELS multiple of
-that capacity go for WINDOW_S through
+that capacity go for WINDOW_S (those of the first WARMUP_S, which meet empty queues, are not
+counted) through
 
 - product: the balancer (HAProxy, the rendered config) with the recipe's max_concurrency equal
   to the slots: a request waits in the balancer for at most the first-token budget, then is
@@ -15,7 +16,7 @@ that capacity go for WINDOW_S through
 
 A client gives up on a stream whose next byte is PATIENCE_S late. Per router and level:
 - goodput: requests completed with their first token within the first-token budget, per second
-  of the arrival window, as a fraction of the capacity (1.0: the pool did all it can);
+  of the counted window, as a fraction of the capacity (1.0: the pool did all it can);
 - offered: arrivals per second as a fraction of the capacity (Poisson: near the level);
 - completed_late: completed, first token past the budget (as a share of the requests sent);
   ttft_p50_ms, ttft_p90_ms: time to first token of the completed requests;
@@ -64,7 +65,9 @@ POOL = PoolLayout(
     first_token_timeout_ms=BUDGET_MS,
 )
 LEVELS = (1.0, 1.3, 2.0)
-WINDOW_S = 10.0
+WINDOW_S = 13.0
+# Requests of the first seconds of a run meet empty queues: they are sent but not counted.
+WARMUP_S = 3.0
 PATIENCE_S = 3.0
 SEED = 26
 REJECTED = ("http_503", "http_429")
@@ -74,11 +77,20 @@ _IDLE_TIMEOUT_S = 30.0
 def account(
     results: Sequence[StreamResult],
     *,
-    window_s: float,
+    since_s: float,
+    until_s: float,
     capacity_rps: float,
     budget_ms: float,
 ) -> dict[str, float]:
-    """One router's figures at one level, from what each request of the window got."""
+    """One router's figures at one level, from what each request sent between `since_s` and
+    `until_s` (seconds into the run) got.
+
+    Counted by the time a request was sent: in a FIFO queue a request's fate depends on those
+    before it only, so the requests of an interval that starts once the queues are full are
+    served at the pool's rate whatever comes after, and goodput over capacity is at most 1.
+    """
+    window_s = until_s - since_s
+    results = [r for r in results if since_s <= r.started_s < until_s]
     sent = len(results)
     completed = [r for r in results if r.ok]
     good = [r for r in completed if r.ttft_ms is not None and r.ttft_ms <= budget_ms]
@@ -170,6 +182,7 @@ def measure(
         "capacity_rps": CAPACITY_RPS,
         "budget_ms": float(BUDGET_MS),
         "window_s": WINDOW_S,
+        "warmup_s": WARMUP_S,
     }
     for n, level in enumerate(LEVELS):
         names = list(routers) if n % 2 == 0 else list(reversed(routers))
@@ -177,7 +190,11 @@ def measure(
         for name in names:
             results = offer(routers[name], level)
             by_router[name] = account(
-                results, window_s=WINDOW_S, capacity_rps=CAPACITY_RPS, budget_ms=BUDGET_MS
+                results,
+                since_s=WARMUP_S,
+                until_s=WINDOW_S,
+                capacity_rps=CAPACITY_RPS,
+                budget_ms=BUDGET_MS,
             )
             figures |= {f"{name}_{level}x_{key}": value for key, value in by_router[name].items()}
         figures[f"goodput_ratio_{level}x"] = goodput_ratio(by_router["product"], by_router["peer"])

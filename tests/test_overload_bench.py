@@ -1,5 +1,6 @@
 """The overload benchmark's accounting, on hand-made results: goodput counts only requests
-completed with their first token within budget, per second of the window, over capacity."""
+sent in the counted window and completed with their first token within budget, per second of
+that window, over capacity."""
 
 import pytest
 
@@ -8,10 +9,10 @@ from denv_iac.ops.loadgen import StreamResult
 
 
 def _result(
-    error: str = "", ttft_ms: float | None = 100.0, total_ms: float = 900.0
+    error: str = "", ttft_ms: float | None = 100.0, total_ms: float = 900.0, sent_s: float = 5.0
 ) -> StreamResult:
     status = int(error.removeprefix("http_")) if error.startswith("http_") else 200
-    return StreamResult("r", 0.0, status, error, "voice.a.n0.0", ttft_ms, total_ms, 19)
+    return StreamResult("r", sent_s, status, error, "voice.a.n0.0", ttft_ms, total_ms, 19)
 
 
 GOOD = _result()
@@ -49,10 +50,17 @@ REFUSED = _result("connect", ttft_ms=None, total_ms=1.0)
         # capacity were wrong, and the figure shows it.
         ([GOOD] * 40, {"offered": 2.0, "goodput": 2.0}),
         ([], {"offered": 0.0, "goodput": 0.0, "cut": 0.0, "rejected_max_ms": 0.0}),
+        # Sent during the warm-up or after the window: not counted at all.
+        (
+            [GOOD] * 10
+            + [_result(sent_s=1.9), _result(sent_s=12.0), _result("http_503", sent_s=0)],
+            {"offered": 0.5, "goodput": 0.5, "rejected": 0.0},
+        ),
+        ([_result(sent_s=2.0), _result(sent_s=11.99)], {"offered": 0.1, "goodput": 0.1}),
     ],
 )
 def test_goodput_accounting(results: list[StreamResult], expected: dict[str, float]) -> None:
-    figures = account(results, window_s=10.0, capacity_rps=2.0, budget_ms=1000.0)
+    figures = account(results, since_s=2.0, until_s=12.0, capacity_rps=2.0, budget_ms=1000.0)
     assert {key: figures[key] for key in expected} == expected
 
 
@@ -61,7 +69,8 @@ def test_ttft_figures_are_those_of_completed_requests() -> None:
     # Streams cut soon after their first token would pull the percentiles down if counted.
     figures = account(
         completed + [_result("aborted", ttft_ms=1.0)] * 5,
-        window_s=1.0,
+        since_s=0.0,
+        until_s=10.0,
         capacity_rps=10.0,
         budget_ms=1000.0,
     )
