@@ -24,7 +24,8 @@ A client gives up on a stream whose next byte is PATIENCE_S late. Per router and
   client left after PATIENCE_S of silence; rejected: answered 503/429 before any stream,
   with the p50 and worst time to that answer.
 And per level, goodput_ratio: the product's goodput over the peer's, both from this run, since
-the machine is shared and its absolute speed varies from run to run.
+the machine is shared and its absolute speed varies from run to run (None when the peer served
+nothing within budget), and goodput_gain: the product's goodput less the peer's.
 """
 
 from __future__ import annotations
@@ -197,7 +198,9 @@ def measure(
                 budget_ms=BUDGET_MS,
             )
             figures |= {f"{name}_{level}x_{key}": value for key, value in by_router[name].items()}
-        figures[f"goodput_ratio_{level}x"] = goodput_ratio(by_router["product"], by_router["peer"])
+        product, peer = by_router["product"], by_router["peer"]
+        figures[f"goodput_ratio_{level}x"] = goodput_ratio(product, peer)
+        figures[f"goodput_gain_{level}x"] = round(product["goodput"] - peer["goodput"], 3)
     return figures
 
 
