@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
-from denv_iac.balancer.runtime import server_stats, stats_command
+import httpx
+from click.testing import CliRunner
+
+from denv_iac.balancer.runtime import server_stats, stats_command, stats_rows
+from denv_iac.balancer.saturation import PoolSaturation, pool_saturation
+from denv_iac.cli import main
 from denv_iac.local.replica_sim import ReplicaSimConfig
 
 from .dataplane_harness import Dataplane, PoolLayout, StreamOutcome, stream_chat
@@ -175,3 +182,67 @@ def test_the_wait_for_a_slot_does_not_count_against_the_replica_silence_budget(
     assert all(_served_whole(outcome) for outcome in (*outcomes, waited)), (outcomes, waited)
     assert waited.first_token_s is not None
     assert waited.first_token_s > layout.stall_timeout_ms / 1000
+
+
+def _status(plane: Dataplane) -> dict[str, Any]:
+    """`denv status --json` of the plane's balancer, read from its admin socket."""
+    assert plane.haproxy is not None
+    socket_path = str(plane.haproxy.stats_socket)
+    printed = CliRunner().invoke(main, ["status", "--admin-socket", socket_path, "--json"])
+    # 1 says an agent check went unanswered (a loaded test host): not what is read here.
+    assert printed.exit_code in (0, 1), printed.output
+    document: dict[str, Any] = json.loads(printed.output)
+    return document
+
+
+def _saturation(plane: Dataplane) -> PoolSaturation:
+    assert plane.haproxy is not None
+    return pool_saturation(stats_rows(plane.haproxy.stats_socket))["voice"]
+
+
+def test_status_shows_a_full_pool_its_slots_queue_spill_and_shed(start_dataplane: Start) -> None:
+    layout = PoolLayout(
+        "voice",
+        ((10, ("home",)), (20, ("fallback",))),
+        session_affinity=False,
+        max_concurrency=1,
+        first_token_timeout_ms=1000,
+    )
+    home, fallback = "voice.home.n0.0", "voice.fallback.n1.0"
+    plane = start_dataplane(pools=(layout,), replica_ids=(home, fallback), sim=SLOW)
+    idle = _status(plane)["pools"][0]["saturation"]
+    with _streams(plane) as start, plane.client() as client:
+        held = start(30)  # about 3 s each: they hold both slots past the queue budget
+        plane.wait_until(lambda: _busy(plane, home) == 1, 5, "the home replica is full")
+        spilled = start(30)
+        plane.wait_until(lambda: _busy(plane, fallback) == 1, 5, "the next tier takes one")
+        refused: Future[httpx.Response] = ThreadPoolExecutor(1).submit(
+            client.post, "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 2}
+        )
+        plane.wait_until(lambda: _saturation(plane).queued == 1, 5, "the third one waits")
+        full = _status(plane)["pools"][0]["saturation"]
+        assert refused.result().status_code == 503
+        after = _status(plane)["pools"][0]["saturation"]
+        outcomes = [held.result(), spilled.result()]
+
+    assert idle == {
+        "pool": "voice",
+        "slots_in_use": 0,
+        "slots": 2,
+        "queued": 0,
+        "spilled": 0,
+        "shed": 0,
+        "saturated": False,
+    }
+    # Every slot taken, one request waiting for one, one already sent to the next tier.
+    assert full == {**idle, "slots_in_use": 2, "queued": 1, "spilled": 1, "saturated": True}
+    # It waited out the first-token budget and was shed; the streams holding slots ran on.
+    assert after == {**full, "queued": 0, "shed": 1}
+    assert refused.result().json()["error"]["code"] == "pool_full"
+    assert all(_served_whole(outcome) for outcome in outcomes), outcomes
+    assert [o.replica for o in outcomes] == [home, fallback]
+    # Once the streams end, every slot is free again; what was spilled and shed stays counted.
+    plane.wait_until(lambda: _saturation(plane).slots_in_use == 0, 5, "the slots are free")
+    done = {**after, "slots_in_use": 0, "saturated": False}
+    assert _status(plane)["pools"][0]["saturation"] == done
+    print(f"idle {idle}\nfull {full}\nafter the budget {after}")
