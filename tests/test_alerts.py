@@ -41,8 +41,8 @@ def _rule_tests(
     tmp_path: Path,
     stack: StackSpec,
     series: list[dict[str, str]],
-    alerts: list[dict[str, Any]],
-    exprs: list[dict[str, Any]] | None = None,
+    alerts: list[Any],
+    exprs: list[Any] | None = None,
 ) -> None:
     """Run promtool's unit tests of `stack`'s rules over `series`, sampled every 15 s."""
     (tmp_path / "rules.yml").write_text(alert_rules(stack))

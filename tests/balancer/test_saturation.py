@@ -16,7 +16,7 @@ _server = _row
 
 
 def _backend(proxy: str, **fields: int) -> dict[str, str]:
-    return _row(proxy, "BACKEND", **fields)
+    return _row(proxy, "BACKEND", "UP", **fields)
 
 
 A, B, C = "voice.home.n0.0", "voice.home.n1.0", "voice.far.n2.0"
