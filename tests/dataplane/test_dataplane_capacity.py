@@ -186,14 +186,19 @@ def test_the_wait_for_a_slot_does_not_count_against_the_replica_silence_budget(
     assert waited.first_token_s > layout.stall_timeout_ms / 1000
 
 
-def _status(plane: Dataplane) -> dict[str, Any]:
-    """`denv status --json` of the plane's balancer, read from its admin socket."""
+def _status_output(plane: Dataplane, *flags: str) -> str:
+    """What `denv status` prints of the plane's balancer, read from its admin socket."""
     assert plane.haproxy is not None
     socket_path = str(plane.haproxy.stats_socket)
-    printed = CliRunner().invoke(main, ["status", "--admin-socket", socket_path, "--json"])
+    printed = CliRunner().invoke(main, ["status", "--admin-socket", socket_path, *flags])
     # 1 says an agent check went unanswered (a loaded test host): not what is read here.
     assert printed.exit_code in (0, 1), printed.output
-    document: dict[str, Any] = json.loads(printed.output)
+    return printed.output
+
+
+def _status(plane: Dataplane) -> dict[str, Any]:
+    """`denv status --json` of the plane's balancer."""
+    document: dict[str, Any] = json.loads(_status_output(plane, "--json"))
     return document
 
 
@@ -305,4 +310,8 @@ def test_status_shows_a_full_pool_its_slots_queue_spill_and_shed(start_dataplane
     plane.wait_until(lambda: _saturation(plane).slots_in_use == 0, 5, "the slots are free")
     done = {**after, "slots_in_use": 0, "saturated": False}
     assert _status(plane)["pools"][0]["saturation"] == done
+    assert (
+        "pool voice: slots 0/2 in use, 0 queued; since the balancer started 1 spilled to a later"
+        " tier, 1 shed\n"
+    ) in _status_output(plane)
     print(f"idle {idle}\nfull {full}\nafter the budget {after}")
