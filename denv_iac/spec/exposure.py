@@ -20,6 +20,9 @@ HOST_FIREWALLED_KINDS = ("joined",)
 # Keys anyone would try first: an endpoint that accepts one is open to everyone.
 GUESSABLE_KEYS = ("test", "secret", "password", "changeme", "admin", "key", "demo", "1234")
 _GUESSABLE = {hashlib.sha256(key.encode()).hexdigest(): key for key in GUESSABLE_KEYS}
+# Lambda regions where firewall rules do not apply (Lambda Cloud API spec 1.8.3, on its
+# firewall endpoints): the site's ruleset is made but filters nothing there.
+LAMBDA_UNFILTERED_REGIONS = ("us-south-1",)
 # Kinds whose endpoint is reachable from other machines (a local stack listens on loopback).
 REMOTE_KINDS = ("aws", "hetzner", "joined")
 
@@ -49,6 +52,12 @@ def stack_warnings(stack: StackSpec) -> list[str]:
     for index, site in enumerate(stack.sites):
         if site.kind not in (*FIREWALLED_KINDS, *HOST_FIREWALLED_KINDS):
             continue  # local and Kubernetes sites have no SSH
+        if site.kind == "lambda" and site.region in LAMBDA_UNFILTERED_REGIONS:
+            warnings.append(
+                f"sites[{index}].region: Lambda applies no firewall rules in {site.region}, so "
+                "every port of its instances is open to the internet and only the node "
+                "deploy's host firewall guards them; pick another Lambda region to have both"
+            )
         path = f"sites[{index}].admin_cidrs"
         world = [
             c for c in site.admin_cidrs if ipaddress.ip_network(c, strict=False).prefixlen == 0
