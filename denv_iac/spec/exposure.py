@@ -7,7 +7,7 @@ Each is one line naming the field and the fix. `denv plan` prints them and still
 import hashlib
 import ipaddress
 
-from denv_iac.spec.gateway_link import gateway_link_warnings
+from denv_iac.spec.gateway_link import KUBERNETES, gateway_link_warnings
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.overlay import overlay_warnings
 
@@ -105,4 +105,24 @@ def stack_warnings(stack: StackSpec) -> list[str]:
                 f'balancer.api_key_digests: {digest[:12]}... is the SHA-256 of "{key}", a key '
                 "anyone would try; make one with `openssl rand -hex 32` and list its digest"
             )
+    warnings += mig_strategy_warnings(stack)
     return warnings + overlay_warnings(stack) + gateway_link_warnings(stack)
+
+
+def mig_strategy_warnings(stack: StackSpec) -> list[str]:
+    """A MIG recipe on a kubernetes site asks for `nvidia.com/mig-<profile>`, which the GPU
+    operator advertises only under its `mixed` MIG strategy; its default, `single`, advertises
+    MIG devices as `nvidia.com/gpu`, and the pods stay Pending. The stack does not read the
+    cluster, so this is said for every such recipe."""
+    kube = {site.name for site in stack.sites if site.kind == KUBERNETES}
+    out = []
+    for index, recipe in enumerate(stack.recipes):
+        sites = sorted(kube & set(recipe.sites))
+        if recipe.is_mig and sites:
+            out.append(
+                f"recipes[{index}].share: {recipe.share} on {', '.join(sites)} needs the GPU "
+                f"operator's mixed MIG strategy (its default, single, never offers "
+                f"nvidia.com/mig-{recipe.share} and the pods stay Pending); install it with "
+                "--set mig.strategy=mixed"
+            )
+    return out
