@@ -30,7 +30,7 @@ from denv_iac.node import (
     spec_from_json,
 )
 from denv_iac.node.balancer_host import GatewayCredentials
-from denv_iac.node.deploy import NodeUnreachable, connect, quiet_progress
+from denv_iac.node.deploy import CannotConnect, connect, quiet_progress
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.node.spec import spec_to_json
@@ -243,7 +243,7 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
                 with ssh_target(props, login) as target:
                     steps = self._deploy(target, props, keys)
                 break
-            except NodeUnreachable:
+            except CannotConnect:  # refused before anything ran: the next key may get in
                 if index == len(logins) - 1:
                     raise
         outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}

@@ -41,6 +41,10 @@ class NodeUnreachable(RuntimeError):
     """Could not connect to the node; the message says where and why (never a key's content)."""
 
 
+class CannotConnect(NodeUnreachable):
+    """The first connection failed: nothing was read or changed on the node."""
+
+
 class StepFailed(RuntimeError):
     """A step's command failed on the node; later steps were not run."""
 
@@ -273,11 +277,11 @@ def connect(target: Target) -> Iterator[NodeSession]:
     try:
         host.connect(show_errors=False, raise_exceptions=True)
     except ConnectError as error:
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error.args[0]}") from None
+        raise CannotConnect(f"cannot connect to {target.host}: {error.args[0]}") from None
     except PyinfraError as error:  # a key paramiko cannot load; the message names the file only
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
+        raise CannotConnect(f"cannot connect to {target.host}: {error}") from None
     except OSError as error:
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
+        raise CannotConnect(f"cannot connect to {target.host}: {error}") from None
     state.activate_host(host)
     try:
         yield NodeSession(state, host)

@@ -22,12 +22,12 @@ from denv_iac.node import (
     CacheVolume,
     MigSlice,
     NodeDeploySpec,
-    NodeUnreachable,
     ReplicaSpec,
     Step,
     Target,
 )
 from denv_iac.node.balancer_host import GatewayCredentials
+from denv_iac.node.deploy import CannotConnect, NodeUnreachable
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
@@ -100,7 +100,7 @@ class Recorder:
                 mode = stat.S_IMODE(target.key.stat().st_mode)
                 self.keys.append(KeyFile(target.key, mode, target.key.read_text()))
                 if self.accepts is not None and target.key.read_text().strip() != self.accepts:
-                    raise NodeUnreachable(f"cannot connect to {target.host}: auth failed")
+                    raise CannotConnect(f"cannot connect to {target.host}: auth failed")
             if self.fail:
                 raise RuntimeError("replicas: start failed")
             return [Step(kind, f"step {n}") for n in range(self.steps)]
@@ -380,6 +380,23 @@ def test_a_machine_that_takes_neither_key_fails_the_deploy_naming_it() -> None:
     with pytest.raises(NodeUnreachable, match=r"192\.0\.2\.10"):
         NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
     assert len(machine.keys) == 2 and not any(key.path.exists() for key in machine.keys)
+
+
+def test_a_machine_lost_after_the_login_is_not_retried_with_the_old_key() -> None:
+    # A reboot that never came back is no refused key: the deploy ran, and its error stands.
+    class Lost(Recorder):
+        def runner(self) -> DeployRunner:
+            def node(target: Target, *_: Any) -> list[Step]:
+                self.keys.append(KeyFile(Path(), 0, ""))
+                raise NodeUnreachable("192.0.2.10: did not come back within 900 s of a reboot")
+
+            return DeployRunner(node=node)
+
+    machine = Lost()
+    news = {**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}
+    with pytest.raises(NodeUnreachable, match="did not come back"):
+        NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
+    assert len(machine.keys) == 1
 
 
 def test_node_setup_registers_the_deployment_with_its_key_a_secret() -> None:
