@@ -13,7 +13,6 @@ MODULES = (
     "dataplane_bench",
     "voice_bench",
     "overlay_bench",
-    "first_up_bench",
 )
 RESULTS = Path(__file__).parent / "results"
 
