@@ -163,6 +163,13 @@ class SiteManifests:
         return [self.namespace, *pools, self.network_policy, *agent, *gateway, *services]
 
 
+# The agent mounts the kubelet's pod-resources folder (a hostPath volume), which the Pod Security
+# Standards' baseline and restricted levels forbid: a cluster whose admission default enforces
+# either would refuse its pods. The namespace is the stack's own, so it says its level itself,
+# as the GPU operator's namespace does; a policy engine that forbids the label is not seen here.
+POD_SECURITY = {"pod-security.kubernetes.io/enforce": "privileged"}
+
+
 def site_problems(site: SiteSpec, recipes: Sequence[RecipeSpec]) -> list[str]:
     """What a kubernetes site needs beyond what the stack reader checks, one line each."""
     problems = []
@@ -250,7 +257,9 @@ def site_manifests(
     agent_toml = _agent_toml(site, agent_replicas)
     nodes = sorted({route.node for route in routes})
     return SiteManifests(
-        namespace=_object("v1", "Namespace", {"name": ns, "labels": _labels(stack.name, site)}),
+        namespace=_object(
+            "v1", "Namespace", {"name": ns, "labels": _labels(stack.name, site) | POD_SECURITY}
+        ),
         pools=tuple(pools),
         network_policy=_network_policy(stack.name, site, [p.pool for p in pools], stack),
         agent_config=_config_map(stack.name, site, AGENT_NAME, "agent", {"agent.toml": agent_toml}),

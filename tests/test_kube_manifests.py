@@ -446,3 +446,46 @@ def test_a_plain_link_to_a_used_kubernetes_site_is_warned_about(private_links: b
             "cluster shares one private network with the balancer"
         ]
     )
+
+
+def _pod_specs(manifests: SiteManifests) -> list[dict[str, Any]]:
+    return [
+        m["spec"]["template"]["spec"]
+        for m in manifests.objects()
+        if m["kind"] in ("DaemonSet", "Deployment", "StatefulSet")
+    ]
+
+
+def test_the_namespace_admits_the_agents_host_path_whatever_the_clusters_default() -> None:
+    # Pod Security baseline (and restricted) forbid hostPath volumes: a cluster enforcing either
+    # by default would refuse the agent, which reads the kubelet's pod-resources socket.
+    manifests = _manifests([_site()], [VOICE, SIDE])
+    host_paths = [
+        v["hostPath"]["path"]
+        for p in _pod_specs(manifests)
+        for v in p.get("volumes", ())
+        if "hostPath" in v
+    ]
+    assert host_paths  # the reason for the level
+    labels = manifests.namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+@pytest.mark.parametrize(("recipes", "warned"), [([VOICE, SIDE], True), ([VOICE], False)])
+def test_a_mig_recipe_on_a_kubernetes_site_names_the_operators_mig_strategy(
+    recipes: list[Any], warned: bool
+) -> None:
+    balancer = {"sites": ["edge"]}
+    stack = read_stack(
+        "prod", {"denv:sites": [_site(), EDGE], "denv:recipes": recipes, "denv:balancer": balancer}
+    )
+    lines = [w for w in stack_warnings(stack) if "mig.strategy" in w]
+    assert lines == (
+        [
+            "recipes[1].share: 1g.10gb on k8s needs the GPU operator's mixed MIG strategy (its "
+            "default, single, never offers nvidia.com/mig-1g.10gb and the pods stay Pending); "
+            "install it with --set mig.strategy=mixed"
+        ]
+        if warned
+        else []
+    )

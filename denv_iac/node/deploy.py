@@ -28,6 +28,8 @@ from pyinfra.operations import server
 from denv_iac.node.facts import FactQuery, NodeFacts, NodeProbe
 from denv_iac.node.plan import fact_query, plan_node
 from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.ssh_keys import SshKeys
+from denv_iac.node.ssh_keys import fact_query as key_query
 from denv_iac.node.steps import Step
 from denv_iac.spec.values import HOST_RULE, USER_NAME, USER_RULE, is_host
 
@@ -37,6 +39,10 @@ Progress = Callable[[int, int, Step, str], None]
 
 class NodeUnreachable(RuntimeError):
     """Could not connect to the node; the message says where and why (never a key's content)."""
+
+
+class CannotConnect(NodeUnreachable):
+    """The first connection failed: nothing was read or changed on the node."""
 
 
 class StepFailed(RuntimeError):
@@ -271,11 +277,11 @@ def connect(target: Target) -> Iterator[NodeSession]:
     try:
         host.connect(show_errors=False, raise_exceptions=True)
     except ConnectError as error:
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error.args[0]}") from None
+        raise CannotConnect(f"cannot connect to {target.host}: {error.args[0]}") from None
     except PyinfraError as error:  # a key paramiko cannot load; the message names the file only
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
+        raise CannotConnect(f"cannot connect to {target.host}: {error}") from None
     except OSError as error:
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
+        raise CannotConnect(f"cannot connect to {target.host}: {error}") from None
     state.activate_host(host)
     try:
         yield NodeSession(state, host)
@@ -293,14 +299,17 @@ def prepare_node(
     dry: bool = False,
     progress: Progress = quiet_progress,
     overlay_config: str | None = None,
+    keys: SshKeys | None = None,
 ) -> list[Step]:
     """Converge the node to `spec`: read facts, plan, run; returns the steps planned.
 
     With `dry`, facts are read (read-only commands) and nothing is changed. `overlay_config`:
-    the node's WireGuard config, its private key filled in (see `plan_node`).
+    the node's WireGuard config, its private key filled in (see `plan_node`); `keys`: the SSH
+    login's keys to keep.
     """
     with connect(target) as session:
-        steps = plan_node(session.facts(fact_query(spec)), spec, overlay_config)
+        facts = session.facts(fact_query(spec) | key_query(keys))
+        steps = plan_node(facts, spec, overlay_config, keys)
         if not dry:
             session.apply(steps, progress)
         return steps

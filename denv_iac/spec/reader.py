@@ -44,6 +44,7 @@ from denv_iac.spec.values import (
     USER_RULE,
     is_host,
     lambda_full_name,
+    nebius_image_family,
 )
 
 CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
@@ -236,7 +237,8 @@ def _read_cloud_site(
     if kind == "nebius":
         extra["project_id"] = f.text("project_id", example="project-e00example")
         extra["subnet_id"] = f.text("subnet_id", example="vpcsubnet-e00example")
-        extra["image"] = f.text("image_family", "ubuntu22.04-cuda12")
+        gpu = offering.gpu if offering else ""
+        extra["image"] = f.text("image_family", nebius_image_family(gpu))
     return SiteSpec(name, kind, **common, **extra)
 
 

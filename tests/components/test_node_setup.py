@@ -17,12 +17,22 @@ from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import DeployRunner, NodeSetup, NodeSetupProvider
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
-from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
+from denv_iac.components.secrets import public_key_of
+from denv_iac.node import (
+    CacheVolume,
+    MigSlice,
+    NodeDeploySpec,
+    ReplicaSpec,
+    Step,
+    Target,
+)
 from denv_iac.node.balancer_host import GatewayCredentials
+from denv_iac.node.deploy import CannotConnect, NodeUnreachable
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
 from denv_iac.node.spec import spec_to_json
+from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.steps import wants_link
 from denv_iac.overlay import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
 from denv_iac.placement import place_replicas
@@ -61,6 +71,8 @@ BALANCER = {
     },
 }
 DEPLOYMENT = "pulumi-python:dynamic/denv:NodeDeployment"
+# What the balancer host's login is asked to accept: the stack's key, nothing retired.
+BALANCER_KEYS = SshKeys("ubuntu", public_key_of(KEY))
 
 
 @dataclasses.dataclass
@@ -73,11 +85,12 @@ class KeyFile:
 class Recorder:
     """A deploy runner that records what it was asked to do and the key file it was given."""
 
-    def __init__(self, steps: int = 2, fail: bool = False) -> None:
+    def __init__(self, steps: int = 2, fail: bool = False, accepts: str | None = None) -> None:
         self.calls: list[tuple[str, Target, Any]] = []
         self.extras: list[tuple[Any, ...]] = []  # what a call got after `what`
         self.keys: list[KeyFile] = []
         self.steps, self.fail = steps, fail
+        self.accepts = accepts  # the one private key the machine lets in (None: any)
 
     def _record(self, kind: str) -> Callable[..., list[Step]]:
         def run(target: Target, what: Any, *extra: Any) -> list[Step]:
@@ -86,6 +99,8 @@ class Recorder:
             if target.key is not None:
                 mode = stat.S_IMODE(target.key.stat().st_mode)
                 self.keys.append(KeyFile(target.key, mode, target.key.read_text()))
+                if self.accepts is not None and target.key.read_text().strip() != self.accepts:
+                    raise CannotConnect(f"cannot connect to {target.host}: auth failed")
             if self.fail:
                 raise RuntimeError("replicas: start failed")
             return [Step(kind, f"step {n}") for n in range(self.steps)]
@@ -181,14 +196,15 @@ def test_a_balancer_host_gets_its_rendered_config_through_sudo() -> None:
     assert result.id == "balancer.203.0.113.9"
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     # A stack from before the balancer host's firewall: no admins, so nothing is guarded.
-    assert recorder.extras == [(BalancerAccess((), 0), None, None, None)]
+    assert recorder.extras == [(BalancerAccess((), 0), None, None, None, BALANCER_KEYS)]
 
 
 def test_a_balancer_host_gets_its_sites_admin_cidrs_and_stats_port_for_its_firewall() -> None:
     recorder = Recorder(steps=1)
     given = {"admin_cidrs": ["198.51.100.0/24"], "stats_port": 8405.0}  # as the engine hands it
     NodeSetupProvider(recorder.runner()).create({**BALANCER, "balancer_firewall": given})
-    assert recorder.extras == [(BalancerAccess(("198.51.100.0/24",), 8405), None, None, None)]
+    access = BalancerAccess(("198.51.100.0/24",), 8405)
+    assert recorder.extras == [(access, None, None, None, BALANCER_KEYS)]
 
 
 @pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
@@ -219,7 +235,9 @@ def test_the_provider_hands_the_certificate_to_the_deploy_and_a_new_one_reruns_i
     provider = NodeSetupProvider(recorder.runner())
     with_tls = {**BALANCER, "tls_certificate": stacks.TLS_CERTIFICATE}
     result = provider.create(dict(with_tls))
-    assert recorder.extras == [(BalancerAccess((), 0), stacks.TLS_CERTIFICATE, None, None)]
+    assert recorder.extras == [
+        (BalancerAccess((), 0), stacks.TLS_CERTIFICATE, None, None, BALANCER_KEYS)
+    ]
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     renewed = {**with_tls, "tls_certificate": stacks.TLS_CERTIFICATE + "\nrenewed"}
     assert provider.diff("balancer.203.0.113.9", with_tls, renewed).changes
@@ -232,9 +250,8 @@ def test_the_provider_hands_the_gateway_credentials_to_the_deploy_and_new_ones_r
     files = {"ca": "CA-CERTIFICATE", "client": "CLIENT-CERTIFICATE-AND-KEY"}
     with_gateway = {**BALANCER, "gateway_tls": files}
     provider.create(dict(with_gateway))
-    assert recorder.extras == [
-        (BalancerAccess((), 0), None, GatewayCredentials("CA-CERTIFICATE", files["client"]), None)
-    ]
+    gateway = GatewayCredentials("CA-CERTIFICATE", files["client"])
+    assert recorder.extras == [(BalancerAccess((), 0), None, gateway, None, BALANCER_KEYS)]
     # The key never shows in what a log of the call would print.
     assert "CLIENT" not in repr(recorder.extras)
     renewed = {**BALANCER, "gateway_tls": {**files, "client": "RENEWED"}}
@@ -329,6 +346,57 @@ def test_update_reruns_the_deploy_and_delete_stops_the_replicas_only() -> None:
         ("node", "590"),
         ("stop", "590"),
     ]
+
+
+@pytest.mark.parametrize("kind", ["node", "balancer"])
+def test_a_rotated_key_logs_in_with_the_old_one_once_and_the_deploy_installs_the_new(
+    kind: str,
+) -> None:
+    rotated = stacks.SSH_KEYS["aws-use1"]
+    olds = dict(NODE if kind == "node" else BALANCER)
+    news = {**olds, "ssh_private_key": rotated}
+    user = str(olds["ssh_user"])
+    provider = NodeSetupProvider((machine := Recorder(accepts=KEY.strip())).runner())
+    # A key change reruns the deploy in place: the machine stays.
+    diff = provider.diff("id", olds, news)
+    assert diff.changes and diff.replaces == []
+    outs = provider.update("id", olds, news).outs
+    # The new key first (refused: the machine has only the old one), then the old one ...
+    assert [key.text.strip() for key in machine.keys] == [rotated.strip(), KEY.strip()]
+    # ... and the deploy run through it puts the new key in and takes the old one out.
+    expected = SshKeys(user, public_key_of(rotated), (public_key_of(KEY),))
+    assert machine.extras[-1][-1] == expected
+    assert outs is not None and outs["ssh_private_key"] == rotated
+    # Once the machine takes the new key, the next deploy logs in with it alone.
+    landed = Recorder(accepts=rotated.strip())
+    NodeSetupProvider(landed.runner()).update("id", outs, dict(news))
+    assert [key.text.strip() for key in landed.keys] == [rotated.strip()]
+    assert landed.extras[-1][-1] == SshKeys(user, public_key_of(rotated))
+
+
+def test_a_machine_that_takes_neither_key_fails_the_deploy_naming_it() -> None:
+    machine = Recorder(accepts="another key")
+    news = {**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}
+    with pytest.raises(NodeUnreachable, match=r"192\.0\.2\.10"):
+        NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
+    assert len(machine.keys) == 2 and not any(key.path.exists() for key in machine.keys)
+
+
+def test_a_machine_lost_after_the_login_is_not_retried_with_the_old_key() -> None:
+    # A reboot that never came back is no refused key: the deploy ran, and its error stands.
+    class Lost(Recorder):
+        def runner(self) -> DeployRunner:
+            def node(target: Target, *_: Any) -> list[Step]:
+                self.keys.append(KeyFile(Path(), 0, ""))
+                raise NodeUnreachable("192.0.2.10: did not come back within 900 s of a reboot")
+
+            return DeployRunner(node=node)
+
+    machine = Lost()
+    news = {**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}
+    with pytest.raises(NodeUnreachable, match="did not come back"):
+        NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
+    assert len(machine.keys) == 1
 
 
 def test_node_setup_registers_the_deployment_with_its_key_a_secret() -> None:
