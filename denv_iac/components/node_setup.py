@@ -338,6 +338,8 @@ class NodeSetup(pulumi.ComponentResource):
             # certificate too).
             pulumi.ResourceOptions(
                 parent=self,
+                # What the setup waits for (a firewall on the node's path), the deploy waits for.
+                depends_on=opts.depends_on if opts is not None else None,
                 additional_secret_outputs=[
                     "ssh_private_key",
                     "secret_env",
