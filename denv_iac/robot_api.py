@@ -10,10 +10,9 @@ answers, form-encoded POSTs; `GET /server` lists the account's servers (`server_
 `rules[output][n][field]`, applied in order, the first that matches deciding; anything no rule
 accepts is discarded, in either direction: since Hetzner's 2023 change a firewall without output
 rules discards everything the server sends. A rule name holds letters, spaces and `. - + _ @`
-only. A change is applied to the switch
-in about 30 s, during which the firewall reads `in process`. A failure is
-`{"error": {"status", "code", "message"}}` and becomes one `RobotApiError` line, never the
-credentials. No Pulumi here.
+only. A change is applied to the switch in about 30 s, during which the firewall reads
+`in process`. A failure is `{"error": {"status", "code", "message"}}` and becomes one
+`RobotApiError` line, never the credentials. No Pulumi here.
 """
 
 import time

@@ -38,11 +38,11 @@ REPLY_RULES: tuple[dict[str, str], ...] = (
 # output rules discards everything the box sends: replies to SSH and WireGuard, apt, image
 # pulls, DNS, NTP; the node deploy fails and the box goes dark (community.hrobot issue #75).
 # What the box sends is narrowed on the node by its nftables where it matters; on the switch
-# port, one rule accepting every outgoing packet, the form Robot's own examples use.
+# port, one rule accepting every outgoing packet: the form of the community.hrobot firewall
+# module's own example.
 OUTPUT_RULES: tuple[dict[str, str], ...] = ({"name": "node traffic out", "action": "accept"},)
-# The characters Robot takes in a rule name: letters, space and . - + _ @; no digits (documented
-# by the community.hrobot firewall module, whose example names lost their digits and commas to
-# Robot's refusals).
+# The characters Robot takes in a rule name: letters, space and . - + _ @; no digits (as the
+# community.hrobot firewall module documents it; its example rules were renamed to fit).
 RULE_NAME = re.compile(r"[A-Za-z .+_@-]*")
 # A run of other characters, with the symbols beside it (`-1-` in `fsn-1-dc`).
 _NAME_UNSAFE = re.compile(r"[.+_@-]*[^A-Za-z .+_@-]+[.+_@-]*")
