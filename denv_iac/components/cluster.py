@@ -305,7 +305,9 @@ class Cluster(pulumi.ComponentResource):
             NodeSetup(
                 child_name(self._name, site.name, node.name, "setup"),
                 args,
-                pulumi.ResourceOptions(parent=nodes.component),
+                pulumi.ResourceOptions(
+                    parent=nodes.component, depends_on=list(nodes.ready.get(node.name, ()))
+                ),
             )
 
     def _gateway_link(self) -> GatewayTls | None:

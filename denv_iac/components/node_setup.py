@@ -30,7 +30,7 @@ from denv_iac.node import (
     spec_from_json,
 )
 from denv_iac.node.balancer_host import GatewayCredentials
-from denv_iac.node.deploy import CannotConnect, connect, quiet_progress
+from denv_iac.node.deploy import CannotConnect, NodeUnreachable, connect, quiet_progress
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.node.spec import spec_to_json
@@ -79,6 +79,13 @@ def deploy_balancer(
     the SSH login's keys to keep."""
     return prepare_balancer(
         target, rendered, access, certificate, gateway, overlay_config=overlay_config, keys=keys
+    )
+
+
+def node_gone_warning(node: str, error: NodeUnreachable) -> str:
+    return (
+        f"node {node}: {error}; nothing answers there, so the machine is taken as gone and its "
+        "deploy is forgotten; if it still runs, stop its denv-replica units by hand"
     )
 
 
@@ -267,11 +274,23 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
     ) -> pulumi.dynamic.UpdateResult:
         return pulumi.dynamic.UpdateResult(outs=self._converge(news, olds))
 
-    def delete(self, _id: str, props: dict[str, Any]) -> None:
+    def delete(self, id_: str, props: dict[str, Any]) -> None:
         # A balancer host goes with its BalancerHost, or keeps serving as a joined machine.
-        if props.get("node") is not None:
-            with ssh_target(props) as target:
+        if props.get("node") is None:
+            return
+        with ssh_target(props) as target:
+            try:
                 self.runner.stop(target, _node_spec(props))
+            except NodeUnreachable as error:
+                # Nothing answers at the address (refused, timed out, no route): the machine is
+                # gone (preempted, terminated, dead), and its replicas with it. Raising would keep
+                # the resource and fail every later `up` until the state is edited by hand. An
+                # SSH server that answers but refuses the key or shows another host key fails
+                # loudly instead: a live machine whose access changed (a rotated key, a
+                # reinstall, someone in the middle) is for a person to look at.
+                if error.answered:
+                    raise
+                pulumi.log.warn(node_gone_warning(id_, error))
 
 
 class NodeDeployment(DynamicResource, module="denv", name="NodeDeployment"):
@@ -392,6 +411,8 @@ class NodeSetup(pulumi.ComponentResource):
             # certificate too).
             pulumi.ResourceOptions(
                 parent=self,
+                # What the setup waits for (a firewall on the node's path), the deploy waits for.
+                depends_on=opts.depends_on if opts is not None else None,
                 additional_secret_outputs=[
                     "ssh_private_key",
                     "secret_env",

@@ -1,14 +1,23 @@
 """NodeSetup: the deploy's inputs per node, the provider's create/diff/update/delete, a real run."""
 
 import dataclasses
+import errno
 import os
+import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import pulumi
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+from paramiko import AuthenticationException, SSHException
+from paramiko.ssh_exception import NoValidConnectionsError
 
 from denv_iac.balancer import RenderedConfig
 from denv_iac.balancer.model import TLS_CERT_PATH
@@ -27,7 +36,7 @@ from denv_iac.node import (
     Target,
 )
 from denv_iac.node.balancer_host import GatewayCredentials
-from denv_iac.node.deploy import CannotConnect, NodeUnreachable
+from denv_iac.node.deploy import CannotConnect, NodeUnreachable, no_answer
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
@@ -397,6 +406,98 @@ def test_a_machine_lost_after_the_login_is_not_retried_with_the_old_key() -> Non
     with pytest.raises(NodeUnreachable, match="did not come back"):
         NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
     assert len(machine.keys) == 1
+
+
+def _closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on: a connection there is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _delete_within(props: dict[str, Any], bound_s: float = 60.0) -> BaseException | None:
+    """The real provider's delete (real SSH, an OpenSSH key paramiko loads), in a thread given
+    `bound_s`; what it raised."""
+    key = Ed25519PrivateKey.generate().private_bytes(
+        Encoding.PEM, PrivateFormat.OpenSSH, NoEncryption()
+    )
+    props = {**props, "ssh_private_key": key.decode()}
+    raised: list[BaseException] = []
+
+    def delete() -> None:
+        try:
+            NodeSetupProvider().delete("office.rack-1", props)
+        except Exception as error:  # handed to the test
+            raised.append(error)
+
+    thread = threading.Thread(target=delete, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"delete still connecting after {bound_s:.0f} s"
+    return raised[0] if raised else None
+
+
+def test_delete_of_a_node_whose_machine_is_gone_succeeds_with_a_warning(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in the provider's own process, which has no engine to log to: the warning goes to
+    # stderr (an earlier test's mocks may have left one set in this process).
+    monkeypatch.setattr(pulumi.log, "get_engine", lambda: None)
+    port = _closed_port()
+    assert _delete_within({**NODE, "host": f"127.0.0.1:{port}"}) is None
+    warning = capsys.readouterr().err
+    assert "node office.rack-1: cannot connect to 127.0.0.1" in warning, warning
+    assert "taken as gone" in warning and "stop its denv-replica units by hand" in warning
+    assert "PRIVATE KEY" not in warning
+
+
+def test_delete_fails_when_something_answers_but_lets_no_deploy_in() -> None:
+    """An SSH port that answers (here: a listener that hangs up at once, as no SSH server
+    would) is a live machine: delete fails and the resource stays in the state."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def hang_up() -> None:
+            with suppress(OSError):
+                while True:
+                    connection, _ = server.accept()
+                    connection.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        raised = _delete_within({**NODE, "host": f"127.0.0.1:{port}"})
+    assert isinstance(raised, NodeUnreachable) and raised.answered, raised
+    assert str(raised).startswith("cannot connect to 127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("error", "gone"),
+    [
+        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), True),
+        (TimeoutError("timed out"), True),
+        (OSError(errno.EHOSTUNREACH, "no route to host"), True),
+        (OSError(errno.EHOSTDOWN, "host is down"), True),
+        (OSError(errno.ETIMEDOUT, "timed out"), True),
+        (OSError(errno.ENETUNREACH, "network is unreachable"), False),  # the deployer's own
+        (NoValidConnectionsError({("192.0.2.1", 22): ConnectionRefusedError(111, "r")}), True),
+        (
+            NoValidConnectionsError(
+                {
+                    ("192.0.2.1", 22): ConnectionRefusedError(111, "r"),
+                    ("2001:db8::1", 22, 0, 0): OSError(errno.ENETUNREACH, "u"),
+                }
+            ),
+            False,
+        ),
+        (AuthenticationException("Authentication failed."), False),
+        (SSHException("Error reading SSH protocol banner"), False),
+        (EOFError(), False),
+        (None, False),
+    ],
+)
+def test_only_an_address_where_nothing_answers_counts_as_gone(
+    error: BaseException | None, gone: bool
+) -> None:
+    assert no_answer(error) is gone
 
 
 def test_node_setup_registers_the_deployment_with_its_key_a_secret() -> None:
