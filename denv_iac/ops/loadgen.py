@@ -727,6 +727,7 @@ async def run_load(
     timeout_s: float = 30.0,
     fallback_urls: tuple[str, ...] = (),
     direct_urls: tuple[str, ...] = (),
+    stop: asyncio.Event | None = None,
 ) -> LoadReport:
     """Closed-loop load: `concurrency` workers, each sending its next request when one ends.
 
@@ -734,7 +735,8 @@ async def run_load(
     `X-Denv-Session`, then starts a new conversation (a realtime worker opens a new session;
     without `session_turns` it keeps one session while it lasts). With `fallback_urls`, a
     request that got no response at all (refused, reset before a byte) is sent to the next URL,
-    as a client resolving several balancer addresses would. With `direct_urls` (replicas), each
+    as a client resolving several balancer addresses would. With `stop`, no request is sent
+    once it is set (those under way end first). With `direct_urls` (replicas), each
     worker also sends every request straight to one of them, alternating which path goes first,
     without `api_key`: that key is the endpoint's, and a replica must never see it.
     """
@@ -748,6 +750,8 @@ async def run_load(
     budget = [requests] if requests is not None else None
 
     def more() -> bool:
+        if stop is not None and stop.is_set():
+            return False
         if deadline is not None and time.perf_counter() >= deadline:
             return False
         if budget is not None:
