@@ -282,12 +282,21 @@ class NodeSetupArgs(TypedDict):
 class NodeSetup(pulumi.ComponentResource):
     """The node deploy run on one GPU node or balancer host, re-run when what it runs changes."""
 
+    deployment: NodeDeployment
+    """The dynamic resource that runs the deploy: what another node's deploy waits on."""
+
     applied: pulumi.Output[list[str]]
     """The steps the last deploy applied; empty when the machine already was as asked."""
 
     def __init__(
-        self, name: str, args: NodeSetupArgs, opts: pulumi.ResourceOptions | None = None
+        self,
+        name: str,
+        args: NodeSetupArgs,
+        opts: pulumi.ResourceOptions | None = None,
+        after: Sequence["NodeSetup"] = (),
     ) -> None:
+        """`after`: the node deploys that must end before this one starts (a pool's rollout
+        order, denv_iac.rollout.deploy_after); the engine waits on them for create and update."""
         if ("node" in args) == ("balancer" in args):
             raise ValueError(f"NodeSetup {name}: give either node or balancer")
         super().__init__("denv:index:NodeSetup", name, None, opts)
@@ -338,6 +347,7 @@ class NodeSetup(pulumi.ComponentResource):
             # certificate too).
             pulumi.ResourceOptions(
                 parent=self,
+                depends_on=[setup.deployment for setup in after],
                 additional_secret_outputs=[
                     "ssh_private_key",
                     "secret_env",
@@ -347,5 +357,6 @@ class NodeSetup(pulumi.ComponentResource):
                 ],
             ),
         )
+        self.deployment = deployment
         self.applied = deployment.applied
         self.register_outputs({"applied": self.applied})
