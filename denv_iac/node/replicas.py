@@ -17,6 +17,7 @@ from denv_iac.node.steps import (
     unit_path,
     wants_link,
 )
+from denv_iac.spec.model import SERVER_STOP_S
 
 LAUNCHER = "/opt/denv/bin/denv-replica-run"
 ENV_DIR = "/etc/denv/replicas"
@@ -94,7 +95,7 @@ StartLimitIntervalSec=0
 [Service]
 ExecStartPre=-/usr/bin/docker rm -f {name}
 ExecStart={" ".join(map(systemd_quote, argv))}
-ExecStop=/usr/bin/docker stop -t 30 {name}
+ExecStop=/usr/bin/docker stop -t {SERVER_STOP_S} {name}
 Restart=always
 RestartSec=2
 TimeoutStartSec=0

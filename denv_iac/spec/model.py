@@ -43,6 +43,8 @@ CONNECT_TIMEOUT_MS = 80
 # How long a rollout waits for a drained replica's streams and realtime sessions to end before it
 # restarts the replica anyway (and names what it cut): a voice call of a couple of minutes.
 DRAIN_TIMEOUT_S = 120
+# How long a model server is given to stop once asked (SIGTERM, then SIGKILL), after its drain.
+SERVER_STOP_S = 30
 
 
 @dataclass(frozen=True)
