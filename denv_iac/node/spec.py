@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from denv_iac.sites import CACHE_MOUNT_POINT
-from denv_iac.spec.model import ENGINES, WIREGUARD_PORT
+from denv_iac.spec.model import COLD_START_BUDGET_S, DRAIN_TIMEOUT_S, ENGINES, WIREGUARD_PORT
 from denv_iac.spec.values import (
     CACHE_ENV,
     DEPLOY_ENV,
@@ -153,8 +153,8 @@ class NodeDeploySpec:
     # Base URL of NVIDIA's CUDA repository (holding cuda-keyring_1.1-1_all.deb); {distro} and
     # {arch} are filled in from the node. A mirror for nodes without access to NVIDIA's CDN.
     nvidia_repo: str = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/{arch}"
-    drain_timeout_s: int = 120
-    ready_timeout_s: int = 900
+    drain_timeout_s: int = DRAIN_TIMEOUT_S
+    ready_timeout_s: int = COLD_START_BUDGET_S
 
     def __post_init__(self) -> None:
         problems = _problems(self)
