@@ -203,9 +203,10 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
     """Shell: restart a serving replica without cutting a call or leaving it cold: the agent
     drains it (the balancers send it nothing new) -> its connections end, at most
     `drain_timeout_s` (those left are cut and counted) -> restart -> health answers within
-    `ready_timeout_s` -> undrain. A replica that never answers stays drained, and the command
-    fails with one line naming it, so that `pulumi up` stops before the pool's next node
-    (denv_iac.rollout.deploy_after) with the pool's other replicas serving the old version."""
+    `ready_timeout_s` -> undrain -> `rejoin_s`, until the balancers count it UP. A replica
+    that never answers stays drained, and the command fails with one line naming it, so that
+    `pulumi up` stops before the pool's next node (denv_iac.rollout.deploy_after) with the
+    pool's other replicas serving the old version."""
     health = shlex.quote(f"http://127.0.0.1:{replica.port}{replica.health_path}")
     who = shlex.quote(replica.id)
     never_warm = shlex.quote(
@@ -220,7 +221,7 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
         f"{set_deadline('ready', spec.ready_timeout_s)}; "
         f"until curl -fsS -o /dev/null --max-time 5 {health}; do "
         f"{before_deadline('ready')} || {{ echo {never_warm} >&2; exit 1; }}; sleep 2; done; "
-        f"denv-agent undrain --replica {who} >/dev/null; echo {who} rolled"
+        f"denv-agent undrain --replica {who} >/dev/null; sleep {spec.rejoin_s}; echo {who} rolled"
     )
 
 

@@ -155,6 +155,9 @@ class NodeDeploySpec:
     nvidia_repo: str = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/{arch}"
     drain_timeout_s: int = DRAIN_TIMEOUT_S
     ready_timeout_s: int = COLD_START_BUDGET_S
+    # After a rolled replica is undrained, how long the balancers take to count it UP again
+    # (denv_iac.balancer.haproxy.rejoin_ms of the stack's timers), waited before the next goes.
+    rejoin_s: int = 3
 
     def __post_init__(self) -> None:
         problems = _problems(self)

@@ -60,7 +60,7 @@ def _stand_ins(bin_dir: Path, healthy: bool) -> Path:
 
 def _roll(tmp_path: Path, healthy: bool) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     log = _stand_ins(tmp_path, healthy)
-    node = dataclasses.replace(spec(), drain_timeout_s=5, ready_timeout_s=1)
+    node = dataclasses.replace(spec(), drain_timeout_s=5, ready_timeout_s=1, rejoin_s=1)
     replica: ReplicaSpec = node.replicas[0]
     done = subprocess.run(
         ["sh", "-c", replicas.roll_command(node, replica)],
@@ -95,3 +95,16 @@ def test_a_replica_that_never_answers_stops_the_deploy_named_and_left_drained(
         "old version"
     ]
     assert log[0].startswith("agent drain") and not any("undrain" in line for line in log)
+
+
+def test_a_node_waits_after_each_undrain_as_long_as_its_balancers_take_to_count_it_up() -> None:
+    from denv_iac.balancer.haproxy import rejoin_ms
+    from denv_iac.balancer.model import BalancerSettings
+
+    # The agent's next answer, one check interval, then two passing checks at fastinter, each
+    # up to its timeout.
+    settings = BalancerSettings(agent_inter_ms=200, check_inter_ms=2000, check_timeout_ms=2000)
+    assert rejoin_ms(settings) == 200 + 2000 + 2 * (500 + 2000)
+    node = dataclasses.replace(spec(), rejoin_s=7)
+    command = replicas.roll_command(node, node.replicas[0])
+    assert "undrain --replica voice.hetzner.gex44-1.0 >/dev/null; sleep 7;" in command
