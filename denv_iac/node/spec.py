@@ -224,9 +224,10 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
     problems += _overlay_problems(spec)
     if spec.ssh_port == spec.agent_port:
         problems.append(f"agent_port {spec.agent_port}: SSH listens there; pick another")
-    if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1:
+    if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1 or spec.rejoin_s < 0:
         problems.append(
-            "drain_timeout_s / ready_timeout_s: give seconds, drain 0 or more, ready 1+"
+            "drain_timeout_s / ready_timeout_s / rejoin_s: give seconds, drain and rejoin 0 or "
+            "more, ready 1+"
         )
     return problems
 

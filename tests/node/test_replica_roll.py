@@ -7,6 +7,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+from denv_iac.balancer.haproxy import rejoin_ms
+from denv_iac.balancer.model import BalancerSettings
 from denv_iac.node import replicas
 from denv_iac.node.plan import plan_node
 from denv_iac.node.spec import ReplicaSpec
@@ -98,9 +100,6 @@ def test_a_replica_that_never_answers_stops_the_deploy_named_and_left_drained(
 
 
 def test_a_node_waits_after_each_undrain_as_long_as_its_balancers_take_to_count_it_up() -> None:
-    from denv_iac.balancer.haproxy import rejoin_ms
-    from denv_iac.balancer.model import BalancerSettings
-
     # The agent's next answer, one check interval, then two passing checks at fastinter, each
     # up to its timeout.
     settings = BalancerSettings(agent_inter_ms=200, check_inter_ms=2000, check_timeout_ms=2000)
