@@ -25,6 +25,7 @@ from denv_iac.kube_manifests import (
     GPU_PRODUCTS,
     SiteManifests,
     gpu_resource,
+    max_unavailable,
     min_available,
     site_manifests,
     site_problems,
@@ -32,7 +33,7 @@ from denv_iac.kube_manifests import (
 )
 from denv_iac.placement import place_replicas
 from denv_iac.spec.exposure import stack_warnings
-from denv_iac.spec.model import RecipeSpec
+from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec
 from denv_iac.spec.reader import read_stack
 from tests.gateway_pki import reading_tls_from, write_pki
 
@@ -215,6 +216,32 @@ def test_disruption_budget_keeps_all_but_the_sites_share_of_the_spare(
 ) -> None:
     recipe = RecipeSpec("p", "whole", (("k8s",),), min_warm, spare)
     assert min_available(recipe, on_site) == least
+
+
+@pytest.mark.parametrize(
+    "min_warm, spare, on_site, at_once",
+    [
+        (2, 1, 3, 1),  # the whole pool here: its spare
+        (2, 2, 4, 2),
+        (2, 2, 2, 1),  # half the pool here: half the spare
+        (3, 1, 2, 1),  # no share of the spare here: still one, or the rollout never moves
+        (1, 0, 1, 1),
+    ],
+)
+def test_a_rollout_restarts_the_sites_share_of_the_spare_at_once(
+    min_warm: int, spare: int, on_site: int, at_once: int
+) -> None:
+    recipe = RecipeSpec("p", "whole", (("k8s",),), min_warm, spare)
+    assert max_unavailable(recipe, on_site) == at_once
+    assert at_once == max(1, on_site - min_available(recipe, on_site))  # the budget's complement
+
+
+def test_a_stopping_pod_is_given_its_drain_bound_and_the_servers_stop() -> None:
+    pool = _pool(_manifests([_site()], [{**VOICE, "drain_timeout_s": 300}]), "voice")
+    spec = pool.stateful_set["spec"]
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] == 300 + SERVER_STOP_S
+    rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert spec["updateStrategy"] == rolling
 
 
 @pytest.mark.parametrize(

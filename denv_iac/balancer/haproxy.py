@@ -735,9 +735,26 @@ def _silence_budget(pool: BalancerPool, settings: BalancerSettings) -> list[str]
     ]
 
 
+# Failed health checks that take a server out, and passing ones that bring it back.
+CHECK_FALL = CHECK_RISE = 2
+
+
+def rejoin_ms(settings: BalancerSettings) -> int:
+    """The longest a replica healthy again, and undrained by its agent, takes to be counted UP by
+    every balancer: the agent's next answer, then CHECK_RISE health checks at the down server's
+    pace (a check each `fastinter`, the first of them up to an `inter` away)."""
+    inter = settings.check_inter_ms
+    checks = CHECK_RISE * (_fast_inter(inter) + settings.check_timeout_ms)
+    return settings.agent_inter_ms + inter + checks
+
+
+def _fast_inter(inter: int) -> int:
+    return max(inter // 4, 1)
+
+
 def _default_server(settings: BalancerSettings) -> list[str]:
     inter = settings.check_inter_ms
-    fast = max(inter // 4, 1)
+    fast = _fast_inter(inter)
     return [
         "# Out of rotation fast: the node agent's verdict (GPU faults) every agent-inter; a",
         "# refused connect on live traffic at once (observe layer4); a failed health check",
@@ -748,7 +765,8 @@ def _default_server(settings: BalancerSettings) -> list[str]:
         "# A replica host name that does not resolve leaves that server out (init-addr none)",
         "# instead of failing the whole endpoint.",
         f"default-server check inter {inter}ms fastinter {fast}ms downinter {fast}ms"
-        f" fall 2 rise 2 agent-check agent-inter {settings.agent_inter_ms}ms weight 100"
+        f" fall {CHECK_FALL} rise {CHECK_RISE} agent-check agent-inter {settings.agent_inter_ms}ms"
+        " weight 100"
         " observe layer4 error-limit 1 on-error mark-down init-addr last,libc,none",
     ]
 

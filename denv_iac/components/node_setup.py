@@ -293,6 +293,16 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
                 pulumi.log.warn(node_gone_warning(id_, error))
 
 
+def _waits_for(opts: pulumi.ResourceOptions | None) -> list[pulumi.Resource]:
+    """The resources `opts` names in depends_on, as a list."""
+    depends_on = opts.depends_on if opts is not None else None
+    if depends_on is None:
+        return []
+    if isinstance(depends_on, pulumi.Resource):
+        return [depends_on]
+    return list(depends_on)  # type: ignore[arg-type]
+
+
 class NodeDeployment(DynamicResource, module="denv", name="NodeDeployment"):
     """The dynamic resource behind a NodeSetup: its state is the deploy's inputs."""
 
@@ -355,12 +365,21 @@ class NodeSetupArgs(TypedDict):
 class NodeSetup(pulumi.ComponentResource):
     """The node deploy run on one GPU node or balancer host, re-run when what it runs changes."""
 
+    deployment: NodeDeployment
+    """The dynamic resource that runs the deploy: what another node's deploy waits on."""
+
     applied: pulumi.Output[list[str]]
     """The steps the last deploy applied; empty when the machine already was as asked."""
 
     def __init__(
-        self, name: str, args: NodeSetupArgs, opts: pulumi.ResourceOptions | None = None
+        self,
+        name: str,
+        args: NodeSetupArgs,
+        opts: pulumi.ResourceOptions | None = None,
+        after: Sequence["NodeSetup"] = (),
     ) -> None:
+        """`after`: the node deploys that must end before this one starts (a pool's rollout
+        order, denv_iac.rollout.deploy_after); the engine waits on them for create and update."""
         if ("node" in args) == ("balancer" in args):
             raise ValueError(f"NodeSetup {name}: give either node or balancer")
         super().__init__("denv:index:NodeSetup", name, None, opts)
@@ -411,8 +430,10 @@ class NodeSetup(pulumi.ComponentResource):
             # certificate too).
             pulumi.ResourceOptions(
                 parent=self,
-                # What the setup waits for (a firewall on the node's path), the deploy waits for.
-                depends_on=opts.depends_on if opts is not None else None,
+                # What the setup waits for (a firewall on the node's path), the deploy waits
+                # for; and the deploys of the pool's previous nodes, so a rollout goes one node
+                # at a time.
+                depends_on=[*_waits_for(opts), *(setup.deployment for setup in after)],
                 additional_secret_outputs=[
                     "ssh_private_key",
                     "secret_env",
@@ -422,5 +443,6 @@ class NodeSetup(pulumi.ComponentResource):
                 ],
             ),
         )
+        self.deployment = deployment
         self.applied = deployment.applied
         self.register_outputs({"applied": self.applied})

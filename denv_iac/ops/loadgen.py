@@ -845,6 +845,7 @@ async def run_load(
     rate: float | None = None,
     session_share: float = 0.0,
     seed: int = 0,
+    stop: asyncio.Event | None = None,
 ) -> LoadReport:
     """Closed-loop load by default: `concurrency` workers, each sending its next request when
     one ends. With `session_turns`, each worker is a conversation of that many turns sharing one
@@ -861,7 +862,8 @@ async def run_load(
     `direct_urls` (replicas), every request is also sent straight to one of them, alternating
     which path goes first, without `api_key`: that key is the endpoint's, and a replica must
     never see it. The run ends when the requests or the duration are used up and every request
-    sent has its answer (or its `timeout_s`).
+    sent has its answer (or its `timeout_s`). With `stop`, no request is sent once it is set
+    (those under way end first).
     """
     if duration_s is None and requests is None:
         raise ValueError("give duration_s or requests")
@@ -879,7 +881,9 @@ async def run_load(
 
     t0 = time.perf_counter()
     if rate is None:
-        await _closed_loop(report, clients, t0, concurrency, duration_s, requests, session_turns)
+        await _closed_loop(
+            report, clients, t0, concurrency, duration_s, requests, session_turns, stop
+        )
     else:
         plan = arrivals(
             rate,
@@ -889,7 +893,7 @@ async def run_load(
             session_turns=session_turns,
             seed=seed,
         )
-        await _open_loop(report, clients, t0, plan)
+        await _open_loop(report, clients, t0, plan, stop)
     report.wall_s = time.perf_counter() - t0
     return report
 
@@ -902,11 +906,14 @@ async def _closed_loop(
     duration_s: float | None,
     requests: int | None,
     session_turns: int,
+    stop: asyncio.Event | None,
 ) -> None:
     deadline = t0 + duration_s if duration_s is not None else None
     budget = [requests] if requests is not None else None
 
     def more() -> bool:
+        if stop is not None and stop.is_set():
+            return False
         if deadline is not None and time.perf_counter() >= deadline:
             return False
         if budget is not None:
@@ -934,7 +941,11 @@ async def _closed_loop(
 
 
 async def _open_loop(
-    report: LoadReport, clients: Callable[[], _Clients], t0: float, plan: Iterator[Arrival]
+    report: LoadReport,
+    clients: Callable[[], _Clients],
+    t0: float,
+    plan: Iterator[Arrival],
+    stop: asyncio.Event | None,
 ) -> None:
     idle: list[_Clients] = []
     in_flight: set[asyncio.Task[None]] = set()
@@ -948,6 +959,8 @@ async def _open_loop(
         wait = t0 + arrival.at_s - time.perf_counter()
         if wait > 0:
             await asyncio.sleep(wait)
+        if stop is not None and stop.is_set():
+            break
         task = asyncio.create_task(one(arrival, index))
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)

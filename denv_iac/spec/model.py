@@ -43,6 +43,10 @@ CONNECT_TIMEOUT_MS = 80
 # How long a rollout waits for a drained replica's streams and realtime sessions to end before it
 # restarts the replica anyway (and names what it cut): a voice call of a couple of minutes.
 DRAIN_TIMEOUT_S = 120
+# How long a replica may take from start to serving: weights loaded, kernels compiled.
+COLD_START_BUDGET_S = 900
+# How long a model server is given to stop once asked (SIGTERM, then SIGKILL), after its drain.
+SERVER_STOP_S = 30
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class RecipeSpec:
     image: str = ""  # container image on nodes and Kubernetes
     port: int = 8000
     health_path: str = "/health"
-    cold_start_budget_s: int = 900
+    cold_start_budget_s: int = COLD_START_BUDGET_S
     drain_timeout_s: int = DRAIN_TIMEOUT_S
     ttft_budget_ms: int | None = None
     # How long a request may wait for its first response byte before the balancer retries it on

@@ -10,6 +10,7 @@ from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
     BALANCER_HOST_KINDS,
+    COLD_START_BUDGET_S,
     DRAIN_TIMEOUT_S,
     ENGINES,
     FIRST_TOKEN_TIMEOUT_MS,
@@ -331,7 +332,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         image=_image(f),
         port=f.integer("port", 8000, 1, 65535),
         health_path=health_path,
-        cold_start_budget_s=f.integer("cold_start_budget_s", 900, 10, 86400),
+        cold_start_budget_s=f.integer("cold_start_budget_s", COLD_START_BUDGET_S, 10, 86400),
         drain_timeout_s=f.integer("drain_timeout_s", DRAIN_TIMEOUT_S, 1, 86400),
         ttft_budget_ms=ttft_budget,
         first_token_timeout_ms=first_token_timeout,

@@ -676,3 +676,71 @@ def test_nodes_a_cloud_creates_are_set_up_as_ubuntu_keeping_the_images_driver(
             "vllm_cache": f"{cache_root}/vllm",
             "inductor_cache": f"{cache_root}/torchinductor",
         }
+
+
+def _deployments_hosting(run: Any, stack: Any) -> dict[str, dict[str, str]]:
+    """Pool -> node id -> the URN of the NodeDeployment of each node hosting it."""
+    urns = {r.name: r.urn for r in run.of_type(DEPLOYMENT)}
+    hosting: dict[str, dict[str, str]] = {}
+    for replica in place_replicas(stack).replicas:
+        name = f"prod-{replica.site}-{replica.node}-setup-deploy"
+        if name in urns:
+            hosting.setdefault(replica.pool, {})[f"{replica.site}.{replica.node}"] = urns[name]
+    return hosting
+
+
+def test_a_pools_node_deploys_run_one_after_another_across_sites() -> None:
+    args = stacks.multicloud()
+    args["sites"][0]["max_nodes"] = 2  # voice's third replica goes to the other region
+    run = run_program(lambda: cluster_outputs(args), preview=False)
+    stack, _, _ = validate_cluster("prod", args)
+    waits = {r.urn: set(r.dependencies) for r in run.of_type(DEPLOYMENT)}
+
+    def before(a: str, b: str) -> bool:  # b waits, directly or not, for a
+        seen, todo = set(), [b]
+        while todo:
+            for urn in waits.get(todo.pop(), set()) - seen:
+                seen.add(urn)
+                todo.append(urn)
+        return a in seen
+
+    hosting = _deployments_hosting(run, stack)
+    assert set(hosting) == {"voice", "side", "assist"}
+    for pool, nodes in hosting.items():
+        urns = list(nodes.values())
+        assert len(urns) >= 2, pool
+        # Any two deploys of a pool are ordered: the engine never runs them at once.
+        for i, a in enumerate(urns):
+            for b in urns[i + 1 :]:
+                assert before(a, b) or before(b, a), (pool, a, b)
+    # Voice spans two AWS regions: its chain crosses from one site to the other.
+    voice = list(hosting["voice"].items())
+    sites = [node.split(".")[0] for node, _ in voice]
+    assert sites[0] == "aws-use1" and sites[-1] == "aws-usw2"
+    # Pools that share no node are not ordered against each other.
+    (side, *_), (assist, *_) = hosting["side"].values(), hosting["assist"].values()
+    assert not before(side, assist) and not before(assist, side)
+
+
+def test_an_unchanged_recipe_diffs_to_nothing_and_a_new_image_to_an_update() -> None:
+    args = stacks.multicloud()
+    first = run_program(lambda: cluster_outputs(args), preview=False)
+    again = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
+    args["recipes"][1]["image"] = "ghcr.io/acme/side:3"
+    changed = run_program(lambda: cluster_outputs(args), preview=False)
+    provider = NodeSetupProvider()
+
+    def diffs(run: Any) -> dict[str, bool]:
+        olds = {r.name: r.inputs for r in first.of_type(DEPLOYMENT)}
+        return {
+            r.name: provider.diff("id", {**olds[r.name], "applied": ["x"]}, r.inputs).changes
+            for r in run.of_type(DEPLOYMENT)
+        }
+
+    # A second `up` of the same stack applies nothing on any node.
+    assert diffs(again) and not any(diffs(again).values())
+    # A new image for side re-runs the deploy of side's nodes only.
+    assert {name for name, changes in diffs(changed).items() if changes} == {
+        "prod-office-rack-1-setup-deploy",
+        "prod-office-rack-2-setup-deploy",
+    }
