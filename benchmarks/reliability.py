@@ -405,7 +405,7 @@ async def _load_with_fault(
             # It heals by itself, maybe before the balancer even noticed: wait for the pool to
             # be seen short first (a dead process, a server out), so recovery is not read early.
             await asyncio.to_thread(_wait_short, state)
-        recovered_after.append(await asyncio.to_thread(_wait_full_strength, state, healing))
+        recovered_after.append(await asyncio.to_thread(wait_full_strength, state, healing))
         if watching is not None:
             out_after.append(await watching)
 
@@ -429,7 +429,7 @@ def _wait_out_of_rotation(
 ) -> float:
     """Seconds from the fault until HAProxy stops giving the faulty replica new requests."""
     while time.perf_counter() - since < limit_s:
-        row = _stats(state).get(replica_id, {})
+        row = stats_of(state).get(replica_id, {})
         # Out (DOWN, DRAIN, MAINT), or still up at a lowered weight (a slow replica).
         if not row.get("status", "").startswith("UP") or int(row.get("weight") or 0) < 100:
             break
@@ -437,7 +437,7 @@ def _wait_out_of_rotation(
     return time.perf_counter() - since
 
 
-def _stats(state: RunState) -> dict[str, dict[str, str]]:
+def stats_of(state: RunState) -> dict[str, dict[str, str]]:
     """HAProxy's servers; none while the balancer is down (it is being restarted)."""
     try:
         return server_stats(Path(state.admin_socket))
@@ -447,7 +447,7 @@ def _stats(state: RunState) -> dict[str, dict[str, str]]:
 
 def at_full_strength(state: RunState) -> bool:
     """Every replica UP at full weight in the balancer, its process and its agent running."""
-    rows = _stats(state)
+    rows = stats_of(state)
     return (
         len(rows) == len(state.replicas)
         and all(row["status"] == "UP" and row["weight"] == "100" for row in rows.values())
@@ -464,7 +464,7 @@ def _wait_short(state: RunState, limit_s: float = 1.0) -> None:
         time.sleep(0.005)
 
 
-def _wait_full_strength(state: RunState, since: float) -> float | None:
+def wait_full_strength(state: RunState, since: float) -> float | None:
     while time.perf_counter() - since < RECOVERY_LIMIT_S:
         if at_full_strength(state):
             return time.perf_counter() - since
