@@ -36,12 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.reliability import at_full_strength, stats_of, wait_full_strength
-from denv_iac.local.replica_sim import control_headers
 from denv_iac.local.runner import LocalCluster, RunState, free_port
-from denv_iac.ops.demo import seen_by_replicas
+from denv_iac.ops.demo import replica_fault, seen_by_replicas
 from denv_iac.ops.loadgen import LoadReport, percentile, run_load
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
 from denv_iac.spec.reader import read_stack
@@ -243,16 +240,6 @@ class Zombie:
     recovered_ms: float | None  # from the fault's clearing until full strength
 
 
-def _fault(state: RunState, replica_id: str, mode: str) -> None:
-    replica = next(r for r in state.replicas if r.id == replica_id)
-    httpx.post(
-        f"{replica.url}/control/fault",
-        json={"mode": mode},
-        headers=control_headers(state.control_token),
-        timeout=5,
-    ).raise_for_status()
-
-
 def _poll(check: Callable[[], bool], limit_s: float) -> float | None:
     since = time.perf_counter()
     while time.perf_counter() - since < limit_s:
@@ -287,12 +274,12 @@ def run_zombie(duration_s: float, seed: int = 2) -> Zombie:
             def fault() -> None:
                 time.sleep(duration_s / 3)
                 _poll(lambda: int(row().get("scur") or 0) > 0, 5.0)
-                _fault(state, zombie, "zombie")
+                replica_fault(state, zombie, "zombie")
                 moments["fault"] = time.perf_counter()
                 timings["out"] = _poll(out, 10.0)
                 time.sleep(max(0.0, duration_s / 3 - (timings["out"] or 0)))
                 healing = time.perf_counter()
-                _fault(state, zombie, "none")
+                replica_fault(state, zombie, "none")
                 timings["recovered"] = wait_full_strength(state, healing)
 
             stop = threading.Event()

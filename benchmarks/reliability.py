@@ -35,7 +35,6 @@ from denv_agent.control import clear_faults, drain, inject_fault, undrain
 
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
-from denv_iac.local.replica_sim import control_headers
 from denv_iac.local.runner import (
     AGENT_MARK,
     REPLICA_MARK,
@@ -44,7 +43,13 @@ from denv_iac.local.runner import (
     free_port,
     ours,
 )
-from denv_iac.ops.demo import count_replayed, count_retried, kill_replica, seen_by_replicas
+from denv_iac.ops.demo import (
+    count_replayed,
+    count_retried,
+    kill_replica,
+    replica_fault,
+    seen_by_replicas,
+)
 from denv_iac.ops.loadgen import LoadReport, StreamResult, run_load
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.spec.reader import read_stack
@@ -190,10 +195,6 @@ def node_undrained(cluster: LocalCluster, state: RunState) -> None:
     undrain(_agent_url(state, "local/node-a"), state.control_token)
 
 
-def _faulty_replica(state: RunState) -> str:
-    return next(r for r in state.replicas if r.id == FAULTY).url
-
-
 def replica_frozen(cluster: LocalCluster, state: RunState) -> None:
     """SIGSTOP: how a hung GPU process or a wedged engine looks from outside."""
     os.kill(next(r for r in state.replicas if r.id == FAULTY).pid, signal.SIGSTOP)
@@ -204,13 +205,7 @@ def replica_thawed(cluster: LocalCluster, state: RunState) -> None:
 
 
 def _replica_fault(state: RunState, mode: str, k: int = 0) -> None:
-    response = httpx.post(
-        f"{_faulty_replica(state)}/control/fault",
-        json={"mode": mode, "k": k},
-        headers=control_headers(state.control_token),
-        timeout=5,
-    )
-    response.raise_for_status()
+    replica_fault(state, FAULTY, mode, k)
 
 
 def replica_hangs(cluster: LocalCluster, state: RunState) -> None:

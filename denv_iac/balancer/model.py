@@ -80,11 +80,15 @@ class BalancerPool:
 
     @property
     def queue_timeout_ms(self) -> int:
-        """How long a request may wait for a free slot: the first-token budget covers that wait
-        and the replica's own time to its first token (the prefill), so the queue gets
-        QUEUE_SHARE_PCT of it. A request that waited the whole budget would get its first token
-        late whenever it got a slot: under sustained overload every served request would."""
-        return max(1, self.first_token_timeout_ms * QUEUE_SHARE_PCT // 100)
+        return queue_timeout_ms(self.first_token_timeout_ms)
+
+
+def queue_timeout_ms(first_token_timeout_ms: int) -> int:
+    """How long a request may wait for a free slot: the first-token budget covers that wait and
+    the replica's own time to its first token (the prefill), so the queue gets QUEUE_SHARE_PCT
+    of it. A request that waited the whole budget would get its first token late whenever it
+    got a slot: under sustained overload every served request would."""
+    return max(1, first_token_timeout_ms * QUEUE_SHARE_PCT // 100)
 
 
 @dataclass(frozen=True)
