@@ -21,7 +21,7 @@ pool's capacity:
   most those in flight on it, which maxconn bounds), and the time until the pool is back at full
   strength after the fault clears.
 
-Traffic stays on 127.0.0.1. Writes benchmarks/results/overload.json.
+Traffic stays on 127.0.0.1. Writes benchmarks/results/overload_reliability.json.
 """
 
 import argparse
@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from denv_iac.ops.loadgen import LoadReport, percentile, run_load
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
 from denv_iac.spec.reader import read_stack
 
-RESULTS = Path(__file__).parent / "results" / "overload.json"
+RESULTS = Path(__file__).parent / "results" / "overload_reliability.json"
 LEVELS = (0.5, 0.9, 1.3, 2.0)
 FALLBACK_LEVEL = 0.9
 # With one of two replicas out, the other is at 0.8 of its own capacity.
@@ -115,6 +115,8 @@ class Level:
     goodput: float
     within_budget_share: float  # within_budget / requests
     served_by_fallback: int = 0
+    # Replicas HAProxy took out of rotation during the level: a full replica is never down.
+    left_rotation: tuple[str, ...] = ()
 
 
 def count(
@@ -166,6 +168,8 @@ def level_problems(level: Level) -> list[str]:
         problems.append(f"{level.scenario}: a 503 took {level.worst_shed_ms} ms (> {budget})")
     if level.other_errors:
         problems.append(f"{level.scenario}: unserved without a 503/429: {level.other_errors}")
+    if level.left_rotation:
+        problems.append(f"{level.scenario}: full replicas marked down: {level.left_rotation}")
     if level.scenario.startswith("fallback") and level.within_budget_share < 0.99:
         problems.append(f"{level.scenario}: {level.within_budget_share:.1%} within budget (< 99%)")
     if level.load >= 2.0 and not level.scenario.startswith("fallback") and level.goodput < 0.9:
@@ -200,6 +204,14 @@ async def _load(state: RunState, rate: float, duration_s: float, seed: int) -> L
     )
 
 
+def _watch_rotation(state: RunState, stop: threading.Event, left: set[str]) -> None:
+    """Every replica HAProxy had out of rotation (not UP) while the load ran."""
+    while not stop.wait(0.02):
+        for replica_id, row in stats_of(state).items():
+            if not row.get("status", "").startswith("UP"):
+                left.add(replica_id)
+
+
 def run_levels(
     levels: tuple[float, ...], duration_s: float, fallback: bool = False, seed: int = 1
 ) -> list[Level]:
@@ -214,8 +226,17 @@ def run_levels(
             assert state is not None
             for load in levels:
                 _wait_ready(state)
-                report = asyncio.run(_load(state, load * capacity, duration_s, seed))
-                out.append(count(f"{name} {load}x", load, capacity, duration_s, report))
+                left: set[str] = set()
+                stop = threading.Event()
+                watching = threading.Thread(target=_watch_rotation, args=(state, stop, left))
+                watching.start()
+                try:
+                    report = asyncio.run(_load(state, load * capacity, duration_s, seed))
+                finally:
+                    stop.set()
+                    watching.join()
+                level = count(f"{name} {load}x", load, capacity, duration_s, report)
+                out.append(replace(level, left_rotation=tuple(sorted(left))))
                 time.sleep(1.0)
         finally:
             cluster.down()
@@ -355,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             f"cut={level.cut} shed={level.shed} worst_shed_ms={level.worst_shed_ms} "
             f"goodput={level.goodput} ttft_p50/p90_ms={level.ttft_p50_ms}/{level.ttft_p90_ms}"
             f" fallback_served={level.served_by_fallback} other={level.other_errors}"
+            f" left_rotation={list(level.left_rotation)}"
         )
     print(json.dumps(asdict(zombie)))
     problems = [p for level in levels for p in level_problems(level)] + zombie_problems(zombie)

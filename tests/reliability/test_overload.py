@@ -32,6 +32,8 @@ def test_twice_the_capacity_is_served_at_capacity_and_the_rest_refused_in_budget
     assert_within(
         level.worst_shed_ms / 1000, FIRST_TOKEN_TIMEOUT_MS / 1000, "pool full: the 503's wait"
     )
+    # Busy is not broken: no replica left rotation, however full.
+    assert level.left_rotation == (), level
     # The slots stay busy: completions with their first token in budget at 90 % of capacity.
     assert level.goodput >= 0.9, level
 
