@@ -133,6 +133,8 @@ _TWINS = (
 )
 # The twins' rows in HAProxy's stats repeat their tier's servers.
 TWIN_SUFFIXES = tuple(twin.suffix for twin in _TWINS)
+# The twins whose requests take replica slots, as the tier backend's do.
+BOUNDED_TWIN_SUFFIXES = tuple(twin.suffix for twin in _TWINS if twin.bounded)
 # A realtime session is a WebSocket tunnel that idles between a caller's turns. Its silence
 # limit, once upgraded: clients ping every 20-30 s (the websockets library, LiveKit, Pipecat),
 # so ten minutes without a byte is a dead peer, not a caller thinking.
@@ -227,6 +229,29 @@ def tier_backend_name(pool: BalancerPool, tier: BalancerTier) -> str:
     Unique: the text after the last '.tier' is the priority, the rest is the pool name.
     """
     return f"{pool.name}.tier{tier.priority}"
+
+
+@dataclass(frozen=True)
+class TierBackend:
+    """What a backend named by tier_backend_name (or one of its twins) serves."""
+
+    pool: str
+    priority: int
+    twin: str  # "" for the tier backend itself, else the twin's suffix (`.speech`, ...)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether its requests take replica slots (maxconn, the queue, pool_full)."""
+        return self.twin == "" or self.twin in BOUNDED_TWIN_SUFFIXES
+
+
+def parse_tier_backend(name: str) -> TierBackend | None:
+    """The pool, tier and twin of a backend's name; None for any other proxy."""
+    twin = next((suffix for suffix in TWIN_SUFFIXES if name.endswith(suffix)), "")
+    pool, tier, priority = name.removesuffix(twin).rpartition(".tier")
+    if not (pool and tier and priority.isdigit()):
+        return None
+    return TierBackend(pool, int(priority), twin)
 
 
 class _MapPaths:
