@@ -684,13 +684,15 @@ def _tier_chain(
 def _capacity(pool: BalancerPool) -> list[str]:
     """A replica takes at most `max_concurrency` requests (maxconn on each server line); the
     rest wait here, not in the engine, where a request already has its headers and can no
-    longer be retried. The wait is bounded by the first-token budget, then a JSON 503."""
+    longer be retried. The wait is bounded by the part of the first-token budget the replica's
+    prefill leaves (BalancerPool.queue_timeout_ms), then a JSON 503."""
     return [
         f"# Each replica takes {pool.max_concurrency} requests at once (maxconn); the rest wait"
         f" in this queue for",
-        f"# at most {pool.first_token_timeout_ms} ms, the first-token budget, then get a 503"
-        f" {POOL_FULL} with Retry-After.",
-        f"timeout queue {pool.first_token_timeout_ms}ms",
+        f"# at most {pool.queue_timeout_ms} ms of the {pool.first_token_timeout_ms} ms"
+        " first-token budget (the rest is the",
+        f"# replica's prefill), then get a 503 {POOL_FULL} with Retry-After.",
+        f"timeout queue {pool.queue_timeout_ms}ms",
         f"http-request set-var({_UNAVAILABLE_CODE}) str({POOL_FULL})"
         " if { be_conn_free eq 0 } { nbsrv gt 0 }",
     ]

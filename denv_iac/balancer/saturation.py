@@ -11,8 +11,8 @@ Pure. The four figures, per pool, over its tier backends and their twins:
   of the later tiers' backends): the first tier was full, or had no replica left.
 - shed: requests the balancer answered itself with a 5xx since it started: a backend's
   `hrsp_5xx` less its servers' (the replicas' own answers). Under load nearly all are the
-  503 pool_full of a request that waited out the first-token budget in the queue; the rest
-  are the rarer 502/503/504 given once every retry on another replica failed.
+  503 pool_full of a request that waited out its share of the first-token budget in the
+  queue; the rest are the rarer 502/503/504 given once every retry on another replica failed.
 
 The Prometheus rules (denv_iac/ops/alerts.py) derive the same figures from the exporter's
 names for these fields.

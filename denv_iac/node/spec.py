@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from denv_iac.sites import CACHE_MOUNT_POINT
-from denv_iac.spec.model import COLD_START_BUDGET_S, DRAIN_TIMEOUT_S, ENGINES, WIREGUARD_PORT
+from denv_iac.spec.model import (
+    AUTO_ENGINE,
+    COLD_START_BUDGET_S,
+    DRAIN_TIMEOUT_S,
+    ENGINES,
+    WIREGUARD_PORT,
+)
 from denv_iac.spec.values import (
     CACHE_ENV,
     DEPLOY_ENV,
@@ -318,8 +324,9 @@ def _probe_problems(where: str, probe: ProbeSpec) -> list[str]:
             isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
         ):
             problems.append(f"{where} probe {key} {budget!r}: milliseconds, a whole number over 0")
-    if probe.engine is not None and probe.engine not in ENGINES:
-        problems.append(f"{where} probe engine {probe.engine!r}: use one of {', '.join(ENGINES)}")
+    engines = (AUTO_ENGINE, *ENGINES)
+    if probe.engine is not None and probe.engine not in engines:
+        problems.append(f"{where} probe engine {probe.engine!r}: use one of {', '.join(engines)}")
     return problems
 
 

@@ -114,6 +114,12 @@ SIMULATED_SPEECH = ("tone", "espeak-ng")
 # whose names a simulated replica serves at /metrics.
 ENGINES = ("vllm", "sglang", "tgi")
 SIMULATED_ENGINES = ENGINES
+# A recipe's `engine` by default: the agent reads `metrics_path` and knows the engine by its
+# metric names (any of ENGINES), so a zombie engine is taken out within about 1.5 s on nodes
+# too, with no setting; a server that serves none of them is left to its health checks.
+AUTO_ENGINE = "auto"
+# `engine: none`: the agent reads no metrics.
+NO_ENGINE = "none"
 
 
 @dataclass(frozen=True)
@@ -168,13 +174,17 @@ class RecipeSpec:
     # the site's Kubernetes Secret, and is never printed.
     secret_env: tuple[tuple[str, Secret], ...] = ()
     simulate: SimulatedServer = field(default_factory=SimulatedServer)
-    # Whose metrics the node agent reads at metrics_path (one of ENGINES); None: it reads none.
-    engine: str | None = None
+    # Whose metrics the node agent reads at metrics_path: one of ENGINES, or AUTO_ENGINE (the
+    # agent tells by the names it finds); None (`engine: none`): it reads none.
+    engine: str | None = AUTO_ENGINE
     metrics_path: str = "/metrics"
 
     def agent_engine(self, simulated: bool) -> str | None:
-        """The engine the agent watches: the recipe's, else the simulated replica's own."""
-        return self.engine or (self.simulate.engine if simulated else None)
+        """The engine the agent watches: the recipe's; on a simulated replica, unless the
+        recipe names one, the simulator's own."""
+        if simulated and self.engine == AUTO_ENGINE:
+            return self.simulate.engine
+        return self.engine
 
     @property
     def is_mig(self) -> bool:

@@ -9,12 +9,14 @@ from typing import Any
 from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.spec.fields import Fields, Problems
 from denv_iac.spec.model import (
+    AUTO_ENGINE,
     BALANCER_HOST_KINDS,
     COLD_START_BUDGET_S,
     DRAIN_TIMEOUT_S,
     ENGINES,
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
+    NO_ENGINE,
     SIMULATED_ENGINES,
     SIMULATED_SPEECH,
     SITE_KINDS,
@@ -343,7 +345,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         env=env,
         secret_env=secret_env,
         simulate=simulate,
-        engine=f.choice("engine", ENGINES, "") or None,
+        engine=_engine(f),
         metrics_path=_metrics_path(f),
     )
     for cache_dir in recipe.cache_dirs:
@@ -359,6 +361,12 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         f.problem("cache_dirs", f'"{dup}" is listed twice; one volume mounts at each path')
     f.finish()
     return recipe
+
+
+def _engine(f: Fields) -> str | None:
+    """`auto` (the default), an engine of ENGINES, or `none` (None: no metrics read)."""
+    engine = f.choice("engine", (AUTO_ENGINE, *ENGINES, NO_ENGINE), AUTO_ENGINE) or AUTO_ENGINE
+    return None if engine == NO_ENGINE else engine
 
 
 def _metrics_path(f: Fields) -> str:
