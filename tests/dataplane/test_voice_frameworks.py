@@ -196,13 +196,63 @@ async def _pipecat(
         await asyncio.wait_for(running, BOUND_S)
 
 
-def _pipecat_tts(plane: Dataplane, heard: Heard) -> OpenAITTSService:
-    return OpenAITTSService(
+class _PipecatTTSInFrames(OpenAITTSService):
+    """Pipecat's TTS reads `chunk_size` bytes (0.5 s of audio) before its first frame; this
+    subclass reads one 20 ms frame at a time, as the audio arrives."""
+
+    @property
+    def chunk_size(self) -> int:
+        return voice_sim.FRAME_BYTES
+
+
+def _pipecat_tts(plane: Dataplane, heard: Heard, service: type = OpenAITTSService) -> Any:
+    return service(
         api_key="unused",
         base_url=f"{plane.url}/v1",
         settings=OpenAITTSService.Settings(model="voice", voice="alloy"),
         http_client=heard.http_client(),
     )
+
+
+async def _pipecat_speech(plane: Dataplane, heard: Heard, service: type) -> None:
+    async def whole() -> None:
+        # Pipecat marks the end of speech only after 3 s without audio: counted instead.
+        await heard.wait(lambda: heard.audio_bytes >= WHOLE_UTTERANCE, BOUND_S, "all the audio")
+
+    await _pipecat(_pipecat_tts(plane, heard, service), heard, TTSSpeakFrame(TEXT), whole)
+
+
+SPEAKERS: dict[str, Callable[[Dataplane, Heard], Coroutine[Any, Any, None]]] = {
+    "livekit-pcm": lambda plane, heard: _livekit_speech(plane, heard, max_retry=0),
+    "pipecat-20ms-chunks": lambda plane, heard: _pipecat_speech(plane, heard, _PipecatTTSInFrames),
+    "pipecat-default": lambda plane, heard: _pipecat_speech(plane, heard, OpenAITTSService),
+}
+
+
+@pytest.mark.parametrize("speaker", SPEAKERS)
+def test_first_audio_reaches_the_framework_as_the_replica_sends_it(
+    plane: Dataplane, speaker: str
+) -> None:
+    """The replica's first 20 ms frame leaves it 20 ms after the request. LiveKit (pcm) and
+    Pipecat reading 20 ms chunks hand it on at once; Pipecat's default waits for 0.5 s of audio,
+    25 of the replica's frames, which a replica speaking in real time takes 0.5 s to send."""
+    _speak = SPEAKERS[speaker]
+    run(_speak(plane, Heard()))  # modules loaded and the connection open, before the clock
+    heard = Heard()
+    run(_speak(plane, heard))
+    assert heard.error is None, heard.error
+    assert heard.sent_at is not None
+    first_at, first_bytes = heard.audio[0]
+    assert heard.audio_bytes >= WHOLE_UTTERANCE
+    if speaker == "pipecat-default":
+        assert first_bytes == 24_000  # 0.5 s of 24 kHz PCM16
+        frames = first_bytes // voice_sim.FRAME_BYTES
+        assert first_at - heard.sent_at > frames * LONG_STREAMS.itl_ms / 1000 - 0.1
+    else:
+        assert first_bytes <= voice_sim.FRAME_BYTES
+        assert_within(
+            first_at - heard.sent_at, LONG_STREAMS.ttft_ms / 1000, f"{speaker}'s first audio"
+        )
 
 
 # Speech: a replica frozen or killed mid-utterance.
@@ -441,32 +491,88 @@ def test_pipecat_llm_streams_a_whole_answer_from_the_conversations_replica(
     assert heard.text.split() == [f"tok{i}" for i in range(LONG_STREAMS.tokens)]
 
 
+async def _livekit_realtime(
+    plane: Dataplane, call: Callable[[Any], Coroutine[Any, Any, None]]
+) -> None:
+    """`call` on a LiveKit RealtimeSession through the endpoint. RealtimeModel builds its own
+    headers: X-Denv-Session goes on the aiohttp session it is given."""
+    async with aiohttp.ClientSession(headers=SESSION) as http:
+        model = livekit_openai.realtime.RealtimeModel(
+            model="voice", base_url=f"{plane.url}/v1", api_key="unused", http_session=http
+        )
+        session = model.session()
+        try:
+            await call(session)
+        finally:
+            await session.aclose()
+            await model.aclose()
+
+
+async def _realtime_turn(
+    session: Any, heard: Heard, on_audio: Callable[[], None] = lambda: None
+) -> None:
+    """One generate_reply: its audio and transcript; the end is when the audio stream ends."""
+    generation = await asyncio.wait_for(session.generate_reply(), BOUND_S)
+    async for message in generation.message_stream:
+        async for frame in message.audio_stream:
+            heard.heard_audio(len(frame.data.tobytes()))
+            on_audio()
+        heard.text = "".join([piece async for piece in message.text_stream])
+    heard.end()
+
+
+def _realtime_turns(plane: Dataplane) -> dict[str, int]:
+    return {
+        r.replica_id: r.stats()["realtime_turns_completed"]
+        for r in plane.replicas.values()
+        if r.process.running
+    }
+
+
 def test_livekit_realtime_model_receives_a_turns_audio_through_the_endpoint(
     plane: Dataplane,
 ) -> None:
-    """LiveKit's RealtimeModel builds its own headers: X-Denv-Session goes on the aiohttp
-    session it is given."""
     heard = Heard()
-
-    async def turn() -> None:
-        async with aiohttp.ClientSession(headers=SESSION) as http:
-            model = livekit_openai.realtime.RealtimeModel(
-                model="voice", base_url=f"{plane.url}/v1", api_key="unused", http_session=http
-            )
-            session = model.session()
-            try:
-                generation = await asyncio.wait_for(session.generate_reply(), BOUND_S)
-                async for message in generation.message_stream:
-                    async for frame in message.audio_stream:
-                        heard.heard_audio(len(frame.data.tobytes()))
-                    heard.text = "".join([piece async for piece in message.text_stream])
-                heard.end()
-            finally:
-                await session.aclose()
-                await model.aclose()
-
-    run(turn())
+    run(_livekit_realtime(plane, lambda session: _realtime_turn(session, heard)))
     assert heard.audio_bytes == WHOLE_UTTERANCE
     assert heard.text.split() == [f"tok{i}" for i in range(LONG_STREAMS.tokens)]
     replica = session_replica(plane, SESSION)
-    assert replica.stats()["realtime_turns_completed"] == 1
+    assert {k: v for k, v in _realtime_turns(plane).items() if v} == {replica.replica_id: 1}
+
+
+def test_livekit_realtime_session_whose_replica_dies_mid_turn_reconnects_elsewhere(
+    plane: Dataplane,
+) -> None:
+    """The turn's audio stops at the kill (never replayed); LiveKit reconnects by itself, with
+    the same X-Denv-Session, to a healthy replica, which serves the next turn whole."""
+    victim = session_replica(plane, SESSION)
+    cut, after = Heard(), Heard()
+    killed: list[float] = []
+
+    def kill_mid_turn() -> None:
+        if cut.audio_bytes >= MID_UTTERANCE and not killed:
+            killed.append(time.monotonic())
+            victim.kill()
+
+    async def call(session: Any) -> None:
+        reconnected = asyncio.Event()
+        session.on("session_reconnected", lambda _: reconnected.set())
+        await _realtime_turn(session, cut, kill_mid_turn)
+        await asyncio.wait_for(reconnected.wait(), BOUND_S)
+        await _realtime_turn(session, after)
+
+    try:
+        run(_livekit_realtime(plane, call))
+        turns = _realtime_turns(plane)
+    finally:
+        _restart(plane, victim)
+    # The endpoint closes the socket at once (test_realtime.py); LiveKit ends the turn when it
+    # reconnects, after its first retry interval (0.1 s).
+    assert cut.ended_at is not None
+    assert_within(cut.ended_at - killed[0], 0.1, "LiveKit's realtime turn on a killed replica")
+    assert MID_UTTERANCE <= cut.audio_bytes < WHOLE_UTTERANCE
+    assert after.audio_bytes == WHOLE_UTTERANCE
+    assert {k: v for k, v in turns.items() if v} == {
+        k: 1 for k in turns if k != victim.replica_id and turns[k]
+    }
+    assert sum(turns.values()) == 1
