@@ -216,7 +216,7 @@ def _pipecat_tts(plane: Dataplane, heard: Heard, service: type = OpenAITTSServic
 
 async def _pipecat_speech(plane: Dataplane, heard: Heard, service: type) -> None:
     async def whole() -> None:
-        # Pipecat marks the end of speech only after 3 s without audio: counted instead.
+        # Every byte of the utterance, counted as it reaches the tap.
         await heard.wait(lambda: heard.audio_bytes >= WHOLE_UTTERANCE, BOUND_S, "all the audio")
 
     await _pipecat(_pipecat_tts(plane, heard, service), heard, TTSSpeakFrame(TEXT), whole)
