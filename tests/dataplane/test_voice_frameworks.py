@@ -96,11 +96,11 @@ class Heard:
     async def on_response(self, response: httpx.Response) -> None:
         self.replicas.append(response.headers.get("x-denv-replica", ""))
 
-    def http_client(self) -> httpx.AsyncClient:
-        """The HTTP client both frameworks accept: the SDK's default one, with the session
-        header (the one place Pipecat takes headers) and the hook."""
+    def http_client(self, headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+        """The HTTP client both frameworks accept: the SDK's default one, with the hooks and
+        `headers` (the one place Pipecat's speech and transcription take X-Denv-Session)."""
         return openai.DefaultAsyncHttpxClient(
-            headers=SESSION,
+            headers=headers,
             event_hooks={"request": [self.on_request], "response": [self.on_response]},
         )
 
@@ -136,7 +136,7 @@ def _livekit_client(plane: Dataplane, heard: Heard) -> openai.AsyncClient:
         api_key="unused",
         max_retries=0,
         default_headers=SESSION,
-        http_client=heard.http_client(),
+        http_client=heard.http_client(),  # the session header is default_headers' alone
     )
 
 
@@ -211,7 +211,7 @@ def _pipecat_tts(plane: Dataplane, heard: Heard, service: type = OpenAITTSServic
         api_key="unused",
         base_url=f"{plane.url}/v1",
         settings=OpenAITTSService.Settings(model="voice", voice="alloy"),
-        http_client=heard.http_client(),
+        http_client=heard.http_client(SESSION),
     )
 
 
@@ -411,7 +411,7 @@ async def _pipecat_transcribe(plane: Dataplane, heard: Heard) -> None:
         api_key="unused",
         base_url=f"{plane.url}/v1",
         settings=OpenAISTTService.Settings(model="voice"),
-        http_client=heard.http_client(),
+        http_client=heard.http_client(SESSION),
     )
     async for frame in stt.run_stt(wav(1.0)):
         if isinstance(frame, ErrorFrame):
