@@ -38,7 +38,10 @@ uv pip install --quiet --python .venv/bin/python --no-deps -e . -e ./agent
 # A wheelhouse of every locked wheel, for the install tests: they build fresh environments with no
 # index at all. uv's cache is no such store: on a new machine `uv pip install --offline` found
 # none of the locked packages that the sync above had just put in it. pip checks every hash.
+# docopt (num2words's, under Pipecat) is published only as a source archive: it comes as one, and
+# the fresh environments build it offline with the locked setuptools.
 .venv/bin/python -m pip download --quiet --quiet --disable-pip-version-check --require-hashes \
-  --no-deps --only-binary :all: --dest .venv/wheelhouse --requirement .venv/requirements.hashed
+  --no-deps --only-binary :all: --no-binary docopt --dest .venv/wheelhouse \
+  --requirement .venv/requirements.hashed
 touch .venv/.installed
 echo "setup: environment ready (.venv)"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pulumi
-from google.protobuf import json_format  # type: ignore[import-untyped]
+from google.protobuf import json_format
 from pulumi.runtime import rpc
 
 from denv_iac.components import Cluster, ClusterArgs

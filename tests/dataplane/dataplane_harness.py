@@ -40,6 +40,12 @@ from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, MAX_CONCURRENCY, STALL_T
 AGENT_UP = Verdict("up", 100, ()).reply
 # Latency of the simulated replicas unless a test asks otherwise; replica_id is set per replica.
 FAST_REPLICA = ReplicaSimConfig("template", ttft_ms=20, itl_ms=5, tokens=8)
+# A stream (or utterance) long enough to be caught in flight: 40 tokens, or 20 ms audio frames,
+# 50 ms apart.
+LONG_STREAMS = ReplicaSimConfig("template", ttft_ms=20, itl_ms=50, tokens=40)
+# The harness's pools keep the recipe defaults: these are their budgets, in seconds.
+FIRST_TOKEN_S = FIRST_TOKEN_TIMEOUT_MS / 1000
+STALL_S = STALL_TIMEOUT_MS / 1000
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 
 from denv_iac.local.replica_sim import ReplicaSimConfig
-from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from tests.timing import RECOVERY_SLACK_S, assert_within
 
 from .dataplane_harness import (
     AGENT_UP,
+    FIRST_TOKEN_S,
+    LONG_STREAMS,
+    STALL_S,
     Dataplane,
     Frozen,
     StreamOutcome,
@@ -26,11 +28,6 @@ from .dataplane_harness import (
 pytestmark = pytest.mark.timing
 
 SESSION = {"X-Denv-Session": "conversation-7"}
-# A stream long enough to be caught in flight: 40 tokens, 50 ms apart.
-LONG_STREAMS = ReplicaSimConfig("template", ttft_ms=20, itl_ms=50, tokens=40)
-# The harness's pools keep the recipe defaults.
-FIRST_TOKEN_S = FIRST_TOKEN_TIMEOUT_MS / 1000
-STALL_S = STALL_TIMEOUT_MS / 1000
 # After a fault clears, the replica must serve again within this.
 RECOVERY_S = 1.0
 
