@@ -159,6 +159,12 @@ MODELS_PATH = "/v1/models"
 # 500. The model list stays below this, leaving room for the answer's own headers.
 MODELS_LIST_LIMIT = 60 * 1024
 REQUEST_ID_HEADER = "X-Request-Id"
+# A client's own request id is kept when it is one header of at most this many characters, each
+# a letter, a digit or one of . _ : / + = -; any other is replaced by a fresh one, as a missing
+# one is made. It goes into a log line, the replica's log and every answer: a long or odd one
+# would bloat or break them.
+REQUEST_ID_MAX = 128
+_REQUEST_ID = f"^[A-Za-z0-9._:/+=-]{{1,{REQUEST_ID_MAX}}}$"
 # Every 503 of the endpoint tells the client when to try again; the OpenAI SDKs and most HTTP
 # clients honour it. One second: a voice turn frees a slot within about that.
 RETRY_AFTER_S = 1
@@ -378,11 +384,14 @@ def _endpoint_frontend(
         "http-request del-header X-Denv-Replica",
         "",
         f"# Every answer carries {REQUEST_ID_HEADER}, the client's when it sent one; the replica",
-        "# gets it too, and this log shows it among the captured headers.",
+        "# gets it too, and this log shows it among the captured headers. A client's id sent",
+        f"# twice, longer than {REQUEST_ID_MAX} characters or with others than letters, digits and",
+        "# . _ : / + = - is replaced by a fresh one, which the answer then carries.",
         f"http-request set-header {REQUEST_ID_HEADER} %[uuid]"
-        f" unless {{ req.hdr({REQUEST_ID_HEADER}) -m found }}",
-        f"http-request set-var(txn.request_id) req.hdr({REQUEST_ID_HEADER})",
-        "http-request capture var(txn.request_id) len 64",
+        f" unless {{ req.fhdr_cnt({REQUEST_ID_HEADER}) eq 1 }}"
+        f" {{ req.fhdr({REQUEST_ID_HEADER}) -m reg {_config_word(_REQUEST_ID)} }}",
+        f"http-request set-var(txn.request_id) req.fhdr({REQUEST_ID_HEADER})",
+        f"http-request capture var(txn.request_id) len {REQUEST_ID_MAX}",
         f"http-after-response set-header {REQUEST_ID_HEADER} %[var(txn.request_id)]",
         "",
         *_health_answer(pools),
