@@ -128,20 +128,22 @@ def test_the_model_list_shows_a_key_its_pools_alone(plane: Dataplane) -> None:
 
 
 def test_a_key_past_its_rate_gets_429_and_other_keys_do_not(plane: Dataplane) -> None:
-    """Ten requests at once from a key of 2 a second: its first two served, at least one of the
-    rest refused with OpenAI's 429 and Retry-After; a key without a rate, sent alongside, is
-    served every time."""
+    """Ten requests in a row from a key of 2 a second: its first two served, at least one of the
+    rest refused with OpenAI's 429 and Retry-After; a key without a rate is served every time.
+    The model list, which the balancer answers itself, keeps the burst within a second however
+    busy the machine; a chat request past the rate is refused before it reaches a replica."""
+    auth = {"Authorization": f"Bearer {RATED_KEY}"}
     with plane.client() as client:
-        rated = [_call(client, "/v1/chat/completions", "side", RATED_KEY) for _ in range(10)]
-        full = [_call(client, "/v1/chat/completions", "side", FULL_KEY) for _ in range(10)]
+        rated = [client.get("/v1/models", headers=auth) for _ in range(10)]
+        chat = _call(client, "/v1/chat/completions", "side", RATED_KEY)
+        full = [_call(client, "/v1/chat/completions", "side", FULL_KEY) for _ in range(5)]
     assert [r.status_code for r in rated[:2]] == [200, 200]
-    limited = [r for r in rated if r.status_code == 429]
-    assert limited, [r.status_code for r in rated]
-    assert {r.status_code for r in rated} == {200, 429}
+    limited = [r for r in (*rated, chat) if r.status_code == 429]
+    assert limited and {r.status_code for r in rated} == {200, 429}, [r.status_code for r in rated]
     for response in limited:
         assert response.headers["retry-after"] == "1"
         error = response.json()["error"]
         assert error["code"] == "rate_limit_exceeded"
         assert "more than 2 requests in the last second" in error["message"]
-    assert [r.status_code for r in full] == [200] * 10
-    assert _requests(plane, "side") == len(rated) - len(limited) + len(full)
+    assert [r.status_code for r in full] == [200] * 5
+    assert _requests(plane, "side") == len(full) + (chat.status_code == 200)
