@@ -575,6 +575,11 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         " rate, got a number",
     ),
     (
+        "key scope of pools that are no names",
+        lambda c: c["denv:balancer"].update(api_key_digests=[{"digest": KEY_A, "pools": [5]}]),
+        "balancer.api_key_digests[0].pools: expected a list of non-empty strings, got a list",
+    ),
+    (
         "key listed twice",
         lambda c: c["denv:balancer"].update(
             api_key_digests=[KEY_A, {"digest": KEY_A, "pools": ["side"]}]

@@ -449,6 +449,7 @@ def _read_api_keys(f: Fields) -> tuple[tuple[str, ...], tuple[KeyScope, ...]]:
     """`api_key_digests`: each entry a key's digest (the key may use every pool), or a mapping
     of its `digest`, the `pools` it may use and the `rate` it may send (requests a second)."""
     raw = f.raw.get("api_key_digests")
+    f.known.add("api_key_digests")
     entries = (
         [(f.at("api_key_digests"), raw)]
         if isinstance(raw, str)
@@ -487,7 +488,7 @@ def _read_key_scope(f: Fields) -> KeyScope:
     digest = f.text("digest", example="<output of `denv key digest`>")
     f.known.update(("pools", "rate"))  # both may be left out
     pools = f.text_list("pools") if f.has("pools") else None
-    if pools == () and f.ok:
+    if f.raw.get("pools", ()) in ([], None):
         f.problem("pools", "is empty; list the recipes this key may use, or leave pools out")
     rate = f.integer("rate", 0, 1, 1_000_000) if f.has("rate") else None
     f.finish()
