@@ -37,10 +37,16 @@ bench: setup
 
 # Fault scenarios under load (concurrency 64, 20 s each); writes benchmarks/results/reliability.json.
 # Then realtime sessions through a replica killed or frozen mid-session and a balancer reload
-# with 50 open sessions; writes benchmarks/results/realtime_reliability.json.
+# with 50 open sessions; writes benchmarks/results/realtime_reliability.json. Then a recipe
+# change rolled under chat streams and realtime calls, three times; writes
+# benchmarks/results/rollout_reliability.json. Then open-loop overload at 0.5x-2x of a pool's
+# capacity, with a fallback tier, and a zombie engine with the stack's defaults; writes
+# benchmarks/results/overload_reliability.json.
 reliability: setup
 	$(BIN)/python -m benchmarks.reliability
 	$(BIN)/python -m benchmarks.realtime_reliability
+	$(BIN)/python -m benchmarks.rollout_reliability
+	$(BIN)/python -m benchmarks.overload
 
 # Ten minutes of load with a fault cycle every 20 s; agent and balancer memory must stay flat.
 soak: setup

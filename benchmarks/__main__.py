@@ -13,6 +13,7 @@ MODULES = (
     "dataplane_bench",
     "voice_bench",
     "overlay_bench",
+    "overload_bench",
 )
 RESULTS = Path(__file__).parent / "results"
 

@@ -35,7 +35,6 @@ from denv_agent.control import clear_faults, drain, inject_fault, undrain
 
 from denv_iac.balancer.runtime import server_stats
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
-from denv_iac.local.replica_sim import control_headers
 from denv_iac.local.runner import (
     AGENT_MARK,
     REPLICA_MARK,
@@ -44,7 +43,13 @@ from denv_iac.local.runner import (
     free_port,
     ours,
 )
-from denv_iac.ops.demo import count_replayed, count_retried, kill_replica, seen_by_replicas
+from denv_iac.ops.demo import (
+    count_replayed,
+    count_retried,
+    kill_replica,
+    replica_fault,
+    seen_by_replicas,
+)
 from denv_iac.ops.loadgen import LoadReport, StreamResult, run_load
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.spec.reader import read_stack
@@ -190,10 +195,6 @@ def node_undrained(cluster: LocalCluster, state: RunState) -> None:
     undrain(_agent_url(state, "local/node-a"), state.control_token)
 
 
-def _faulty_replica(state: RunState) -> str:
-    return next(r for r in state.replicas if r.id == FAULTY).url
-
-
 def replica_frozen(cluster: LocalCluster, state: RunState) -> None:
     """SIGSTOP: how a hung GPU process or a wedged engine looks from outside."""
     os.kill(next(r for r in state.replicas if r.id == FAULTY).pid, signal.SIGSTOP)
@@ -204,13 +205,7 @@ def replica_thawed(cluster: LocalCluster, state: RunState) -> None:
 
 
 def _replica_fault(state: RunState, mode: str, k: int = 0) -> None:
-    response = httpx.post(
-        f"{_faulty_replica(state)}/control/fault",
-        json={"mode": mode, "k": k},
-        headers=control_headers(state.control_token),
-        timeout=5,
-    )
-    response.raise_for_status()
+    replica_fault(state, FAULTY, mode, k)
 
 
 def replica_hangs(cluster: LocalCluster, state: RunState) -> None:
@@ -405,7 +400,7 @@ async def _load_with_fault(
             # It heals by itself, maybe before the balancer even noticed: wait for the pool to
             # be seen short first (a dead process, a server out), so recovery is not read early.
             await asyncio.to_thread(_wait_short, state)
-        recovered_after.append(await asyncio.to_thread(_wait_full_strength, state, healing))
+        recovered_after.append(await asyncio.to_thread(wait_full_strength, state, healing))
         if watching is not None:
             out_after.append(await watching)
 
@@ -429,7 +424,7 @@ def _wait_out_of_rotation(
 ) -> float:
     """Seconds from the fault until HAProxy stops giving the faulty replica new requests."""
     while time.perf_counter() - since < limit_s:
-        row = _stats(state).get(replica_id, {})
+        row = stats_of(state).get(replica_id, {})
         # Out (DOWN, DRAIN, MAINT), or still up at a lowered weight (a slow replica).
         if not row.get("status", "").startswith("UP") or int(row.get("weight") or 0) < 100:
             break
@@ -437,7 +432,7 @@ def _wait_out_of_rotation(
     return time.perf_counter() - since
 
 
-def _stats(state: RunState) -> dict[str, dict[str, str]]:
+def stats_of(state: RunState) -> dict[str, dict[str, str]]:
     """HAProxy's servers; none while the balancer is down (it is being restarted)."""
     try:
         return server_stats(Path(state.admin_socket))
@@ -447,7 +442,7 @@ def _stats(state: RunState) -> dict[str, dict[str, str]]:
 
 def at_full_strength(state: RunState) -> bool:
     """Every replica UP at full weight in the balancer, its process and its agent running."""
-    rows = _stats(state)
+    rows = stats_of(state)
     return (
         len(rows) == len(state.replicas)
         and all(row["status"] == "UP" and row["weight"] == "100" for row in rows.values())
@@ -464,7 +459,7 @@ def _wait_short(state: RunState, limit_s: float = 1.0) -> None:
         time.sleep(0.005)
 
 
-def _wait_full_strength(state: RunState, since: float) -> float | None:
+def wait_full_strength(state: RunState, since: float) -> float | None:
     while time.perf_counter() - since < RECOVERY_LIMIT_S:
         if at_full_strength(state):
             return time.perf_counter() - since

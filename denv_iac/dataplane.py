@@ -11,6 +11,11 @@ from denv_iac.spec.model import StackSpec
 Locator = Callable[[PlacedReplica], tuple[str, int, int]]
 
 
+def tier_priority(index: int) -> int:
+    """The balancer priority of a recipe's tier by its preference index: 10, 20, ..."""
+    return (index + 1) * 10
+
+
 def balancer_pools(
     stack: StackSpec, placement: Placement, locate: Locator
 ) -> tuple[BalancerPool, ...]:
@@ -42,7 +47,7 @@ def balancer_pools(
                     )
                 )
             if servers:
-                tiers.append(BalancerTier((index + 1) * 10, sites, tuple(servers)))
+                tiers.append(BalancerTier(tier_priority(index), sites, tuple(servers)))
         pools.append(
             BalancerPool(
                 recipe.name,

@@ -43,7 +43,7 @@ from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, 
 from denv_iac.balancer.model import BalancerSettings
 from denv_iac.placement import PlacedReplica
 from denv_iac.spec.gateway_link import gateway_tls_on
-from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
+from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.spec.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
 
 Manifest = dict[str, Any]
@@ -163,6 +163,13 @@ class SiteManifests:
         return [self.namespace, *pools, self.network_policy, *agent, *gateway, *services]
 
 
+# The agent mounts the kubelet's pod-resources folder (a hostPath volume), which the Pod Security
+# Standards' baseline and restricted levels forbid: a cluster whose admission default enforces
+# either would refuse its pods. The namespace is the stack's own, so it says its level itself,
+# as the GPU operator's namespace does; a policy engine that forbids the label is not seen here.
+POD_SECURITY = {"pod-security.kubernetes.io/enforce": "privileged"}
+
+
 def site_problems(site: SiteSpec, recipes: Sequence[RecipeSpec]) -> list[str]:
     """What a kubernetes site needs beyond what the stack reader checks, one line each."""
     problems = []
@@ -250,7 +257,9 @@ def site_manifests(
     agent_toml = _agent_toml(site, agent_replicas)
     nodes = sorted({route.node for route in routes})
     return SiteManifests(
-        namespace=_object("v1", "Namespace", {"name": ns, "labels": _labels(stack.name, site)}),
+        namespace=_object(
+            "v1", "Namespace", {"name": ns, "labels": _labels(stack.name, site) | POD_SECURITY}
+        ),
         pools=tuple(pools),
         network_policy=_network_policy(stack.name, site, [p.pool for p in pools], stack),
         agent_config=_config_map(stack.name, site, AGENT_NAME, "agent", {"agent.toml": agent_toml}),
@@ -293,6 +302,20 @@ def min_available(recipe: RecipeSpec, on_site: int) -> int:
     """
     share = recipe.spare * on_site // recipe.replicas_wanted
     return max(1, on_site - share)
+
+
+def max_unavailable(recipe: RecipeSpec, on_site: int) -> int:
+    """How many of the pool's pods here a rollout may restart at once: the site's share of the
+    spare (what the disruption budget lets go), and at least one, so that a rollout moves.
+    The controller takes a pod down only once the one before it is ready again; above one it
+    needs the MaxUnavailableStatefulSet feature, and one at a time without it."""
+    return max(1, on_site - min_available(recipe, on_site))
+
+
+def termination_grace_s(recipe: RecipeSpec) -> int:
+    """How long a stopping pod may take: its sessions' drain bound, then the server's own stop
+    (what `docker stop -t` gives it on a node)."""
+    return recipe.drain_timeout_s + SERVER_STOP_S
 
 
 def gateway_bind(port: int, tls: bool) -> str:
@@ -656,6 +679,7 @@ def _pool_manifests(
             }
         ],
         "affinity": _pod_affinity(site),
+        "terminationGracePeriodSeconds": termination_grace_s(recipe),
     }
     stateful_set = _object(
         "apps/v1",
@@ -666,6 +690,12 @@ def _pool_manifests(
             "replicas": len(placed),
             # Every replica cold-starts at once, not one after another.
             "podManagementPolicy": "Parallel",
+            # A changed template rolls pod by pod, each ready before the next (see
+            # max_unavailable); the cold start above is for scaling only.
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": max_unavailable(recipe, len(placed))},
+            },
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
             "volumeClaimTemplates": [

@@ -6,11 +6,13 @@ firewall filters on the switch port, before the node. As the webservice document
 answers, form-encoded POSTs; `GET /server` lists the account's servers (`server_ip`,
 `server_number`); `GET /firewall/{server-number}` reads one firewall and
 `POST /firewall/{server-number}` sets it whole: `status` (active or disabled), `whitelist_hos`,
-`filter_ipv6` and at most 10 input rules `rules[input][n][field]`, applied in order, the first
-that matches deciding; anything no rule accepts is discarded. A change is applied to the switch
-in about 30 s, during which the firewall reads `in process`. A failure is
-`{"error": {"status", "code", "message"}}` and becomes one `RobotApiError` line, never the
-credentials. No Pulumi here.
+`filter_ipv6` and at most 10 rules per direction, `rules[input][n][field]` and
+`rules[output][n][field]`, applied in order, the first that matches deciding; anything no rule
+accepts is discarded, in either direction: since Hetzner's 2023 change a firewall without output
+rules discards everything the server sends. A rule name holds letters, spaces and `. - + _ @`
+only. A change is applied to the switch in about 30 s, during which the firewall reads
+`in process`. A failure is `{"error": {"status", "code", "message"}}` and becomes one
+`RobotApiError` line, never the credentials. No Pulumi here.
 """
 
 import time
@@ -20,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from denv_iac.robot_firewall import MAX_INPUT_RULES
+from denv_iac.robot_firewall import rule_problems
 
 API_URL = "https://robot-ws.your-server.de"
 RULE_FIELDS = (
@@ -58,24 +60,33 @@ class Firewall:
     whitelist_hos: bool
     filter_ipv6: bool
     input_rules: tuple[dict[str, str], ...]
+    output_rules: tuple[dict[str, str], ...] = ()
 
 
 def form(
-    status: str, whitelist_hos: bool, filter_ipv6: bool, rules: Sequence[Rule]
+    status: str,
+    whitelist_hos: bool,
+    filter_ipv6: bool,
+    rules: Sequence[Rule],
+    output_rules: Sequence[Rule],
 ) -> dict[str, str]:
-    """The POST body: the firewall as a whole, rules numbered in order, empty fields left out."""
-    if len(rules) > MAX_INPUT_RULES:
-        raise ValueError(f"{len(rules)} input rules; Robot takes at most {MAX_INPUT_RULES}")
+    """The POST body: the firewall as a whole, rules numbered in order per direction, empty
+    fields left out. A rule Robot would refuse is one ValueError line before any request."""
     body = {
         "status": status,
         "whitelist_hos": "true" if whitelist_hos else "false",
         "filter_ipv6": "true" if filter_ipv6 else "false",
     }
-    for n, rule in enumerate(rules):
-        unknown = set(rule) - set(RULE_FIELDS)
-        if unknown:
-            raise ValueError(f"rule {n}: fields {sorted(unknown)} are not Robot's")
-        body.update({f"rules[input][{n}][{k}]": str(v) for k, v in rule.items() if v})
+    for direction, given in (("input", rules), ("output", output_rules)):
+        problems = rule_problems(direction, given)
+        if problems:
+            raise ValueError("; ".join(problems))
+        for n, rule in enumerate(given):
+            unknown = set(rule) - set(RULE_FIELDS)
+            if unknown:
+                where = f"rules[{direction}][{n}]"
+                raise ValueError(f"{where}: fields {sorted(unknown)} are not Robot's")
+            body.update({f"rules[{direction}][{n}][{k}]": str(v) for k, v in rule.items() if v})
     return body
 
 
@@ -124,9 +135,10 @@ class RobotClient:
         whitelist_hos: bool,
         filter_ipv6: bool,
         rules: Sequence[Rule],
+        output_rules: Sequence[Rule],
     ) -> Firewall:
-        """Set the whole firewall, then wait until the switch has it."""
-        body = form(status, whitelist_hos, filter_ipv6, rules)
+        """Set the whole firewall, both directions, then wait until the switch has it."""
+        body = form(status, whitelist_hos, filter_ipv6, rules, output_rules)
         answer = _firewall(self._call("set firewall", "POST", f"/firewall/{number}", data=body))
         deadline = self._wait_s
         while answer.status == IN_PROCESS:
@@ -159,14 +171,19 @@ class RobotClient:
 
 def _firewall(body: Any) -> Firewall:
     firewall = body["firewall"]
-    rules = (firewall.get("rules") or {}).get("input") or []
+    rules = firewall.get("rules") or {}
     return Firewall(
         server_number=int(firewall["server_number"]),
         status=str(firewall["status"]),
         whitelist_hos=bool(firewall["whitelist_hos"]),
         filter_ipv6=bool(firewall.get("filter_ipv6", False)),
-        input_rules=tuple(
-            {k: str(v) for k, v in rule.items() if k in RULE_FIELDS and v is not None}
-            for rule in rules
-        ),
+        input_rules=_rules(rules.get("input")),
+        output_rules=_rules(rules.get("output")),
+    )
+
+
+def _rules(given: Any) -> tuple[dict[str, str], ...]:
+    return tuple(
+        {k: str(v) for k, v in rule.items() if k in RULE_FIELDS and v is not None}
+        for rule in given or []
     )

@@ -1,4 +1,4 @@
-"""The input rules of a Hetzner box's Robot firewall, and whether they fit Robot's limit.
+"""The rules of a Hetzner box's Robot firewall, and whether they fit Robot's limits.
 
 Pure, without Pulumi: `denv plan` and the Pulumi program count the rules with the same code.
 """
@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from denv_iac.ingress import IngressRule, Protocol, node_overlay_access, site_ingress_rules
 from denv_iac.spec.model import SiteSpec, StackSpec
 
-# Robot's webservice refuses a firewall with more input rules than this.
-MAX_INPUT_RULES = 10
+# Robot's webservice refuses a firewall with more rules than this in one direction.
+MAX_RULES = 10
 EPHEMERAL_PORTS = "32768-65535"
 ANY = "0.0.0.0/0"
 # Replies to what the node itself opened, and ICMP (unreachable, fragmentation needed).
@@ -34,7 +34,44 @@ REPLY_RULES: tuple[dict[str, str], ...] = (
         "action": "accept",
     },
 )
-_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9 -]+")
+# Since Hetzner's 2023 change the firewall filters outgoing packets too, and a firewall without
+# output rules discards everything the box sends: replies to SSH and WireGuard, apt, image
+# pulls, DNS, NTP; the node deploy fails and the box goes dark (community.hrobot issue #75).
+# What the box sends is narrowed on the node by its nftables where it matters; on the switch
+# port, one rule accepting every outgoing packet: the form of the community.hrobot firewall
+# module's own example.
+OUTPUT_RULES: tuple[dict[str, str], ...] = ({"name": "node traffic out", "action": "accept"},)
+# The characters Robot takes in a rule name: letters, space and . - + _ @; no digits (as the
+# community.hrobot firewall module documents it; its example rules were renamed to fit).
+RULE_NAME = re.compile(r"[A-Za-z .+_@-]*")
+# A run of other characters, with the symbols beside it (`-1-` in `fsn-1-dc`).
+_NAME_UNSAFE = re.compile(r"[.+_@-]*[^A-Za-z .+_@-]+[.+_@-]*")
+_NAME_LENGTH = 40
+_NAME_TRIM = " .+_@-"
+
+
+def rule_name(text: str) -> str:
+    """A rule name Robot takes, made from `text`: each run of other characters (digits too),
+    with the symbols beside it, becomes one space; then it is cut to 40 characters at a word's
+    end and its ends are trimmed."""
+    name = " ".join(_NAME_UNSAFE.sub(" ", text).split())
+    if len(name) > _NAME_LENGTH:  # cut at a word's end
+        cut = name[: _NAME_LENGTH + 1]
+        name = cut.rsplit(" ", 1)[0] if " " in cut else name[:_NAME_LENGTH]
+    return name.strip(_NAME_TRIM)
+
+
+def rule_problems(direction: str, rules: Sequence[Mapping[str, str]]) -> list[str]:
+    """One line per rule Robot would refuse for its name or count, naming the field and fix."""
+    problems = [
+        f"rules[{direction}][{n}][name]: {rule['name']!r} holds characters Robot refuses in a "
+        "rule name; use letters, spaces and . - + _ @ only (no digits)"
+        for n, rule in enumerate(rules)
+        if not RULE_NAME.fullmatch(rule.get("name", ""))
+    ]
+    if len(rules) > MAX_RULES:
+        problems.append(f"rules[{direction}]: {len(rules)} rules; Robot takes at most {MAX_RULES}")
+    return problems
 
 
 def robot_rules(rules: Sequence[IngressRule], addresses: Mapping[str, str]) -> list[dict[str, str]]:
@@ -48,8 +85,8 @@ def robot_rules(rules: Sequence[IngressRule], addresses: Mapping[str, str]) -> l
             continue
         cidr = source if "/" in source else f"{source}/32"
         ports.setdefault((cidr, rule.protocol), []).append((rule.from_port, rule.to_port))
-        who = f"balancer {rule.source}" if rule.from_machine else rule.name
-        names.setdefault(cidr, _NAME_UNSAFE.sub(" ", who)[:40].strip())
+        who = f"balancer {rule.source}" if rule.from_machine else rule.description
+        names.setdefault(cidr, rule_name(who))
     out = []
     for (cidr, protocol), ranges in ports.items():
         for low, high in _merged(ranges):
@@ -93,7 +130,7 @@ def _ports(low: int, high: int) -> str:
 
 
 def robot_problems(site_name: str, rules: Sequence[Mapping[str, str]], overlay: bool) -> list[str]:
-    if len(rules) <= MAX_INPUT_RULES:
+    if len(rules) <= MAX_RULES:
         return []
     per_host = "WireGuard rule" if overlay else "port range"
     fix = "list fewer admin_cidrs or balancer sites"
@@ -101,7 +138,7 @@ def robot_problems(site_name: str, rules: Sequence[Mapping[str, str]], overlay: 
         fix += " (or turn balancer.overlay back on: one rule per balancer host)"
     replies = len(REPLY_RULES) + sum(rule["action"] == "discard" for rule in rules)
     return [
-        f"sites: {site_name}: the Robot firewall takes at most {MAX_INPUT_RULES} input rules and "
+        f"sites: {site_name}: the Robot firewall takes at most {MAX_RULES} input rules and "
         f"this site needs {len(rules)} ({replies} for replies, the rest one per admin CIDR and "
         f"per balancer host and {per_host}); {fix}"
     ]

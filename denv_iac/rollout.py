@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from denv_iac.placement import PlacedReplica
+from denv_iac.sites import node_id
 from denv_iac.spec.model import RecipeSpec, StackSpec
 
 # What a replica runs: a change in any of these restarts each of the pool's replicas in turn.
@@ -138,3 +139,26 @@ def min_warm_problem(pool: str, replica: str, ready_others: Sequence[str], min_w
         f"replica(s), under min_warm {min_warm}; raise spare (at least 1) so that another "
         "replica carries the pool meanwhile, then roll again"
     )
+
+
+def deploy_after(
+    nodes: Sequence[str], placed: Sequence[PlacedReplica]
+) -> dict[str, tuple[str, ...]]:
+    """For each node (`site.node`, in `nodes`' order), the nodes whose deploy must end before
+    its own starts: for each pool it hosts, the previous node in that order hosting the pool.
+
+    What orders `pulumi up`: each pool's node deploys form a chain, so that the engine, which
+    runs independent resources at once, never restarts replicas of one pool on two nodes at
+    once; every link points to an earlier node, so the chains never form a cycle. Nodes that
+    share no pool still deploy side by side.
+    """
+    hosting: dict[str, set[str]] = {}
+    for replica in placed:
+        hosting.setdefault(node_id(replica.site, replica.node), set()).add(replica.pool)
+    last: dict[str, str] = {}  # pool -> the last node seen hosting it
+    after: dict[str, tuple[str, ...]] = {}
+    for node in nodes:
+        pools = sorted(hosting.get(node, ()))
+        after[node] = tuple(sorted({last[p] for p in pools if p in last}, key=nodes.index))
+        last |= dict.fromkeys(pools, node)
+    return after

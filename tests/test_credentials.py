@@ -351,12 +351,12 @@ def test_a_local_roll_keeps_the_control_token_to_agents_and_replicas(
             assert time.monotonic() < deadline, "replicas not UP within 15 s"
             time.sleep(0.05)
         changed = read_stack("t", _local_config(tokens=3, spare=1))
-        lines = roll_once(cluster, lambda: changed, lambda _: None)
+        answer = roll_once(cluster, lambda: changed, lambda _: None)
         after = list(cluster.state.replicas)
     finally:
         cluster.down()
-    assert not [line for line in lines if line.startswith("error: ")], lines
-    assert lines[-1].startswith("rolled 2 replica(s)"), lines
+    assert (answer.code, answer.problems) == (0, []), answer.lines
+    assert answer.lines[-1].startswith("rolled 2 replica(s)"), answer.lines
     ports = {p for r in (*before, *after) for p in (r.port, r.agent_port)}
     tap.assert_only(token, ports | agents)
     tap.assert_only(KEY, set())

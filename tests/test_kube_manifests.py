@@ -25,6 +25,7 @@ from denv_iac.kube_manifests import (
     GPU_PRODUCTS,
     SiteManifests,
     gpu_resource,
+    max_unavailable,
     min_available,
     site_manifests,
     site_problems,
@@ -32,7 +33,7 @@ from denv_iac.kube_manifests import (
 )
 from denv_iac.placement import place_replicas
 from denv_iac.spec.exposure import stack_warnings
-from denv_iac.spec.model import RecipeSpec
+from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec
 from denv_iac.spec.reader import read_stack
 from tests.gateway_pki import reading_tls_from, write_pki
 
@@ -215,6 +216,32 @@ def test_disruption_budget_keeps_all_but_the_sites_share_of_the_spare(
 ) -> None:
     recipe = RecipeSpec("p", "whole", (("k8s",),), min_warm, spare)
     assert min_available(recipe, on_site) == least
+
+
+@pytest.mark.parametrize(
+    "min_warm, spare, on_site, at_once",
+    [
+        (2, 1, 3, 1),  # the whole pool here: its spare
+        (2, 2, 4, 2),
+        (2, 2, 2, 1),  # half the pool here: half the spare
+        (3, 1, 2, 1),  # no share of the spare here: still one, or the rollout never moves
+        (1, 0, 1, 1),
+    ],
+)
+def test_a_rollout_restarts_the_sites_share_of_the_spare_at_once(
+    min_warm: int, spare: int, on_site: int, at_once: int
+) -> None:
+    recipe = RecipeSpec("p", "whole", (("k8s",),), min_warm, spare)
+    assert max_unavailable(recipe, on_site) == at_once
+    assert at_once == max(1, on_site - min_available(recipe, on_site))  # the budget's complement
+
+
+def test_a_stopping_pod_is_given_its_drain_bound_and_the_servers_stop() -> None:
+    pool = _pool(_manifests([_site()], [{**VOICE, "drain_timeout_s": 300}]), "voice")
+    spec = pool.stateful_set["spec"]
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] == 300 + SERVER_STOP_S
+    rolling = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert spec["updateStrategy"] == rolling
 
 
 @pytest.mark.parametrize(
@@ -445,4 +472,47 @@ def test_a_plain_link_to_a_used_kubernetes_site_is_warned_about(private_links: b
             "gateway of k8s in plain TCP; turn it back on (mutual TLS to the gateway) unless the "
             "cluster shares one private network with the balancer"
         ]
+    )
+
+
+def _pod_specs(manifests: SiteManifests) -> list[dict[str, Any]]:
+    return [
+        m["spec"]["template"]["spec"]
+        for m in manifests.objects()
+        if m["kind"] in ("DaemonSet", "Deployment", "StatefulSet")
+    ]
+
+
+def test_the_namespace_admits_the_agents_host_path_whatever_the_clusters_default() -> None:
+    # Pod Security baseline (and restricted) forbid hostPath volumes: a cluster enforcing either
+    # by default would refuse the agent, which reads the kubelet's pod-resources socket.
+    manifests = _manifests([_site()], [VOICE, SIDE])
+    host_paths = [
+        v["hostPath"]["path"]
+        for p in _pod_specs(manifests)
+        for v in p.get("volumes", ())
+        if "hostPath" in v
+    ]
+    assert host_paths  # the reason for the level
+    labels = manifests.namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+@pytest.mark.parametrize(("recipes", "warned"), [([VOICE, SIDE], True), ([VOICE], False)])
+def test_a_mig_recipe_on_a_kubernetes_site_names_the_operators_mig_strategy(
+    recipes: list[Any], warned: bool
+) -> None:
+    balancer = {"sites": ["edge"]}
+    stack = read_stack(
+        "prod", {"denv:sites": [_site(), EDGE], "denv:recipes": recipes, "denv:balancer": balancer}
+    )
+    lines = [w for w in stack_warnings(stack) if "mig.strategy" in w]
+    assert lines == (
+        [
+            "recipes[1].share: 1g.10gb on k8s needs the GPU operator's mixed MIG strategy (its "
+            "default, single, never offers nvidia.com/mig-1g.10gb and the pods stay Pending); "
+            "install it with --set mig.strategy=mixed"
+        ]
+        if warned
+        else []
     )

@@ -550,6 +550,15 @@ def test_unique_names_are_freed_before_a_replacement_takes_them(
     assert diff.replaces == list(change) and diff.delete_before_replace is True
 
 
+def test_a_rotated_key_of_its_own_name_is_made_before_the_old_one_is_deleted() -> None:
+    # The site's key is named with a digest of the key: a rotated one can exist beside the old,
+    # so the instances launched with the old one never see a moment without a key.
+    olds = {API_KEY: KEY, "name": "site-aaaa", "public_key": "ssh-ed25519 AAAA"}
+    news = {API_KEY: KEY, "name": "site-bbbb", "public_key": "ssh-ed25519 BBBB"}
+    diff = LambdaSshKeyProvider().diff("id0", olds, news)
+    assert diff.replaces == ["name", "public_key"] and diff.delete_before_replace is False
+
+
 # Spec 1.8.3 and the published limits: what the client must do on a real account.
 
 

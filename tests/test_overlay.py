@@ -161,6 +161,7 @@ def test_a_rendered_config_holds_addresses_and_public_keys_only() -> None:
         "[Interface]",
         f"Address = {own}/16",
         "ListenPort = 51820",
+        "MTU = 1420",
         f"PrivateKey = {PRIVATE_KEY_PLACEHOLDER}",
         "",
         "[Peer]",
@@ -173,6 +174,14 @@ def test_a_rendered_config_holds_addresses_and_public_keys_only() -> None:
     key = "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk="
     written = with_private_key(text, key)
     assert written == text.replace(PRIVATE_KEY_PLACEHOLDER, key)
+
+
+def test_every_member_has_the_same_mtu_that_fits_a_1500_path_over_ipv6() -> None:
+    # wg-quick would take the route's MTU less 80: 8921 on AWS (9001 jumbo frames), too big for
+    # the internet path to a peer elsewhere; both ends of a tunnel need the same.
+    texts = configs(overlay_of(config()), keys(overlay_of(config())))
+    mtus = {re.findall(r"^MTU = (\d+)$", text, re.MULTILINE)[0] for text in texts.values()}
+    assert mtus == {"1420"} and 1420 + 80 <= 1500
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,10 @@
 create, diff, update, read and delete called for real against a fake Robot webservice that
 checks every request against the documented firewall fields (robot.hetzner.com/doc/webservice,
 "Firewall": POST /firewall/{server-number} with status, whitelist_hos, filter_ipv6 and at most
-10 rules[input][n][...]).
+10 rules per direction, rules[input][n][...] and rules[output][n][...]; a rule name of letters,
+spaces and . - + _ @ only, as the community.hrobot firewall module documents it). The fake
+filters as Robot does since its 2023 change: both directions, a firewall without output rules
+discarding everything the box sends.
 """
 
 import base64
@@ -16,9 +19,16 @@ import httpx
 import pytest
 
 from denv_iac.components.hetzner_robot import PASSWORD, USER, RobotFirewallProvider
-from denv_iac.ingress import IngressRule, OverlayAccess, wireguard_rules
+from denv_iac.ingress import IngressRule, OverlayAccess, ssh_rules, wireguard_rules
 from denv_iac.robot_api import RULE_FIELDS, RobotApiError, RobotClient
-from denv_iac.robot_firewall import REPLY_RULES, robot_problems, robot_rules
+from denv_iac.robot_firewall import (
+    OUTPUT_RULES,
+    REPLY_RULES,
+    RULE_NAME,
+    robot_problems,
+    robot_rules,
+    rule_name,
+)
 
 LOGIN, SECRET = "#ws+denvTEST", "robot-password-material"
 BOX, NUMBER = "203.0.113.21", 2187654
@@ -27,7 +37,9 @@ ADMIN = "192.0.2.0/24"
 
 PROTOCOLS = {"tcp", "udp", "gre", "icmp", "ipip", "ah", "esp"}
 PORTS = re.compile(r"(\d{1,5})(?:-(\d{1,5}))?")
-RULE_KEY = re.compile(r"rules\[input\]\[(\d+)\]\[(\w+)\]")
+RULE_KEY = re.compile(r"rules\[(input|output)\]\[(\d+)\]\[(\w+)\]")
+# Robot's rule-name characters, written out here apart from the product's own pattern.
+DOCUMENTED_NAME = re.compile(r"[a-zA-Z .+_@-]*")
 
 
 def _error(status: int, code: str, message: str) -> httpx.Response:
@@ -57,7 +69,7 @@ def check_rule(n: int, rule: dict[str, str]) -> None:
             low, high = int(match[1]), int(match[2] or match[1])
             assert 0 < low <= high <= 65535, rule
             assert rule.get("protocol") in ("tcp", "udp"), f"rule {n}: ports need tcp or udp"
-    assert re.fullmatch(r"[A-Za-z0-9 -]{0,50}", rule.get("name", "")), rule
+    assert DOCUMENTED_NAME.fullmatch(rule.get("name", "")), f"rule {n}: name {rule.get('name')!r}"
 
 
 @dataclass
@@ -106,30 +118,41 @@ class FakeRobot:
         assert status in ("active", "disabled")
         flags = {key: body.pop(key) for key in ("whitelist_hos", "filter_ipv6")}
         assert set(flags.values()) <= {"true", "false"}, flags
-        rules: dict[int, dict[str, str]] = {}
+        rules: dict[str, dict[int, dict[str, str]]] = {"input": {}, "output": {}}
         for key, value in body.items():
             found = RULE_KEY.fullmatch(key)
             assert found, f"{key} is not a documented field"
-            rules.setdefault(int(found[1]), {})[found[2]] = value
-        assert sorted(rules) == list(range(len(rules))), "rules are numbered from 0, in order"
-        assert len(rules) <= 10, f"{len(rules)} input rules; Robot takes at most 10"
-        for n, rule in rules.items():
-            check_rule(n, rule)
+            rules[found[1]].setdefault(int(found[2]), {})[found[3]] = value
+        for direction, given in rules.items():
+            assert sorted(given) == list(range(len(given))), "rules are numbered from 0, in order"
+            assert len(given) <= 10, f"{len(given)} {direction} rules; Robot takes at most 10"
+            for n, rule in given.items():
+                check_rule(n, rule)
         self.firewalls[number] = {
             "status": status,
             "whitelist_hos": flags["whitelist_hos"] == "true",
             "filter_ipv6": flags["filter_ipv6"] == "true",
-            "input": [rules[n] for n in sorted(rules)],
+            **{direction: [given[n] for n in sorted(given)] for direction, given in rules.items()},
         }
         self.pending[number] = self.process_reads + 1
 
     def _read(self, number: int) -> dict[str, Any]:
         firewall = self.firewalls.get(
-            number, {"status": "disabled", "whitelist_hos": True, "filter_ipv6": False, "input": []}
+            number,
+            {
+                "status": "disabled",
+                "whitelist_hos": True,
+                "filter_ipv6": False,
+                "input": [],
+                "output": [],
+            },
         )
         left = self.pending.get(number, 0)
         self.pending[number] = max(0, left - 1)
-        full = [{**dict.fromkeys(RULE_FIELDS), **rule} for rule in firewall["input"]]
+        full = {
+            direction: [{**dict.fromkeys(RULE_FIELDS), **rule} for rule in firewall[direction]]
+            for direction in ("input", "output")
+        }
         return {
             "server_ip": self.servers[number],
             "server_number": number,
@@ -137,8 +160,16 @@ class FakeRobot:
             "whitelist_hos": firewall["whitelist_hos"],
             "filter_ipv6": firewall["filter_ipv6"],
             "port": "main",
-            "rules": {"input": full, "output": []},
+            "rules": full,
         }
+
+    def carries(self, number: int, direction: str, packet: "Packet") -> bool:
+        """Whether the box's switch port lets `packet` through: all of it with the firewall
+        disabled; else the direction's rules decide, and none (no output rules) discards."""
+        firewall = self.firewalls.get(number)
+        if firewall is None or firewall["status"] != "active":
+            return True
+        return _accepted(firewall[direction], packet)
 
 
 SSH = IngressRule("ssh-admin", "ssh from admins", 22, 22, ADMIN)
@@ -153,7 +184,7 @@ WIREGUARD = 51820
 # The overlay on: the balancer reaches replicas and agent through the tunnel.
 OVERLAY_RULES = [*SITE_RULES[:2], *wireguard_rules(OverlayAccess(WIREGUARD, ("edge",)))]
 SSH_EXPECTED = {
-    "name": "ssh-admin",
+    "name": "ssh from admins",
     "ip_version": "ipv4",
     "protocol": "tcp",
     "src_ip": ADMIN,
@@ -208,8 +239,19 @@ def test_with_the_overlay_a_balancer_gets_wireguards_udp_port_only() -> None:
 class Packet:
     source: str
     protocol: str
-    port: int
+    port: int  # the destination port
     ack: bool = False  # a reply, or later in a connection; a new connection's SYN has none
+    destination: str = BOX
+    source_port: int = 40000
+
+
+def _in(address: str, rule: dict[str, str], key: str) -> bool:
+    return key not in rule or ipaddress.ip_address(address) in ipaddress.ip_network(rule[key])
+
+
+def _port_in(port: int, rule: dict[str, str], key: str) -> bool:
+    low, _, high = rule.get(key, "0-65535").partition("-")
+    return int(low) <= port <= int(high or low)
 
 
 def _accepted(rules: list[dict[str, str]], packet: Packet) -> bool:
@@ -217,14 +259,13 @@ def _accepted(rules: list[dict[str, str]], packet: Packet) -> bool:
     for rule in rules:
         if rule.get("protocol", packet.protocol) != packet.protocol:
             continue
-        if "src_ip" in rule and ipaddress.ip_address(packet.source) not in ipaddress.ip_network(
-            rule["src_ip"]
+        if not (_in(packet.source, rule, "src_ip") and _in(packet.destination, rule, "dst_ip")):
+            continue
+        if not (
+            _port_in(packet.port, rule, "dst_port")
+            and _port_in(packet.source_port, rule, "src_port")
         ):
             continue
-        if "dst_port" in rule:
-            low, _, high = rule["dst_port"].partition("-")
-            if not int(low) <= packet.port <= int(high or low):
-                continue
         if rule.get("tcp_flags") == "ack" and not packet.ack:
             continue
         return rule["action"] == "accept"
@@ -334,7 +375,14 @@ def test_up_to_ten_rules_is_no_problem(rows: list[IngressRule]) -> None:
 
 def _props(rules: list[dict[str, str]] | None = None, **extra: Any) -> dict[str, Any]:
     rules = robot_rules(SITE_RULES, {"edge": BALANCER}) if rules is None else rules
-    return {USER: LOGIN, PASSWORD: SECRET, "address": BOX, "rules": rules, **extra}
+    return {
+        USER: LOGIN,
+        PASSWORD: SECRET,
+        "address": BOX,
+        "rules": rules,
+        "output_rules": list(OUTPUT_RULES),
+        **extra,
+    }
 
 
 def _provider(robot: FakeRobot, sleeps: list[float]) -> RobotFirewallProvider:
@@ -350,6 +398,7 @@ def test_create_finds_the_box_by_address_sets_its_rules_and_waits_for_the_switch
     assert post["status"] == "active" and post["filter_ipv6"] == "false"
     firewall = robot.firewalls[NUMBER]
     assert firewall["input"] == _props()["rules"]
+    assert firewall["output"] == list(OUTPUT_RULES) and firewall["output"]
     assert len(sleeps) == 2  # two reads `in process`, then active
     assert 1000001 not in robot.firewalls
 
@@ -387,6 +436,7 @@ def test_diff_update_read_and_delete_as_the_engine_calls_them() -> None:
     assert robot.firewalls[NUMBER]["input"][1]["src_ip"] == "198.51.100.8/32"
     read = provider.read(number, _props(moved))
     assert read.id == number and read.outs["rules"] == moved
+    assert read.outs["output_rules"] == list(OUTPUT_RULES)
     provider.delete(number, _props(moved))
     assert robot.posts[-1] == {
         "status": "disabled",
@@ -427,5 +477,126 @@ def test_a_change_that_stays_in_process_gives_up_with_one_line() -> None:
         RobotApiError, match="set firewall: still in process after 300 s; run again"
     ):
         client.set_firewall(
-            NUMBER, status="active", whitelist_hos=True, filter_ipv6=False, rules=[]
+            NUMBER,
+            status="active",
+            whitelist_hos=True,
+            filter_ipv6=False,
+            rules=[],
+            output_rules=OUTPUT_RULES,
         )
+
+
+ADMIN_HOST, MIRROR, RESOLVER = "192.0.2.10", "151.101.2.132", "9.9.9.9"
+# What a node's deploy and its life need through the switch port, each exchange packet by
+# packet: (direction seen from the box, packet).
+EXCHANGES = {
+    "the admin's SSH (the deploy)": [
+        ("input", Packet(ADMIN_HOST, "tcp", 22, source_port=50123)),
+        ("output", Packet(BOX, "tcp", 50123, True, ADMIN_HOST, 22)),
+    ],
+    "apt or an image pull over HTTPS": [
+        ("output", Packet(BOX, "tcp", 443, False, MIRROR, 41000)),
+        ("input", Packet(MIRROR, "tcp", 41000, True, BOX, 443)),
+    ],
+    "DNS": [
+        ("output", Packet(BOX, "udp", 53, False, RESOLVER, 53000)),
+        ("input", Packet(RESOLVER, "udp", 53000, False, BOX, 53)),
+    ],
+    "NTP": [
+        ("output", Packet(BOX, "udp", 123, False, "162.159.200.1", 51000)),
+        ("input", Packet("162.159.200.1", "udp", 51000, False, BOX, 123)),
+    ],
+    "WireGuard with a balancer host": [
+        ("input", Packet(BALANCER, "udp", WIREGUARD, source_port=WIREGUARD)),
+        ("output", Packet(BOX, "udp", WIREGUARD, False, BALANCER, WIREGUARD)),
+    ],
+}
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES.values(), ids=EXCHANGES.keys())
+def test_once_set_the_firewall_carries_the_nodes_own_traffic_both_ways(
+    exchange: list[tuple[str, Packet]],
+) -> None:
+    robot = FakeRobot(process_reads=0)
+    rules = robot_rules(OVERLAY_RULES, {"edge": BALANCER})
+    _provider(robot, []).create(_props(rules))
+    dropped = [(d, p) for d, p in exchange if not robot.carries(NUMBER, d, p)]
+    assert dropped == [], "the switch port discards these"
+
+
+def test_the_fake_discards_all_the_box_sends_when_a_firewall_has_no_output_rules() -> None:
+    robot = FakeRobot(process_reads=0)
+    client = RobotClient(LOGIN, SECRET, transport=robot.transport(), sleep=lambda _: None)
+    rules = robot_rules(SITE_RULES, {"edge": BALANCER})
+    client.set_firewall(
+        NUMBER, status="active", whitelist_hos=True, filter_ipv6=False, rules=rules, output_rules=[]
+    )
+    ssh_in, ssh_out = EXCHANGES["the admin's SSH (the deploy)"]
+    assert robot.carries(NUMBER, *ssh_in) and not robot.carries(NUMBER, *ssh_out)
+
+
+def test_a_firewall_set_before_output_rules_gets_them_on_the_next_up() -> None:
+    robot = FakeRobot(process_reads=0)
+    provider = _provider(robot, [])
+    olds = {**provider.create(_props()).outs, "server_number": NUMBER}
+    del olds["output_rules"]  # the state an earlier release wrote
+    assert provider.diff(str(NUMBER), olds, _props()).changes is True
+    provider.update(str(NUMBER), olds, _props())
+    assert robot.firewalls[NUMBER]["output"] == list(OUTPUT_RULES)
+    assert robot.posts[-1]["rules[output][0][action]"] == "accept"
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("SSH from admin 198.51.100.0/24", "SSH from admin"),
+        ("balancer eu-west-1", "balancer eu-west"),
+        ("balancer fsn1-dc14", "balancer fsn dc"),
+        ("WireGuard from anywhere: a peer behind NAT", "WireGuard from anywhere a peer behind"),
+        ("x" * 45, "x" * 40),
+        ("balancer ops@edge+b_2", "balancer ops@edge+b"),
+        ("42", ""),
+    ],
+)
+def test_a_rule_name_keeps_to_robots_characters(text: str, name: str) -> None:
+    assert rule_name(text) == name
+    assert DOCUMENTED_NAME.fullmatch(name) and RULE_NAME.fullmatch(name)
+
+
+def test_the_generated_names_of_a_sites_rules_are_names_robot_takes() -> None:
+    rows = [
+        *ssh_rules(("198.51.100.0/24", "203.0.113.7/32")),
+        *wireguard_rules(OverlayAccess(WIREGUARD, ("eu-west-1",), anywhere=True)),
+        IngressRule("agent-from-eu-west-1", "agent", 9100, 9100, "eu-west-1", from_machine=True),
+    ]
+    rules = robot_rules(rows, {"eu-west-1": "198.51.100.77"})
+    assert [rule["name"] for rule in rules[:4]] == [
+        "SSH from admin",
+        "SSH from admin",
+        "WireGuard from anywhere a peer behind",
+        "balancer eu-west",
+    ]
+    for n, rule in enumerate([*rules, *OUTPUT_RULES]):
+        check_rule(n, rule)
+
+
+@pytest.mark.parametrize("direction", ["input", "output"])
+def test_a_rule_name_robot_refuses_is_one_line_before_any_request(direction: str) -> None:
+    robot = FakeRobot()
+    client = RobotClient(LOGIN, SECRET, transport=robot.transport(), sleep=lambda _: None)
+    given = {"input": [], "output": list(OUTPUT_RULES)}
+    given[direction] = [{"name": "ssh from 10.0.0.0/8", "action": "accept"}]
+    with pytest.raises(ValueError) as raised:
+        client.set_firewall(
+            NUMBER,
+            status="active",
+            whitelist_hos=True,
+            filter_ipv6=False,
+            rules=given["input"],
+            output_rules=given["output"],
+        )
+    assert str(raised.value) == (
+        f"rules[{direction}][0][name]: 'ssh from 10.0.0.0/8' holds characters Robot refuses in "
+        "a rule name; use letters, spaces and . - + _ @ only (no digits)"
+    )
+    assert robot.posts == []

@@ -6,8 +6,14 @@ from typing import Any
 
 import pytest
 
-from denv_iac.placement import place_replicas
-from denv_iac.rollout import RolloutPlan, RolloutRefused, min_warm_problem, plan_rollout
+from denv_iac.placement import PlacedReplica, place_replicas
+from denv_iac.rollout import (
+    RolloutPlan,
+    RolloutRefused,
+    deploy_after,
+    min_warm_problem,
+    plan_rollout,
+)
 from denv_iac.spec.model import DRAIN_TIMEOUT_S
 from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import local_site
@@ -145,3 +151,40 @@ def test_drain_timeout_is_validated_in_one_line(value: object, problem: str) -> 
 def test_drain_timeout_defaults_to_a_voice_call() -> None:
     assert read_stack("t", BASE).recipes[0].drain_timeout_s == DRAIN_TIMEOUT_S == 120
     assert read_stack("t", _changed(chat={"drain_timeout_s": 30})).recipes[0].drain_timeout_s == 30
+
+
+def _placed(*replicas: str) -> list[PlacedReplica]:
+    """Placed replicas from `pool@site.node` strings."""
+    out = []
+    for text in replicas:
+        pool, where = text.split("@")
+        site, node = where.split(".")
+        out.append(PlacedReplica(f"{pool}.{where}.0", pool, site, node, 0, None, "whole", 0))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("nodes", "replicas", "after"),
+    [
+        # One pool over three nodes: a chain.
+        (["s.a", "s.b", "s.c"], ["v@s.a", "v@s.b", "v@s.c"], {"s.b": ("s.a",), "s.c": ("s.b",)}),
+        # Two pools on their own nodes: two chains, side by side.
+        (
+            ["s.a", "s.b", "s.c", "s.d"],
+            ["v@s.a", "t@s.b", "v@s.c", "t@s.d"],
+            {"s.c": ("s.a",), "s.d": ("s.b",)},
+        ),
+        # A node hosting both waits for the last node of each; the chains cross sites.
+        (
+            ["x.a", "x.b", "y.a"],
+            ["v@x.a", "t@x.b", "v@y.a", "t@y.a"],
+            {"y.a": ("x.a", "x.b")},
+        ),
+        # A node with two replicas of a pool is one link; a node with none waits for nothing.
+        (["s.a", "s.b", "s.c"], ["v@s.a", "v@s.a", "v@s.c"], {"s.c": ("s.a",)}),
+    ],
+)
+def test_a_pools_node_deploys_form_a_chain(
+    nodes: list[str], replicas: list[str], after: dict[str, tuple[str, ...]]
+) -> None:
+    assert deploy_after(nodes, _placed(*replicas)) == {n: after.get(n, ()) for n in nodes}

@@ -285,6 +285,11 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         'recipes[0].simulate.engine: "triton" is not one of vllm, sglang, tgi',
     ),
     (
+        "engine unknown",
+        lambda c: recipe(c, 0).update(engine="triton"),
+        'recipes[0].engine: "triton" is not one of auto, vllm, sglang, tgi, none',
+    ),
+    (
         "simulated queue limit negative",
         lambda c: recipe(c, 0).update(simulate={"queue_limit": -1}),
         "recipes[0].simulate.queue_limit: -1 is out of range; use a number from 0 to 1000000",
@@ -707,6 +712,15 @@ def test_key_scopes_reach_the_haproxy_config() -> None:
         f"{'ef' * 32} *",
     ]
     assert files["key_rates.map"].splitlines()[1:] == [f"{KEY_B} 5", f"{'ef' * 32} 9"]
+
+
+def test_a_recipe_engine_is_auto_unless_named_or_none() -> None:
+    config = valid_config()
+    recipe(config, 0).update(engine="none")
+    recipe(config, 1).update(engine="sglang")
+    engines = [r.engine for r in read_stack("t", config).recipes]
+    assert engines[:2] == [None, "sglang"]
+    assert set(engines[2:]) == {"auto"}
 
 
 def test_balancer_timers_reach_the_haproxy_config() -> None:

@@ -199,6 +199,17 @@ def test_bad_input_exits_2_with_one_line(project: Path) -> None:
     refused(["--stack", "t"], "state.json: not the run state `denv local up` writes")
 
 
+# Both replicas in rotation, each taking the default max_concurrency of 32, and no load.
+IDLE = {"slots_in_use": 0, "queued": 0, "spilled": 0, "shed": 0, "saturated": False}
+HEALTHY_IDLE_VOICE = {
+    "pool": "voice",
+    "healthy": 2,
+    "min_warm": 2,
+    "saturation": {"pool": "voice", "slots": 64, **IDLE},
+    "ok": True,
+}
+
+
 @needs_haproxy
 def test_status_of_a_running_stack_then_xid_79(running: LocalCluster) -> None:
     state = running.state
@@ -206,7 +217,7 @@ def test_status_of_a_running_stack_then_xid_79(running: LocalCluster) -> None:
     healthy = wait_for_healthy(2)
     assert healthy.exit_code == 0, healthy.output
     document = json.loads(healthy.output)
-    assert document["pools"] == [{"pool": "voice", "healthy": 2, "min_warm": 2, "ok": True}]
+    assert document["pools"] == [HEALTHY_IDLE_VOICE]
     assert {a["node"]: a["reachable"] for a in document["agents"]} == {
         "local/n0": True,
         "local/n1": True,
@@ -224,6 +235,8 @@ def test_status_of_a_running_stack_then_xid_79(running: LocalCluster) -> None:
     assert table.exit_code == 1
     assert "xid 79" in table.output
     assert "pool voice: 1 healthy, min_warm 2: BELOW MIN_WARM" in table.output
+    # The replica out of rotation takes its slots with it.
+    assert "pool voice: slots 0/32 in use, 0 queued;" in table.output
 
     # The same balancer read through its socket alone: no stack, so no verdict on min_warm.
     bare = status("--admin-socket", state.admin_socket)
@@ -302,7 +315,7 @@ def test_status_of_a_remote_balancer_through_its_stats_page(running: LocalCluste
     remote = status("--stack", "t", "--endpoint", metrics_address(state), "--json")
     assert remote.exit_code == 0, remote.output
     document = json.loads(remote.output)
-    assert document["pools"] == [{"pool": "voice", "healthy": 2, "min_warm": 2, "ok": True}]
+    assert document["pools"] == [HEALTHY_IDLE_VOICE]
     assert document["agents"] == []  # agent ports are open only to balancer hosts
     node = state.agent_of("local/n1")
     inject_fault(f"http://127.0.0.1:{node.http_port}", state.control_token, gpu=0, xid=79)
@@ -313,6 +326,8 @@ def test_status_of_a_remote_balancer_through_its_stats_page(running: LocalCluste
     assert table.exit_code == 1 and "xid 79" in table.output
     assert "(remote: node agents are not read)" in table.output
     assert "pool voice: 1 healthy, min_warm 2: BELOW MIN_WARM" in table.output
+    # The replica out of rotation takes its slots with it.
+    assert "pool voice: slots 0/32 in use, 0 queued;" in table.output
 
 
 def test_a_bad_endpoint_exits_2_with_one_line(project: Path) -> None:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.ops.alerts import alert_rules
 from denv_iac.spec.reader import read_stack
 from tests.test_status import CONFIG
 
@@ -78,3 +79,9 @@ def test_panels_have_unique_ids_and_a_query() -> None:
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     assert all(p["targets"] for p in panels if p["type"] != "row")
+
+
+def test_every_metric_of_the_alert_rules_is_served(served: set[str]) -> None:
+    used = set(METRIC.findall(alert_rules(read_stack("t", CONFIG))))
+    assert {"haproxy_server_current_sessions", "haproxy_backend_current_queue"} <= used
+    assert used - served == set()

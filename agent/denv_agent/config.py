@@ -73,8 +73,10 @@ class Probe:
     stall_budget_ms: float | None = None
 
 
-# Engine families whose Prometheus metrics the agent reads (see engine_metrics.ENGINE_NAMES).
+# Engine families whose Prometheus metrics the agent reads (see engine_metrics.ENGINE_NAMES);
+# AUTO: whichever of them the metrics show, told by their names at each read.
 ENGINES = ("vllm", "sglang", "tgi")
+AUTO = "auto"
 DEFAULT_STALL_BUDGET_MS = 1000.0
 
 
@@ -82,7 +84,7 @@ DEFAULT_STALL_BUDGET_MS = 1000.0
 class Engine:
     """The engine's own metrics: its queue lowers the weight, a stall takes the replica down."""
 
-    family: str  # one of ENGINES: whose metric names to read
+    family: str  # one of ENGINES, whose metric names to read, or AUTO
     metrics_url: str
     # Requests running with no token for longer than this: the replica is down.
     stall_budget_ms: float
@@ -521,8 +523,8 @@ def _engine(table: _Table, health_url: str) -> Engine | None:
                 table.name("metrics_url"), "set without engine", 'add engine = "vllm"'
             )
         return None
-    if family not in ENGINES:
-        names = ", ".join(f'"{name}"' for name in ENGINES)
+    if family not in (AUTO, *ENGINES):
+        names = ", ".join(f'"{name}"' for name in (AUTO, *ENGINES))
         raise ConfigError(table.name("engine"), f"{family!r} is not an engine", f"use {names}")
     default_metrics = f"http://{urlsplit(health_url).netloc}/metrics"
     model, url = _probe_request(table, health_url)

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from denv_agent import conditions
 from denv_agent.conditions import Condition
-from denv_agent.config import Engine, Thresholds
+from denv_agent.config import AUTO, Engine, Thresholds
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,17 @@ ENGINE_NAMES: dict[str, EngineNames] = {
 
 class MetricsError(ValueError):
     pass
+
+
+def engine_names(family: str, text: str) -> EngineNames:
+    """The names to read: the family's; for AUTO, those of the first family whose running
+    gauge the text has (MetricsError when it has none: not an engine the agent knows)."""
+    if family != AUTO:
+        return ENGINE_NAMES[family]
+    for names in ENGINE_NAMES.values():
+        if names.running in text:
+            return names
+    raise MetricsError(f"no metrics of {', '.join(ENGINE_NAMES)} (engine auto)")
 
 
 @dataclass(frozen=True)

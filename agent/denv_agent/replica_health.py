@@ -17,10 +17,10 @@ from denv_agent import conditions
 from denv_agent.conditions import Condition
 from denv_agent.config import Engine, Intervals, Probe, Replica, Thresholds
 from denv_agent.engine_metrics import (
-    ENGINE_NAMES,
     EngineWatch,
     MetricsError,
     engine_conditions,
+    engine_names,
     failed,
     needs_token,
     observe,
@@ -379,7 +379,7 @@ class ReplicaMonitor:
             return
         try:
             text = fetch_metrics(engine.metrics_url, self.intervals.health_timeout_s)
-            load = parse_load(text, ENGINE_NAMES[engine.family])
+            load = parse_load(text, engine_names(engine.family, text))
         except MetricsError as e:
             error = str(e)
             self._update(replica_id, lambda old: replace(old, engine=failed(_watch(old), error)))

@@ -10,6 +10,7 @@ from denv_agent.engine_metrics import (
     EngineWatch,
     MetricsError,
     engine_conditions,
+    engine_names,
     failed,
     needs_token,
     observe,
@@ -92,6 +93,24 @@ def test_each_family_reads_its_own_names(family: str) -> None:
     load = parse_load(text, names)
     assert (load.running, load.waiting) == (3, 2)
     assert load.progress == (9 if names.progress else None)
+
+
+@pytest.mark.parametrize(
+    ("family", "text", "found"),
+    [
+        ("vllm", "", "vllm"),  # a named family is read whatever the text holds
+        ("auto", "# HELP vllm:num_requests_running x\nvllm:num_requests_running 1\n", "vllm"),
+        ("auto", "sglang:num_running_reqs 2\nsglang:num_queue_reqs 0\n", "sglang"),
+        ("auto", "tgi_batch_current_size 1\ntgi_queue_size 0\n", "tgi"),
+    ],
+)
+def test_auto_knows_the_engine_by_its_metric_names(family: str, text: str, found: str) -> None:
+    assert engine_names(family, text) == ENGINE_NAMES[found]
+
+
+def test_auto_without_any_engine_metrics_is_a_failed_poll_only() -> None:
+    with pytest.raises(MetricsError, match="no metrics of vllm, sglang, tgi"):
+        engine_names("auto", "process_cpu_seconds_total 3\n")
 
 
 # Polls as (seconds since the first, running, waiting, generation tokens).
@@ -222,6 +241,8 @@ def test_engine_config_defaults_and_overrides(tmp_path: Path) -> None:
         500.0,
     )
     assert make_config(tmp_path, [replica(0, health)]).replicas[0].engine is None
+    auto = make_config(tmp_path, [replica(0, health, engine="auto", probe_model="m")])
+    assert auto.replicas[0].engine is not None and auto.replicas[0].engine.family == "auto"
 
 
 @pytest.mark.parametrize(

@@ -143,6 +143,8 @@ _TWINS = (
 )
 # The twins' rows in HAProxy's stats repeat their tier's servers.
 TWIN_SUFFIXES = tuple(twin.suffix for twin in _TWINS)
+# The twins whose requests take replica slots, as the tier backend's do.
+BOUNDED_TWIN_SUFFIXES = tuple(twin.suffix for twin in _TWINS if twin.bounded)
 # A realtime session is a WebSocket tunnel that idles between a caller's turns. Its silence
 # limit, once upgraded: clients ping every 20-30 s (the websockets library, LiveKit, Pipecat),
 # so ten minutes without a byte is a dead peer, not a caller thinking.
@@ -246,6 +248,29 @@ def tier_backend_name(pool: BalancerPool, tier: BalancerTier) -> str:
     Unique: the text after the last '.tier' is the priority, the rest is the pool name.
     """
     return f"{pool.name}.tier{tier.priority}"
+
+
+@dataclass(frozen=True)
+class TierBackend:
+    """What a backend named by tier_backend_name (or one of its twins) serves."""
+
+    pool: str
+    priority: int
+    twin: str  # "" for the tier backend itself, else the twin's suffix (`.speech`, ...)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether its requests take replica slots (maxconn, the queue, pool_full)."""
+        return self.twin == "" or self.twin in BOUNDED_TWIN_SUFFIXES
+
+
+def parse_tier_backend(name: str) -> TierBackend | None:
+    """The pool, tier and twin of a backend's name; None for any other proxy."""
+    twin = next((suffix for suffix in TWIN_SUFFIXES if name.endswith(suffix)), "")
+    pool, tier, priority = name.removesuffix(twin).rpartition(".tier")
+    if not (pool and tier and priority.isdigit()):
+        return None
+    return TierBackend(pool, int(priority), twin)
 
 
 class _MapPaths:
@@ -752,13 +777,15 @@ def _tier_chain(
 def _capacity(pool: BalancerPool) -> list[str]:
     """A replica takes at most `max_concurrency` requests (maxconn on each server line); the
     rest wait here, not in the engine, where a request already has its headers and can no
-    longer be retried. The wait is bounded by the first-token budget, then a JSON 503."""
+    longer be retried. The wait is bounded by the part of the first-token budget the replica's
+    prefill leaves (BalancerPool.queue_timeout_ms), then a JSON 503."""
     return [
         f"# Each replica takes {pool.max_concurrency} requests at once (maxconn); the rest wait"
         f" in this queue for",
-        f"# at most {pool.first_token_timeout_ms} ms, the first-token budget, then get a 503"
-        f" {POOL_FULL} with Retry-After.",
-        f"timeout queue {pool.first_token_timeout_ms}ms",
+        f"# at most {pool.queue_timeout_ms} ms of the {pool.first_token_timeout_ms} ms"
+        " first-token budget (the rest is the",
+        f"# replica's prefill), then get a 503 {POOL_FULL} with Retry-After.",
+        f"timeout queue {pool.queue_timeout_ms}ms",
         f"http-request set-var({_UNAVAILABLE_CODE}) str({POOL_FULL})"
         " if { be_conn_free eq 0 } { nbsrv gt 0 }",
     ]
@@ -803,9 +830,26 @@ def _silence_budget(pool: BalancerPool, settings: BalancerSettings) -> list[str]
     ]
 
 
+# Failed health checks that take a server out, and passing ones that bring it back.
+CHECK_FALL = CHECK_RISE = 2
+
+
+def rejoin_ms(settings: BalancerSettings) -> int:
+    """The longest a replica healthy again, and undrained by its agent, takes to be counted UP by
+    every balancer: the agent's next answer, then CHECK_RISE health checks at the down server's
+    pace (a check each `fastinter`, the first of them up to an `inter` away)."""
+    inter = settings.check_inter_ms
+    checks = CHECK_RISE * (_fast_inter(inter) + settings.check_timeout_ms)
+    return settings.agent_inter_ms + inter + checks
+
+
+def _fast_inter(inter: int) -> int:
+    return max(inter // 4, 1)
+
+
 def _default_server(settings: BalancerSettings) -> list[str]:
     inter = settings.check_inter_ms
-    fast = max(inter // 4, 1)
+    fast = _fast_inter(inter)
     return [
         "# Out of rotation fast: the node agent's verdict (GPU faults) every agent-inter; a",
         "# refused connect on live traffic at once (observe layer4); a failed health check",
@@ -816,7 +860,8 @@ def _default_server(settings: BalancerSettings) -> list[str]:
         "# A replica host name that does not resolve leaves that server out (init-addr none)",
         "# instead of failing the whole endpoint.",
         f"default-server check inter {inter}ms fastinter {fast}ms downinter {fast}ms"
-        f" fall 2 rise 2 agent-check agent-inter {settings.agent_inter_ms}ms weight 100"
+        f" fall {CHECK_FALL} rise {CHECK_RISE} agent-check agent-inter {settings.agent_inter_ms}ms"
+        " weight 100"
         " observe layer4 error-limit 1 on-error mark-down init-addr last,libc,none",
     ]
 

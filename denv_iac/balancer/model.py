@@ -54,6 +54,13 @@ class BalancerTier:
     connect_timeout_ms: int | None = None
 
 
+# The share of a pool's first-token budget a request may spend waiting for a slot; the rest is
+# the replica's prefill (a voice turn's prompt on one GPU: tens to a couple of hundred ms of the
+# default 1 s). Measured at 2x a pool's capacity: with the whole budget as the queue's, the
+# served requests waited nearly all of it and 63 % of them had their first token in budget.
+QUEUE_SHARE_PCT = 75
+
+
 @dataclass(frozen=True)
 class BalancerPool:
     """A served model: its tiers, most preferred first."""
@@ -69,8 +76,20 @@ class BalancerPool:
     # name always routes too.
     models: tuple[str, ...] = ()
     # Requests one replica takes at once (the recipe's max_concurrency): HAProxy's maxconn on
-    # each server; the rest wait in the balancer's queue for at most the first-token budget.
+    # each server; the rest wait in the balancer's queue for at most `queue_timeout_ms`.
     max_concurrency: int = MAX_CONCURRENCY
+
+    @property
+    def queue_timeout_ms(self) -> int:
+        return queue_timeout_ms(self.first_token_timeout_ms)
+
+
+def queue_timeout_ms(first_token_timeout_ms: int) -> int:
+    """How long a request may wait for a free slot: the first-token budget covers that wait and
+    the replica's own time to its first token (the prefill), so the queue gets QUEUE_SHARE_PCT
+    of it. A request that waited the whole budget would get its first token late whenever it
+    got a slot: under sustained overload every served request would."""
+    return max(1, first_token_timeout_ms * QUEUE_SHARE_PCT // 100)
 
 
 @dataclass(frozen=True)

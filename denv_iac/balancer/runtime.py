@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from denv_iac.balancer.haproxy import TWIN_SUFFIXES
@@ -120,17 +121,36 @@ def server_stats(socket_path: Path) -> dict[str, dict[str, str]]:
     return parse_stats_csv(stats_command(socket_path, "show stat"))
 
 
-def parse_stats_csv(text: str) -> dict[str, dict[str, str]]:
-    """Server rows of HAProxy's stats CSV (`show stat`, or the stats page's `;csv`) by name.
+def stats_rows(socket_path: Path) -> list[dict[str, str]]:
+    """Every `show stat` row: frontends, backends and servers."""
+    return parse_stats_rows(stats_command(socket_path, "show stat"))
 
-    KeyError when the text is not that CSV (no `svname` column). The rows of a tier's twins
-    (`<tier>.realtime`, `<tier>.speech`) are left out: they track the tier's servers, state
-    and all.
+
+def parse_stats_rows(text: str) -> list[dict[str, str]]:
+    """Every row of HAProxy's stats CSV (`show stat`, or the stats page's `;csv`).
+
+    KeyError when the text is not that CSV (no `svname` column).
     """
-    rows = csv.DictReader(io.StringIO(text.removeprefix("# ")))
+    reader = csv.DictReader(io.StringIO(text.removeprefix("# ")))
+    if "svname" not in (reader.fieldnames or ()):
+        raise KeyError("svname")
+    return list(reader)
+
+
+def server_rows(rows: Iterable[Mapping[str, str]]) -> dict[str, dict[str, str]]:
+    """The server rows of `rows` by name. The rows of a tier's twins (`<tier>.realtime`,
+    `<tier>.speech`) are left out: they track the tier's servers, state and all."""
     return {
-        row["svname"]: row
+        row["svname"]: dict(row)
         for row in rows
         if row["svname"] not in ("FRONTEND", "BACKEND")
         and not row["pxname"].endswith(TWIN_SUFFIXES)
     }
+
+
+def parse_stats_csv(text: str) -> dict[str, dict[str, str]]:
+    """Server rows of HAProxy's stats CSV (`show stat`, or the stats page's `;csv`) by name.
+
+    KeyError when the text is not that CSV (no `svname` column).
+    """
+    return server_rows(parse_stats_rows(text))

@@ -18,7 +18,15 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from denv_iac.cli.console import fail, output_file_problems, wide_console, write_output
-from denv_iac.ops.loadgen import FIGURES, PROTOCOLS, QUANTILES, LoadReport, Protocol, run_load
+from denv_iac.ops.loadgen import (
+    FIGURES,
+    PROTOCOLS,
+    QUANTILES,
+    LoadReport,
+    Protocol,
+    open_loop_problems,
+    run_load,
+)
 
 TICK_S = 0.2
 
@@ -63,6 +71,26 @@ def _summary_line(protocol: Protocol, summary: dict[str, object]) -> str:
     return line
 
 
+def _loop_problems(
+    concurrency: int | None, rate: float | None, session_share: float, session_turns: int
+) -> list[str]:
+    """The closed or open loop's options, one line each: the open loop's from loadgen's own
+    check, renamed to the flags."""
+    if rate is None:
+        if session_share:
+            return ["--session-share: applies to an open loop; add --rate, e.g. --rate 5"]
+        return []
+    if concurrency is not None:
+        return ["--concurrency: a closed loop's; with --rate the arrivals set the load, drop one"]
+    flags = {"rate:": "--rate:", "session share:": "--session-share:"}
+    problems = []
+    for problem in open_loop_problems(rate, session_share, session_turns):
+        for name, flag in flags.items():
+            problem = problem.replace(name, flag, 1) if problem.startswith(name) else problem
+        problems.append(problem.replace("(session turns)", "(--session-turns)"))
+    return problems
+
+
 @click.command()
 @click.argument("url")
 @click.option("--pool", required=True, help="The pool (OpenAI model name) to load.")
@@ -82,7 +110,27 @@ def _summary_line(protocol: Protocol, summary: dict[str, object]) -> str:
     help="A replica's URL (repeatable): each worker also sends every request straight to one,"
     " alternating with the endpoint, and the figures show what the endpoint adds.",
 )
-@click.option("--concurrency", type=click.IntRange(1, 1024), default=8, show_default=True)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 1024),
+    help="Workers of a closed loop, each sending its next request when one ends.  [default: 8]",
+)
+@click.option(
+    "--rate",
+    type=float,
+    help="Open loop instead: Poisson arrivals at this many requests/s, each sent at its time"
+    " whatever the answers before it are doing.",
+)
+@click.option(
+    "--session-share",
+    type=float,
+    default=0.0,
+    help="With --rate: the share (0 to 1) of arrivals that are turns of conversations of"
+    " --session-turns turns (X-Denv-Session); the rest are requests of their own.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="With --rate: the arrivals' seed."
+)
 @click.option("--duration", type=click.FloatRange(0.1, 3600), help="Seconds of load.")
 @click.option("--requests", type=click.IntRange(1, 10_000_000), help="Number of requests.")
 @click.option(
@@ -112,7 +160,10 @@ def bench(
     pool: str,
     protocol: Protocol,
     direct_urls: tuple[str, ...],
-    concurrency: int,
+    concurrency: int | None,
+    rate: float | None,
+    session_share: float,
+    seed: int,
     duration: float | None,
     requests: int | None,
     session_turns: int,
@@ -129,6 +180,7 @@ def bench(
         problems += [p.replace("URL:", "--direct:", 1) for p in _url_problems(direct)]
     if duration is not None and not math.isfinite(duration):
         problems.append(f"--duration: {duration} is not a number of seconds; e.g. --duration 30")
+    problems += _loop_problems(concurrency, rate, session_share, session_turns)
     if plot_file is not None:
         # Only a run with a plot pays for importing matplotlib (seconds on a busy machine).
         from denv_iac.ops.bench_plot import FORMATS
@@ -144,7 +196,12 @@ def bench(
         fail(problems)
     if duration is None and requests is None:
         duration = 10.0
-    what = f"{url} pool {pool}, {protocol}, concurrency {concurrency}"
+    if rate is None:
+        what = f"{url} pool {pool}, {protocol}, concurrency {concurrency or 8}"
+    else:
+        what = f"{url} pool {pool}, {protocol}, {rate:g} requests/s"
+        if session_share:
+            what += f" ({session_share:.0%} in conversations)"
     if direct_urls:
         what += f", direct {' '.join(direct_urls)}"
     load = run_load(
@@ -152,7 +209,10 @@ def bench(
         pool,
         protocol=protocol,
         direct_urls=tuple(u.rstrip("/") for u in direct_urls),
-        concurrency=concurrency,
+        concurrency=concurrency or 8,
+        rate=rate,
+        session_share=session_share,
+        seed=seed,
         duration_s=duration,
         requests=requests,
         session_turns=session_turns,

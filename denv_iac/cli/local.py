@@ -180,11 +180,11 @@ def roll(stack_name: str) -> None:
             )
     except StackError as error:
         fail(error.problems)
-    lines = ask_roll(directory, supervisor, roll_bound_s(stack))
-    problems = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
-    if problems:
-        fail(problems)
-    for line in lines:
+    answer = ask_roll(directory, supervisor, roll_bound_s(stack))
+    if answer.problems:
+        # 1: the roll stopped (the old replicas serve); 2: the stack file was refused.
+        fail(answer.problems, answer.code or 1)
+    for line in answer.lines:
         click.echo(line)
 
 

@@ -14,7 +14,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from denv_iac.balancer.runtime import server_stats
+from denv_iac.balancer.runtime import server_rows, stats_rows
+from denv_iac.balancer.saturation import PoolSaturation, pool_saturation
 from denv_iac.cli.console import fail, wide_console
 from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, read_state, run_dir
 from denv_iac.ops.status import (
@@ -72,9 +73,9 @@ def _sources(
     return stack, state, admin_socket
 
 
-def _server_rows(
+def _stat_rows(
     socket_path: Path | None, endpoint: str | None, state: RunState | None
-) -> dict[str, dict[str, str]]:
+) -> list[dict[str, str]]:
     if state is not None and not ours(state.haproxy_pid, HAPROXY_MARK):
         # A failure of the running stack, not bad input: exit 1, as for any other failure.
         fail(
@@ -91,7 +92,7 @@ def _server_rows(
             fail([f"--endpoint: {error}; pass the balancer's metrics address, e.g. {EXAMPLE}"])
     assert socket_path is not None  # _sources gives one without --endpoint
     try:
-        return server_stats(socket_path)
+        return stats_rows(socket_path)
     except OSError as error:
         fail([f"admin socket {socket_path}: cannot read the balancer's stats ({error.strerror})"])
     except KeyError:
@@ -111,6 +112,15 @@ def _pool_line(pool: PoolStatus) -> str:
         return f"pool {pool.pool}: {pool.healthy} healthy, min_warm unknown (pass --stack)"
     mark = "ok" if pool.ok else "BELOW MIN_WARM"
     return f"pool {pool.pool}: {pool.healthy} healthy, min_warm {pool.min_warm}: {mark}"
+
+
+def _saturation_line(pool: str, full: PoolSaturation) -> str:
+    mark = ": SATURATED" if full.saturated else ""
+    return (
+        f"pool {pool}: slots {full.slots_in_use}/{full.slots} in use, {full.queued} queued;"
+        f" since the balancer started {full.spilled} spilled to a later tier,"
+        f" {full.shed} shed{mark}"
+    )
 
 
 def _pool_table(pool: PoolStatus, replicas: list[ReplicaStatus]) -> Table:
@@ -150,6 +160,8 @@ def _render(
             console.print(_pool_line(pool) + " (no replica in the balancer)", highlight=False)
     for pool in pools:
         console.print(_pool_line(pool), highlight=False)
+        if pool.saturation is not None:
+            console.print(_saturation_line(pool.pool, pool.saturation), highlight=False)
     for line in problems(pools, replicas, agents):
         if line.startswith("agent"):
             console.print(f"FAILED {line}", highlight=False)
@@ -177,7 +189,8 @@ def _render(
 def status(
     stack_name: str | None, admin_socket: Path | None, endpoint: str | None, as_json: bool
 ) -> None:
-    """Per pool, site and replica: state, weight, reason, active streams, last probe TTFT.
+    """Per pool, site and replica: state, weight, reason, active streams, last probe TTFT;
+    per pool, its slots in use, queued, spilled and shed requests.
 
     Exits 1 when a pool has fewer healthy replicas than its min_warm, a node agent cannot be
     heard or the local balancer is dead; 2 for bad input.
@@ -187,10 +200,10 @@ def status(
     if endpoint is not None and not endpoint.startswith(("http://", "https://")):
         fail([f"--endpoint: {endpoint!r} is not an http(s) URL; e.g. {EXAMPLE}"])
     stack, state, socket_path = _sources(stack_name, admin_socket, remote=endpoint is not None)
-    rows = _server_rows(socket_path, endpoint, state)
+    rows = _stat_rows(socket_path, endpoint, state)
     agents = read_agents(_agent_endpoints(state))
-    replicas = with_agent_health(replica_statuses(rows), agents)
-    pools = pool_statuses(stack, replicas)
+    replicas = with_agent_health(replica_statuses(server_rows(rows)), agents)
+    pools = pool_statuses(stack, replicas, pool_saturation(rows))
     failures = problems(pools, replicas, agents)
     if state is not None:
         endpoint = state.endpoint
@@ -198,7 +211,16 @@ def status(
         document = {
             "stack": stack.name if stack is not None else None,
             "endpoint": endpoint,
-            "pools": [asdict(p) | {"ok": p.ok} for p in pools],
+            "pools": [
+                asdict(p)
+                | {
+                    "ok": p.ok,
+                    "saturation": None
+                    if p.saturation is None
+                    else asdict(p.saturation) | {"saturated": p.saturation.saturated},
+                }
+                for p in pools
+            ],
             "replicas": [asdict(r) | {"healthy": r.healthy} for r in replicas],
             "agents": [
                 {"node": a.node, "url": a.url, "reachable": a.reachable, "error": a.error}

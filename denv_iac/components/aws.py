@@ -13,6 +13,10 @@ from denv_iac.spec.model import RecipeSpec, SiteSpec
 
 CACHE_DEVICE = "/dev/sdf"  # the name at attach; see ebs_device for where the node sees it
 ROOT_VOLUME_GB = 200  # the Deep Learning AMI and container images
+# Instance arguments that replace the instance when changed, left as they were at launch: a
+# newer AMI behind the parameter, and a rotated site key (a new key pair is made before the old
+# goes, and the node deploy puts the new key in authorized_keys) must not replace a warm node.
+KEPT_AT_LAUNCH = ("ami", "key_name")
 
 
 def _cidr_of(address: str) -> str:
@@ -211,8 +215,7 @@ class AwsSite(pulumi.ComponentResource):
                     volume_size=ROOT_VOLUME_GB, volume_type="gp3", encrypted=True
                 ),
                 tags=tags,
-                # A newer AMI behind the parameter must not replace a warm node.
-                opts=pulumi.ResourceOptions(parent=self, ignore_changes=["ami"]),
+                opts=pulumi.ResourceOptions(parent=self, ignore_changes=list(KEPT_AT_LAUNCH)),
             )
             cache = aws.ebs.Volume(
                 child_name(node_name, "cache"),

@@ -9,6 +9,7 @@ import pulumi_hcloud as hcloud
 
 from denv_iac.catalog import load_catalog
 from denv_iac.components.aws import (
+    KEPT_AT_LAUNCH,
     SecurityGroupWiring,
     elastic_ip,
     pinned_ami,
@@ -104,7 +105,7 @@ class BalancerHost(pulumi.ComponentResource):
             vpc_security_group_ids=[security.group.id],
             metadata_options=aws.ec2.InstanceMetadataOptionsArgs(http_tokens="required"),
             tags=tags,
-            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["ami"]),
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=list(KEPT_AT_LAUNCH)),
         )
         return elastic_ip(self, child_name(name, "vm"), instance, site.region, tags)
 
@@ -129,8 +130,14 @@ class BalancerHost(pulumi.ComponentResource):
             location=site.region,
             ssh_keys=[key.id],
             firewall_ids=[firewall.id.apply(int)],
+            # The overlay's firewall is attached by a FirewallAttachment (`allow_overlay`): the
+            # hcloud provider then requires the server to ignore the firewall ids it reads back,
+            # or a refresh records both and the next `up` detaches the overlay's.
+            ignore_remote_firewall_ids=True,
             labels=labels,
-            opts=child,
+            # Keys are read at creation only: a rotated key (a new SshKey, made before the old
+            # goes) reaches the host through its deploy, not by rebuilding it.
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["ssh_keys"]),
         )
         self._server, self._labels = server, labels
         return server.ipv4_address

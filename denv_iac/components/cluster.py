@@ -38,6 +38,7 @@ from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.overlay import host_member, node_member, overlay_hosts, plan_overlay
 from denv_iac.placement import Placement, place_replicas
 from denv_iac.plan import deploy_problems
+from denv_iac.rollout import deploy_after
 from denv_iac.sites import CLOUD_SITE_KINDS, balancer_ssh_user, node_id, node_ssh_user
 from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
 from denv_iac.spec.model import (
@@ -164,6 +165,18 @@ class Cluster(pulumi.ComponentResource):
         addresses = {site: nodes.addresses for site, (_, nodes) in sites.items()}
         # Before the node deploys, which take their machine's config and key from it.
         overlay = self._overlay(hosts, addresses)
+        # A pool's node deploys one after another (denv_iac.rollout.deploy_after).
+        self._setups: dict[str, NodeSetup] = {}
+        self._deploy_after = deploy_after(
+            [
+                node_id(site.name, node.name)
+                for site in stack.sites
+                if site.kind in SSH_SITE_KINDS
+                for node in placement.nodes
+                if node.site == site.name
+            ],
+            placement.replicas,
+        )
         for site in stack.sites:
             if site.kind in SSH_SITE_KINDS:
                 context, nodes = sites[site.name]
@@ -302,10 +315,14 @@ class Cluster(pulumi.ComponentResource):
                 args["secret_env"] = secret_env
             if nodes.cache_devices is not None:
                 args["cache_device"] = nodes.cache_devices.apply(_node_cache_device(node.name))
-            NodeSetup(
+            key = node_id(site.name, node.name)
+            self._setups[key] = NodeSetup(
                 child_name(self._name, site.name, node.name, "setup"),
                 args,
-                pulumi.ResourceOptions(parent=nodes.component),
+                pulumi.ResourceOptions(
+                    parent=nodes.component, depends_on=list(nodes.ready.get(node.name, ()))
+                ),
+                after=[self._setups[previous] for previous in self._deploy_after[key]],
             )
 
     def _gateway_link(self) -> GatewayTls | None:

@@ -12,7 +12,10 @@ overlay's UDP port is opened to the balancer hosts by a rule of its own; WireGua
 to some sources only is first shut to every other one there (a discard rule before the
 replies), or the reply rule would let anyone reach it.
 IPv4 only (`filter_ipv6` off): IPv6 and an IPv6 admin CIDR are left to the node's nftables,
-which narrow everything again on the node.
+which narrow everything again on the node. Outgoing, one rule accepts everything
+(`robot_firewall.OUTPUT_RULES`): since Hetzner's 2023 change a firewall without output rules
+discards all the box sends, SSH replies included. The node deploy of each box waits for its
+firewall (`SiteNodes.ready`), so the deploy never races a switch port being reconfigured.
 
 The webservice user and password are secret inputs, kept in the resource's state as secrets:
 the engine hands `delete` and `read` only the state, and they must reach Robot too.
@@ -32,12 +35,12 @@ from denv_iac.components.naming import child_name
 from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.ingress import node_overlay_access, site_ingress_rules
 from denv_iac.robot_api import RobotApiError, RobotClient
-from denv_iac.robot_firewall import robot_rules, site_robot_problems
+from denv_iac.robot_firewall import OUTPUT_RULES, robot_rules, site_robot_problems
 from denv_iac.spec.model import SiteSpec
 from denv_iac.spec.reader import StackError
 
 USER, PASSWORD = "robot_user", "robot_password"
-INPUTS = ("address", "rules")
+INPUTS = ("address", "rules", "output_rules")
 
 
 def _state(props: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,6 +71,7 @@ class RobotFirewallProvider(dynamic.ResourceProvider):
                 whitelist_hos=True,  # Hetzner's own services (rescue system, monitoring)
                 filter_ipv6=False,
                 rules=list(props["rules"]) if active else [],
+                output_rules=list(props.get("output_rules") or ()) if active else [],
             )
 
     def create(self, props: dict[str, Any]) -> dynamic.CreateResult:
@@ -83,7 +87,8 @@ class RobotFirewallProvider(dynamic.ResourceProvider):
         )
 
     def update(self, id_: str, olds: dict[str, Any], news: dict[str, Any]) -> dynamic.UpdateResult:
-        if olds.get("rules") != news.get("rules"):
+        # A firewall set before output rules existed gets them here: its state has none.
+        if any(olds.get(key) != news.get(key) for key in ("rules", "output_rules")):
             self._set(news, int(id_), active=True)
         return dynamic.UpdateResult({**_state(news), "server_number": int(id_)})
 
@@ -95,8 +100,12 @@ class RobotFirewallProvider(dynamic.ResourceProvider):
             if e.status == 404:
                 return dynamic.ReadResult("", {})
             raise
-        rules = list(firewall.input_rules) if firewall.status == "active" else []
-        return dynamic.ReadResult(id_, {**_state(props), "rules": rules, "server_number": int(id_)})
+        active = firewall.status == "active"
+        found = {
+            "rules": list(firewall.input_rules) if active else [],
+            "output_rules": list(firewall.output_rules) if active else [],
+        }
+        return dynamic.ReadResult(id_, {**_state(props), **found, "server_number": int(id_)})
 
     def delete(self, id_: str, props: dict[str, Any]) -> None:
         self._set(props, int(id_), active=False)
@@ -128,8 +137,11 @@ def hetzner_site(
     name: str, site: SiteSpec, context: SiteContext, opts: pulumi.ResourceOptions
 ) -> SiteNodes:
     """Cluster's builder of a Hetzner site: its boxes, each with its Robot firewall when the
-    site has Robot webservice credentials (without them, the node's nftables alone filter)."""
+    site has Robot webservice credentials (without them, the node's nftables alone filter).
+    A box's node deploy waits for its firewall: set while the deploy runs, the switch port
+    would drop its SSH session for the 30 s or so Robot takes."""
     component = HetznerSite(name, {"nodes": context["nodes"]}, opts)
+    ready: dict[str, list[pulumi.Resource]] = {}
     secrets = context["secrets"]
     if USER in secrets and PASSWORD in secrets:
         balancers = context["balancer_addresses"]
@@ -143,14 +155,16 @@ def hetzner_site(
             lambda addresses: robot_rules(rows, dict(zip(hosts, addresses, strict=True)))
         )
         for node in context["nodes"]:
-            RobotFirewall(
+            firewall = RobotFirewall(
                 child_name(name, "robot-firewall", node.name),
                 {
                     USER: secrets[USER],
                     PASSWORD: secrets[PASSWORD],
                     "address": node.address,
                     "rules": rules,
+                    "output_rules": list(OUTPUT_RULES),
                 },
                 pulumi.ResourceOptions(parent=component),
             )
-    return SiteNodes(component, component.node_addresses)
+            ready[node.name] = [firewall]
+    return SiteNodes(component, component.node_addresses, ready=ready)

@@ -6,6 +6,7 @@ is a secret input of each; it is kept in the resource's state, marked secret, be
 hands `delete` and `read` only the state, and they must reach Lambda too.
 """
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
 
@@ -38,9 +39,19 @@ from denv_iac.sites import cache_file_system_name
 from denv_iac.spec.model import RecipeSpec, SiteSpec
 
 # Re-exported: the name rule lives with the stack model, which checks names for their length.
+from denv_iac.spec.values import LAMBDA_NAME_LENGTH
 from denv_iac.spec.values import lambda_name as lambda_name
 
 API_KEY = "api_key"
+KEY_ID_LENGTH = 8  # hex digits of the public key's digest in its account key's name
+
+
+def ssh_key_name(public_key: str, *parts: str) -> str:
+    """The account key's name: the site's, then a digest of the key, so a rotated key has a
+    name of its own and is made before the old one goes (names are unique per account)."""
+    digest = hashlib.sha256(public_key.strip().encode()).hexdigest()[:KEY_ID_LENGTH]
+    base = lambda_name(*parts)[: LAMBDA_NAME_LENGTH - KEY_ID_LENGTH - 1].rstrip("-")
+    return f"{base}-{digest}"
 
 
 def firewall_rules(
@@ -90,6 +101,8 @@ class _LambdaProvider(dynamic.ResourceProvider):
     inputs: tuple[str, ...] = ()
     replace_on: tuple[str, ...] = ()  # inputs Lambda cannot change in place
     delete_before_replace = False
+    # Names are unique per account: a replacement that keeps its name must delete first.
+    unique_name = False
 
     def __init__(
         self,
@@ -114,10 +127,11 @@ class _LambdaProvider(dynamic.ResourceProvider):
         # The serialized provider is compared by nobody: its bytes change with library versions.
         changes = changed_keys(olds, news, (API_KEY, *self.inputs))
         replaces = [key for key in changes if key in self.replace_on]
+        same_name = self.unique_name and olds.get("name") == news.get("name")
         return dynamic.DiffResult(
             changes=bool(changes),
             replaces=replaces,
-            delete_before_replace=self.delete_before_replace and bool(replaces),
+            delete_before_replace=(self.delete_before_replace or same_name) and bool(replaces),
         )
 
     def update(self, _id: str, _olds: dict[str, Any], news: dict[str, Any]) -> dynamic.UpdateResult:
@@ -213,11 +227,16 @@ class LambdaInstanceProvider(_LambdaProvider):
 
 
 class LambdaSshKeyProvider(_LambdaProvider):
-    """One account SSH key; Lambda has no update, and key names are unique per account."""
+    """One account SSH key; Lambda has no update, and key names are unique per account.
+
+    A rotated key is another key of another name (`ssh_key_name`), made before the old one is
+    deleted: the instances launched with the old one keep running, and the node deploy puts the
+    new key in their authorized_keys (Lambda reads an instance's keys only at launch).
+    """
 
     inputs = ("name", "public_key")
     replace_on = inputs
-    delete_before_replace = True
+    unique_name = True
 
     def create(self, props: dict[str, Any]) -> dynamic.CreateResult:
         with self.client(props) as lambda_api:
@@ -424,12 +443,13 @@ class LambdaSite(pulumi.ComponentResource):
         site, stack = args["site"], args["stack"]
         child = pulumi.ResourceOptions(parent=self)
         api_key = pulumi.Output.secret(args["api_key"])
+        public_key = pulumi.Output.from_input(args["public_key"])
         key = LambdaSshKey(
             child_name(name, "key"),
             {
                 API_KEY: api_key,
-                "name": lambda_name(stack, site.name),
-                "public_key": args["public_key"],
+                "name": public_key.apply(lambda k: ssh_key_name(k, stack, site.name)),
+                "public_key": public_key,
             },
             child,
         )
@@ -474,7 +494,10 @@ class LambdaSite(pulumi.ComponentResource):
                     "file_system_names": [cache.name],
                     "firewall_rulesets": [ruleset.id],
                 },
-                child,
+                # Keys are read at launch only: a rotated key reaches a running instance
+                # through the node deploy, never by relaunching it (a billed GPU, warm
+                # caches lost).
+                pulumi.ResourceOptions(parent=self, ignore_changes=["ssh_key_names"]),
             )
             addresses[node.name] = instance.ip
         self.node_addresses = resolved(addresses)

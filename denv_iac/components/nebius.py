@@ -23,6 +23,11 @@ from denv_iac.spec.model import RecipeSpec, SiteSpec
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"
 MAX_PORTS_PER_RULE = 8  # Nebius allows at most 8 destination ports in one rule
+# Instance inputs read only when the instance is made, left as they were then: user data (the
+# site's public key: a rotated key reaches the node through its deploy, which puts it in
+# authorized_keys), and the public address's kind (made static for nodes made from now on;
+# an interface's address is not changed under a running node).
+KEPT_AT_LAUNCH = ("cloudInitUserData", "networkInterfaces[*].publicIpAddress.static")
 
 
 def offering_parts(offering: str) -> tuple[str, str]:
@@ -124,7 +129,9 @@ class NebiusSite(pulumi.ComponentResource):
                     image_family=site.image
                 ),
                 labels=labels,
-                opts=child,
+                # Another family (a new default) must not replace a warm node's disk, and with
+                # it the node: it applies to the nodes made from then on.
+                opts=pulumi.ResourceOptions(parent=self, ignore_changes=["source_image_family"]),
             )
             instance = nebius.ComputeV1Instance(
                 node_name,
@@ -141,8 +148,11 @@ class NebiusSite(pulumi.ComponentResource):
                         name="eth0",
                         subnet_id=site.subnet_id,
                         ip_address=nebius.ComputeV1InstanceNetworkInterfaceIpAddressArgs(),
+                        # Static: allocated with the interface, kept across a stop and start
+                        # (a dynamic one is released at a stop and another given at the start,
+                        # under every /32 rule, server line and deploy target made from it).
                         public_ip_address=(
-                            nebius.ComputeV1InstanceNetworkInterfacePublicIpAddressArgs()
+                            nebius.ComputeV1InstanceNetworkInterfacePublicIpAddressArgs(static=True)
                         ),
                         security_groups=[
                             nebius.ComputeV1InstanceNetworkInterfaceSecurityGroupArgs(id=group.id)
@@ -160,7 +170,7 @@ class NebiusSite(pulumi.ComponentResource):
                 ],
                 cloud_init_user_data=user_data,
                 labels=labels | {"denv-node": node.name},
-                opts=child,
+                opts=pulumi.ResourceOptions(parent=self, ignore_changes=list(KEPT_AT_LAUNCH)),
             )
             addresses[node.name] = instance.status.apply(public_address)
         self.node_addresses = resolved(addresses)
@@ -198,6 +208,7 @@ class NebiusSite(pulumi.ComponentResource):
                 suffix = (rule.name,) if len(groups) == 1 else (rule.name, str(index))
                 nebius.VpcV1SecurityRule(
                     child_name(name, "in", *suffix),
+                    name=child_name(name, "in", *suffix),
                     parent_id=group.id,
                     access="ALLOW",
                     protocol=rule.protocol.upper(),
@@ -209,6 +220,7 @@ class NebiusSite(pulumi.ComponentResource):
                 )
         nebius.VpcV1SecurityRule(
             child_name(name, "out"),
+            name=child_name(name, "out"),
             parent_id=group.id,
             access="ALLOW",
             protocol="ANY",

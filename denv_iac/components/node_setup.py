@@ -20,6 +20,7 @@ import pulumi.dynamic
 from denv_iac.balancer import RenderedConfig
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name
+from denv_iac.components.secrets import public_key_of
 from denv_iac.node import (
     NodeDeploySpec,
     Step,
@@ -29,10 +30,11 @@ from denv_iac.node import (
     spec_from_json,
 )
 from denv_iac.node.balancer_host import GatewayCredentials
-from denv_iac.node.deploy import connect, quiet_progress
+from denv_iac.node.deploy import CannotConnect, NodeUnreachable, connect, quiet_progress
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.node.spec import spec_to_json
+from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.overlay import with_private_key
 from denv_iac.spec.model import WIREGUARD_PORT
 
@@ -56,9 +58,12 @@ UPDATE_ON = (
 REPLACE_ON = ("host",)
 
 
-def deploy_node(target: Target, spec: NodeDeploySpec, overlay_config: str | None) -> list[Step]:
-    """The node deploy, with the node's overlay config (its private key filled in) if any."""
-    return prepare_node(target, spec, overlay_config=overlay_config)
+def deploy_node(
+    target: Target, spec: NodeDeploySpec, overlay_config: str | None, keys: SshKeys | None
+) -> list[Step]:
+    """The node deploy, with the node's overlay config (its private key filled in) if any, and
+    the SSH login's keys to keep."""
+    return prepare_node(target, spec, overlay_config=overlay_config, keys=keys)
 
 
 def deploy_balancer(
@@ -68,10 +73,19 @@ def deploy_balancer(
     certificate: str | None,
     gateway: GatewayCredentials | None,
     overlay_config: str | None,
+    keys: SshKeys | None,
 ) -> list[Step]:
-    """The balancer host's deploy, with its overlay config (private key filled in) if any."""
+    """The balancer host's deploy, with its overlay config (private key filled in) if any, and
+    the SSH login's keys to keep."""
     return prepare_balancer(
-        target, rendered, access, certificate, gateway, overlay_config=overlay_config
+        target, rendered, access, certificate, gateway, overlay_config=overlay_config, keys=keys
+    )
+
+
+def node_gone_warning(node: str, error: NodeUnreachable) -> str:
+    return (
+        f"node {node}: {error}; nothing answers there, so the machine is taken as gone and its "
+        "deploy is forgotten; if it still runs, stop its denv-replica units by hand"
     )
 
 
@@ -88,19 +102,29 @@ def stop_replicas(target: Target, spec: NodeDeploySpec) -> list[Step]:
 class DeployRunner:
     """How the provider reaches machines: the real deploys, or a test's stand-ins."""
 
-    node: Callable[[Target, NodeDeploySpec, str | None], list[Step]] = deploy_node
+    node: Callable[[Target, NodeDeploySpec, str | None, SshKeys | None], list[Step]] = deploy_node
     balancer: Callable[
-        [Target, RenderedConfig, BalancerAccess, str | None, GatewayCredentials | None, str | None],
+        [
+            Target,
+            RenderedConfig,
+            BalancerAccess,
+            str | None,
+            GatewayCredentials | None,
+            str | None,
+            SshKeys | None,
+        ],
         list[Step],
     ] = deploy_balancer
     stop: Callable[[Target, NodeDeploySpec], list[Step]] = stop_replicas
 
 
 @contextmanager
-def ssh_target(props: Mapping[str, Any]) -> Iterator[Target]:
-    """The machine as a deploy target, its key in a 0600 file that lives only this long."""
+def ssh_target(props: Mapping[str, Any], key: str | None = None) -> Iterator[Target]:
+    """The machine as a deploy target, its key (the state's, unless `key` is given) in a 0600
+    file that lives only this long."""
     user = str(props["ssh_user"])
-    key = str(props.get("ssh_private_key") or "")
+    if key is None:
+        key = str(props.get("ssh_private_key") or "")
     with tempfile.TemporaryDirectory(prefix="denv-ssh-") as folder:
         path = None
         if key:
@@ -109,6 +133,29 @@ def ssh_target(props: Mapping[str, Any]) -> Iterator[Target]:
             with os.fdopen(descriptor, "w") as file:
                 file.write(key if key.endswith("\n") else key + "\n")
         yield Target(host=str(props["host"]), user=user, key=path, sudo=user != "root")
+
+
+def login_keys(news: Mapping[str, Any], olds: Mapping[str, Any] | None) -> list[str]:
+    """The private keys to log in with, in order: the stack's, then the one it rotated away
+    from, which the machine still accepts until a deploy has put the new one there."""
+    current = str(news.get("ssh_private_key") or "")
+    previous = str((olds or {}).get("ssh_private_key") or "")
+    return [current] + ([previous] if previous and previous != current else [])
+
+
+def ssh_keys(news: Mapping[str, Any], olds: Mapping[str, Any] | None) -> SshKeys | None:
+    """The login's keys to keep: the stack's public key, the one it replaces retired.
+
+    None without a key of the stack's own (a joined machine reached through the SSH agent).
+    """
+    current, *previous = login_keys(news, olds)
+    if not current:
+        return None
+    try:
+        retired = tuple(public_key_of(key) for key in previous)
+        return SshKeys(str(news["ssh_user"]), public_key_of(current), retired)
+    except ValueError:  # refused with one line when the stack is read; nothing to keep here
+        return None
 
 
 def _rendered(props: Mapping[str, Any]) -> RenderedConfig:
@@ -178,20 +225,34 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
         super().__init__()
         self.runner = runner or DeployRunner()
 
-    def _converge(self, props: Mapping[str, Any]) -> dict[str, Any]:
-        with ssh_target(props) as target:
-            if props.get("node") is not None:
-                steps = self.runner.node(target, _node_spec(props), _overlay_config(props))
-            else:
-                certificate = props.get("tls_certificate") or None
-                steps = self.runner.balancer(
-                    target,
-                    _rendered(props),
-                    _balancer_access(props),
-                    certificate,
-                    _gateway_credentials(props),
-                    _overlay_config(props),
-                )
+    def _deploy(self, target: Target, props: Mapping[str, Any], keys: SshKeys | None) -> list[Step]:
+        if props.get("node") is not None:
+            return self.runner.node(target, _node_spec(props), _overlay_config(props), keys)
+        return self.runner.balancer(
+            target,
+            _rendered(props),
+            _balancer_access(props),
+            props.get("tls_certificate") or None,
+            _gateway_credentials(props),
+            _overlay_config(props),
+            keys,
+        )
+
+    def _converge(
+        self, props: Mapping[str, Any], olds: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Run the deploy; after a key rotation, logged in with the old key if the machine
+        does not take the new one yet (the deploy then puts the new one there)."""
+        keys = ssh_keys(props, olds)
+        logins = login_keys(props, olds)
+        for index, login in enumerate(logins):
+            try:
+                with ssh_target(props, login) as target:
+                    steps = self._deploy(target, props, keys)
+                break
+            except CannotConnect:  # refused before anything ran: the next key may get in
+                if index == len(logins) - 1:
+                    raise
         outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
         return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}
 
@@ -209,15 +270,37 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
         )
 
     def update(
-        self, _id: str, _olds: dict[str, Any], news: dict[str, Any]
+        self, _id: str, olds: dict[str, Any], news: dict[str, Any]
     ) -> pulumi.dynamic.UpdateResult:
-        return pulumi.dynamic.UpdateResult(outs=self._converge(news))
+        return pulumi.dynamic.UpdateResult(outs=self._converge(news, olds))
 
-    def delete(self, _id: str, props: dict[str, Any]) -> None:
+    def delete(self, id_: str, props: dict[str, Any]) -> None:
         # A balancer host goes with its BalancerHost, or keeps serving as a joined machine.
-        if props.get("node") is not None:
-            with ssh_target(props) as target:
+        if props.get("node") is None:
+            return
+        with ssh_target(props) as target:
+            try:
                 self.runner.stop(target, _node_spec(props))
+            except NodeUnreachable as error:
+                # Nothing answers at the address (refused, timed out, no route): the machine is
+                # gone (preempted, terminated, dead), and its replicas with it. Raising would keep
+                # the resource and fail every later `up` until the state is edited by hand. An
+                # SSH server that answers but refuses the key or shows another host key fails
+                # loudly instead: a live machine whose access changed (a rotated key, a
+                # reinstall, someone in the middle) is for a person to look at.
+                if error.answered:
+                    raise
+                pulumi.log.warn(node_gone_warning(id_, error))
+
+
+def _waits_for(opts: pulumi.ResourceOptions | None) -> list[pulumi.Resource]:
+    """The resources `opts` names in depends_on, as a list."""
+    depends_on = opts.depends_on if opts is not None else None
+    if depends_on is None:
+        return []
+    if isinstance(depends_on, pulumi.Resource):
+        return [depends_on]
+    return list(depends_on)  # type: ignore[arg-type]
 
 
 class NodeDeployment(DynamicResource, module="denv", name="NodeDeployment"):
@@ -282,12 +365,21 @@ class NodeSetupArgs(TypedDict):
 class NodeSetup(pulumi.ComponentResource):
     """The node deploy run on one GPU node or balancer host, re-run when what it runs changes."""
 
+    deployment: NodeDeployment
+    """The dynamic resource that runs the deploy: what another node's deploy waits on."""
+
     applied: pulumi.Output[list[str]]
     """The steps the last deploy applied; empty when the machine already was as asked."""
 
     def __init__(
-        self, name: str, args: NodeSetupArgs, opts: pulumi.ResourceOptions | None = None
+        self,
+        name: str,
+        args: NodeSetupArgs,
+        opts: pulumi.ResourceOptions | None = None,
+        after: Sequence["NodeSetup"] = (),
     ) -> None:
+        """`after`: the node deploys that must end before this one starts (a pool's rollout
+        order, denv_iac.rollout.deploy_after); the engine waits on them for create and update."""
         if ("node" in args) == ("balancer" in args):
             raise ValueError(f"NodeSetup {name}: give either node or balancer")
         super().__init__("denv:index:NodeSetup", name, None, opts)
@@ -338,6 +430,10 @@ class NodeSetup(pulumi.ComponentResource):
             # certificate too).
             pulumi.ResourceOptions(
                 parent=self,
+                # What the setup waits for (a firewall on the node's path), the deploy waits
+                # for; and the deploys of the pool's previous nodes, so a rollout goes one node
+                # at a time.
+                depends_on=[*_waits_for(opts), *(setup.deployment for setup in after)],
                 additional_secret_outputs=[
                     "ssh_private_key",
                     "secret_env",
@@ -347,5 +443,6 @@ class NodeSetup(pulumi.ComponentResource):
                 ],
             ),
         )
+        self.deployment = deployment
         self.applied = deployment.applied
         self.register_outputs({"applied": self.applied})

@@ -42,6 +42,7 @@ class Registration:
     ignore_changes: tuple[str, ...]
     provider: str  # the provider reference, "" for the default provider
     delete_before_replace: bool = False
+    dependencies: tuple[str, ...] = ()  # the URNs it waits for: depends_on and its inputs'
 
 
 def _address(name: str) -> str:
@@ -145,6 +146,7 @@ class RecordingMonitor(pulumi.runtime.mocks.MockMonitor):
                     tuple(request.ignoreChanges),
                     request.provider,
                     bool(request.deleteBeforeReplace),
+                    tuple(request.dependencies),
                 )
             )
         return super().RegisterResource(request)  # type: ignore[no-untyped-call]

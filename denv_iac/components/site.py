@@ -1,7 +1,7 @@
 """The contract between Cluster and a site component: what a site is given, what it gives back."""
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 
 import pulumi
@@ -33,6 +33,8 @@ class SiteNodes:
     addresses: pulumi.Output[dict[str, str]]
     # The block device of each node's own cache volume, where the site gives nodes one (AWS).
     cache_devices: pulumi.Output[dict[str, str]] | None = None
+    # What a node's deploy must wait for, by node name: a firewall on its path (Robot's).
+    ready: Mapping[str, Sequence[pulumi.Resource]] = field(default_factory=dict)
 
 
 # Makes a site's component (name, site, context, opts) and gives it back with its nodes.

@@ -85,13 +85,19 @@ class RollReport:
     def cut(self) -> int:
         return sum(s.cut for s in self.steps)
 
+    def cut_on(self) -> dict[str, int]:
+        """The replicas whose sessions outlived drain_timeout_s, and how many each."""
+        return {s.replica: s.cut for s in self.steps if s.cut}
+
     def line(self) -> str:
         if not self.steps:
             return "nothing to roll: every replica runs the stack file's config"
+        where = ", ".join(f"{replica} {n}" for replica, n in self.cut_on().items())
         return (
             f"rolled {len(self.steps)} replica(s) in {self.seconds:.1f} s "
             f"({', '.join(f'{s.replica} {s.seconds:.1f} s' for s in self.steps)}); "
             f"{len(self.unchanged)} unchanged; {self.cut} session(s) cut"
+            + (f" past drain_timeout_s ({where})" if where else "")
         )
 
 
@@ -242,12 +248,19 @@ class _Step:
         return next(r for r in self.cluster.stack.recipes if r.name == self.step.pool)
 
     def _put_back(self, config: ReplicaSimConfig) -> None:
-        self.cluster.restart_replica(self.replica.id, config)
-        wait_warm(
-            self.replica,
-            self._old_recipe(),
-            time.monotonic() + self._old_recipe().cold_start_budget_s,
-        )
+        try:
+            self.cluster.restart_replica(self.replica.id, config)
+            wait_warm(
+                self.replica,
+                self._old_recipe(),
+                time.monotonic() + self._old_recipe().cold_start_budget_s,
+            )
+        except (RuntimeError, OSError) as error:
+            raise RollStopped(
+                f"replica {self.replica.id} never became warm with the new config, nor with its "
+                f"old one again ({error}); the roll stopped with it drained, the replicas not "
+                "yet rolled serving: `denv local down` then `denv local up` start it afresh"
+            ) from None
         self._control(undrain)
 
     def _control(self, action: Callable[..., object]) -> None:
@@ -330,27 +343,42 @@ ROLL_RESULT = "roll-result.json"
 ROLL_SIGNAL = signal.SIGUSR1
 
 
-def roll_once(cluster: LocalCluster, load: Callable[[], StackSpec], say: Progress) -> list[str]:
-    """One roll of the stack file as it is now, for the supervisor; its outcome as lines, the
-    last one the summary or the one-line reason it stopped (prefixed `error: `)."""
+@dataclass(frozen=True)
+class RollAnswer:
+    """A roll's outcome as lines, the last the summary or the reason it stopped (prefixed
+    `error: `), and the exit status of `denv local roll`: 0 rolled, 1 stopped, 2 refused."""
+
+    lines: tuple[str, ...]
+    code: int = 0
+
+    @property
+    def problems(self) -> list[str]:
+        return [line.removeprefix("error: ") for line in self.lines if line.startswith("error: ")]
+
+
+def roll_once(cluster: LocalCluster, load: Callable[[], StackSpec], say: Progress) -> RollAnswer:
+    """One roll of the stack file as it is now, for the supervisor."""
     lines: list[str] = []
 
     def tell(line: str) -> None:
         lines.append(line)
         say(line)
 
+    code = 2
     try:
         tell(roll(cluster, load(), tell).line())
+        code = 0
     except StackError as error:
         lines += [f"error: {problem}" for problem in error.problems]
     except RolloutRefused as error:
         lines += [f"error: {problem}" for problem in str(error).splitlines()]
     except RollStopped as error:
         lines.append(f"error: {error}")
-    for line in lines:
-        if line.startswith("error: "):
-            say(line)
-    return lines
+        code = 1
+    answer = RollAnswer(tuple(lines), code)
+    for problem in answer.problems:
+        say(f"error: {problem}")
+    return answer
 
 
 def serve_roll_requests(
@@ -367,13 +395,13 @@ def serve_roll_requests(
         asked.clear()
         request = cluster.directory / ROLL_REQUEST
         nonce = request.read_text().strip() if request.exists() else ""
-        lines = roll_once(cluster, load, say)
-        result = json.dumps({"nonce": nonce, "lines": lines}) + "\n"
-        write_private(cluster.directory / ROLL_RESULT, result)
+        answer = roll_once(cluster, load, say)
+        result = json.dumps({"nonce": nonce, "lines": answer.lines, "code": answer.code})
+        write_private(cluster.directory / ROLL_RESULT, result + "\n")
 
 
-def ask_roll(directory: Path, supervisor: int, timeout_s: float) -> list[str]:
-    """Ask the supervising process to roll and wait for its answer; its lines."""
+def ask_roll(directory: Path, supervisor: int, timeout_s: float) -> RollAnswer:
+    """Ask the supervising process to roll and wait for its answer."""
     nonce = secrets.token_hex(8)
     write_private(directory / ROLL_REQUEST, nonce + "\n")
     os.kill(supervisor, ROLL_SIGNAL)
@@ -385,12 +413,15 @@ def ask_roll(directory: Path, supervisor: int, timeout_s: float) -> list[str]:
         except (OSError, ValueError):
             answer = {}
         if answer.get("nonce") == nonce:
-            return [str(line) for line in answer["lines"]]
+            return RollAnswer(tuple(str(line) for line in answer["lines"]), int(answer["code"]))
         time.sleep(0.1)
-    return [
-        f"error: no answer from the supervising `denv local up` (pid {supervisor}) within "
-        f"{timeout_s:.0f} s; its terminal shows how far the roll got"
-    ]
+    return RollAnswer(
+        (
+            f"error: no answer from the supervising `denv local up` (pid {supervisor}) within "
+            f"{timeout_s:.0f} s; its terminal shows how far the roll got",
+        ),
+        1,
+    )
 
 
 def roll_bound_s(stack: StackSpec) -> float:

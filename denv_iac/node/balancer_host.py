@@ -14,10 +14,11 @@ from denv_iac.balancer.model import (
     TLS_CERT_PATH,
     RenderedConfig,
 )
-from denv_iac.node import firewall, overlay
+from denv_iac.node import firewall, overlay, ssh_keys
 from denv_iac.node.deploy import Progress, Target, connect, quiet_progress
 from denv_iac.node.facts import FactQuery, NodeFacts
 from denv_iac.node.firewall import BalancerAccess
+from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.steps import (
     APT_UPDATE,
     UNIT_DIR,
@@ -193,10 +194,13 @@ def plan_host(
     certificate: str | None = None,
     gateway: GatewayCredentials | None = None,
     overlay_config: str | None = None,
+    keys: SshKeys | None = None,
 ) -> list[Step]:
-    """A balancer host's steps: its firewall, then its overlay interface (when it is on the
-    overlay), then HAProxy, which reaches the nodes through that interface."""
-    steps = firewall.plan_balancer_host(facts, access) + overlay.plan(facts, overlay_config)
+    """A balancer host's steps: the SSH login's keys (`keys`, when given), its firewall, then
+    its overlay interface (when it is on the overlay), then HAProxy, which reaches the nodes
+    through that interface."""
+    steps = ssh_keys.plan(facts, keys) + firewall.plan_balancer_host(facts, access)
+    steps += overlay.plan(facts, overlay_config)
     return with_package_index(steps) + plan_balancer(facts, rendered, certificate, gateway)
 
 
@@ -209,6 +213,7 @@ def prepare_balancer(
     dry: bool = False,
     progress: Progress = quiet_progress,
     overlay_config: str | None = None,
+    keys: SshKeys | None = None,
 ) -> list[Step]:
     """Converge a balancer host to `rendered` (and its TLS `certificate`, a secret PEM, and the
     `gateway` credentials) behind its firewall; returns the steps planned (run unless `dry`).
@@ -216,8 +221,8 @@ def prepare_balancer(
     host's WireGuard config, its private key filled in (a secret), when it is on the overlay."""
     with connect(target) as session:
         query = fact_query(rendered) | firewall.balancer_fact_query() | overlay.fact_query()
-        facts = session.facts(query)
-        steps = plan_host(facts, rendered, access, certificate, gateway, overlay_config)
+        facts = session.facts(query | ssh_keys.fact_query(keys))
+        steps = plan_host(facts, rendered, access, certificate, gateway, overlay_config, keys)
         if not dry:
             session.apply(steps, progress)
         return steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import posixpath
 import shlex
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from paramiko import SSHException
+from paramiko.ssh_exception import NoValidConnectionsError
 from pyinfra.api.command import FileUploadCommand, StringCommand
 from pyinfra.api.config import Config
 from pyinfra.api.exceptions import ConnectError, PyinfraError
@@ -28,6 +30,8 @@ from pyinfra.operations import server
 from denv_iac.node.facts import FactQuery, NodeFacts, NodeProbe
 from denv_iac.node.plan import fact_query, plan_node
 from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.ssh_keys import SshKeys
+from denv_iac.node.ssh_keys import fact_query as key_query
 from denv_iac.node.steps import Step
 from denv_iac.spec.values import HOST_RULE, USER_NAME, USER_RULE, is_host
 
@@ -36,7 +40,23 @@ Progress = Callable[[int, int, Step, str], None]
 
 
 class NodeUnreachable(RuntimeError):
-    """Could not connect to the node; the message says where and why (never a key's content)."""
+    """Could not connect to the node; the message says where and why (never a key's content).
+    `answered`: something at the address answered (an SSH server that refused the key or showed
+    another host key, or spoke no SSH); False when nothing did (see `no_answer`)."""
+
+    def __init__(self, message: str, answered: bool = True) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+# Connection errors that mean nothing at the address answers: refused (a machine without our
+# sshd there), no route to the host or the host down (ICMP from the path), or a timeout. Not
+# ENETUNREACH: no route to the whole network is the deployer's own network, down.
+_NO_ANSWER = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ETIMEDOUT})
+
+
+class CannotConnect(NodeUnreachable):
+    """The first connection failed: nothing was read or changed on the node."""
 
 
 class StepFailed(RuntimeError):
@@ -271,16 +291,32 @@ def connect(target: Target) -> Iterator[NodeSession]:
     try:
         host.connect(show_errors=False, raise_exceptions=True)
     except ConnectError as error:
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error.args[0]}") from None
+        # pyinfra raises it while handling the socket's or paramiko's own error.
+        raise CannotConnect(
+            f"cannot connect to {target.host}: {error.args[0]}",
+            answered=not no_answer(error.__context__),
+        ) from None
     except PyinfraError as error:  # a key paramiko cannot load; the message names the file only
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
+        raise CannotConnect(f"cannot connect to {target.host}: {error}") from None
     except OSError as error:
-        raise NodeUnreachable(f"cannot connect to {target.host}: {error}") from None
+        raise CannotConnect(
+            f"cannot connect to {target.host}: {error}", answered=not no_answer(error)
+        ) from None
     state.activate_host(host)
     try:
         yield NodeSession(state, host)
     finally:
         host.disconnect()
+
+
+def no_answer(error: BaseException | None) -> bool:
+    """Whether a failed SSH connection got no answer at all from the address (`_NO_ANSWER`):
+    not an SSH server refusing our key or showing another host key."""
+    if isinstance(error, NoValidConnectionsError):  # every address of the name, each refused
+        return bool(error.errors) and all(no_answer(e) for e in error.errors.values())
+    if isinstance(error, TimeoutError):
+        return True
+    return isinstance(error, OSError) and error.errno in _NO_ANSWER
 
 
 def quiet_progress(index: int, total: int, step: Step, status: str) -> None:
@@ -293,14 +329,17 @@ def prepare_node(
     dry: bool = False,
     progress: Progress = quiet_progress,
     overlay_config: str | None = None,
+    keys: SshKeys | None = None,
 ) -> list[Step]:
     """Converge the node to `spec`: read facts, plan, run; returns the steps planned.
 
     With `dry`, facts are read (read-only commands) and nothing is changed. `overlay_config`:
-    the node's WireGuard config, its private key filled in (see `plan_node`).
+    the node's WireGuard config, its private key filled in (see `plan_node`); `keys`: the SSH
+    login's keys to keep.
     """
     with connect(target) as session:
-        steps = plan_node(session.facts(fact_query(spec)), spec, overlay_config)
+        facts = session.facts(fact_query(spec) | key_query(keys))
+        steps = plan_node(facts, spec, overlay_config, keys)
         if not dry:
             session.apply(steps, progress)
         return steps

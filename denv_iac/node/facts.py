@@ -72,6 +72,8 @@ class NodeFacts:
     # The SSH connection the deploy came in on, as the node sees it: where from, to which port.
     ssh_client: str = ""
     ssh_port: int = 0
+    # The asked-about `user:blob` keys found in that user's authorized_keys.
+    ssh_keys: frozenset[str] = frozenset()
 
     @property
     def driver_branch(self) -> str:
@@ -92,6 +94,7 @@ class FactQuery:
     devices: tuple[str, ...] = ()
     mounts: tuple[str, ...] = ()
     fstab_lines: tuple[str, ...] = ()
+    ssh_keys: tuple[str, ...] = ()  # `user:blob`: is the key in that login's authorized_keys?
 
     def __or__(self, other: FactQuery) -> FactQuery:
         """Both queries' paths and units, for plans of two areas read in one round trip."""
@@ -144,6 +147,12 @@ done
 for l in {words(query.fstab_lines)}; do
   if grep -qxF -- "$l" /etc/fstab 2>/dev/null; then printf 'fstab\\t%s\\n' "$l"; fi
 done
+for k in {words(query.ssh_keys)}; do
+  h=$(getent passwd "${{k%%:*}}" | cut -d: -f6)
+  if [ -n "$h" ] && grep -qsF -- "${{k#*:}}" "$h/.ssh/authorized_keys"; then
+    printf 'sshkey\t%s\n' "$k"
+  fi
+done
 for u in /etc/systemd/system/denv-replica-*.service; do
   if [ -f "$u" ]; then printf 'replica_unit\\t%s\\n' "${{u##*/}}"; fi
 done
@@ -188,6 +197,7 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
     block_devices: dict[str, str] = {}
     mounted: set[str] = set()
     fstab_lines: set[str] = set()
+    ssh_keys: set[str] = set()
     for line in lines:
         kind, _, rest = line.rstrip("\n").partition("\t")
         parts = rest.split("\t")
@@ -222,6 +232,8 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
             mounted.add(rest)
         elif kind == "fstab":
             fstab_lines.add(rest)
+        elif kind == "sshkey":
+            ssh_keys.add(rest)
     smi_ok = values.get("smi_rc") == "0"
     gpus = _parse_gpus(smi_lines, smil_lines) if smi_ok else ()
     agent = _AGENT_DIST.search(values.get("agent", ""))
@@ -257,6 +269,7 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
         agent_version=agent.group(1) if agent else None,
         ssh_client=ssh_client,
         ssh_port=ssh_port,
+        ssh_keys=frozenset(ssh_keys),
     )
 
 

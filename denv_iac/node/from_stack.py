@@ -1,8 +1,11 @@
 """What each placed node of a stack runs: the node deploys' input, built from the stack."""
 
+import math
 from dataclasses import asdict
 
 from denv_iac.agent_config import recipe_probe
+from denv_iac.balancer.haproxy import rejoin_ms
+from denv_iac.endpoint import balancer_settings
 from denv_iac.node.spec import (
     CacheDirs,
     MigSlice,
@@ -15,7 +18,13 @@ from denv_iac.overlay import plan_overlay
 from denv_iac.placement import Placement
 from denv_iac.plan import imageless_problems
 from denv_iac.sites import CLOUD_SITE_KINDS, cache_root, node_id
-from denv_iac.spec.model import SSH_SITE_KINDS, RecipeSpec, StackSpec
+from denv_iac.spec.model import (
+    COLD_START_BUDGET_S,
+    DRAIN_TIMEOUT_S,
+    SSH_SITE_KINDS,
+    RecipeSpec,
+    StackSpec,
+)
 from denv_iac.spec.ports import replica_port
 from denv_iac.spec.reader import StackError
 
@@ -56,6 +65,11 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
             for m in placement.mig_layouts
             if (m.site, m.node) == (node.site, node.name)
         )
+        # A rolled replica's drain and warm-up bounds: its recipe's (the longest of the node's).
+        here = (node.site, node.name)
+        pools = [recipes[r.pool] for r in placement.replicas if (r.site, r.node) == here]
+        drain_s = max((p.drain_timeout_s for p in pools), default=DRAIN_TIMEOUT_S)
+        ready_s = max((p.cold_start_budget_s for p in pools), default=COLD_START_BUDGET_S)
         name = node_id(node.site, node.name)
         site = stack.site(node.site)
         root = cache_root(stack.name, site)
@@ -69,6 +83,9 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 admin_cidrs=site.admin_cidrs,
                 listen_address=overlay.address_of(node.site, node.name) if overlay.on else "",
                 overlay_port=stack.balancer.overlay.port,
+                drain_timeout_s=drain_s,
+                ready_timeout_s=ready_s,
+                rejoin_s=math.ceil(rejoin_ms(balancer_settings(stack)) / 1000),
             )
         except NodeSpecError as error:
             where = f"sites: {node.site}.{node.name}"

@@ -29,6 +29,7 @@ UNIT = f"wg-quick@{INTERFACE}.service"
 TEMPLATE = posixpath.join(PACKAGE_UNIT_DIR, "wg-quick@.service")
 AREA = "overlay"
 _ADDRESS = re.compile(r"^Address = (\S+)$", re.MULTILINE)
+_MTU = re.compile(r"^MTU = (\d+)$", re.MULTILINE)
 
 
 def unit_dependencies(spec: NodeDeploySpec) -> str:
@@ -96,8 +97,14 @@ def _apply(config: str) -> tuple[str, ...]:
         raise ValueError(f"the {INTERFACE} config has no Address line")
     address = shlex.quote(f"inet {found.group(1)} ")
     same_address = f"ip -4 -o address show dev {INTERFACE} | grep -qF {address}"
-    return (
+    commands = [
         f"systemctl enable {UNIT}",
         f"systemctl reload {UNIT}",
         f"{same_address} || systemctl restart {UNIT}",
-    )
+    ]
+    mtu = _MTU.search(config)
+    if mtu is not None:
+        # wg-quick sets the MTU at `up` only and syncconf ignores it: set in place, no session
+        # dropped (an interface up from before the config had one keeps its own otherwise).
+        commands.append(f"ip link set dev {INTERFACE} mtu {mtu.group(1)}")
+    return tuple(commands)

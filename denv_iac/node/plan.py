@@ -14,11 +14,13 @@ from denv_iac.node import (
     overlay,
     replicas,
     runtime,
+    ssh_keys,
 )
 from denv_iac.node.driver import UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
 from denv_iac.node.holders import STOP_ORDER
 from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.steps import Step, apt_install, wants_link, with_package_index
 
 # Tools the deploy itself runs on the node: curl (the keyring), venv (the agent), nft, ss.
@@ -53,12 +55,17 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
 
 
 def plan_node(
-    facts: NodeFacts, spec: NodeDeploySpec, overlay_config: str | None = None
+    facts: NodeFacts,
+    spec: NodeDeploySpec,
+    overlay_config: str | None = None,
+    keys: SshKeys | None = None,
 ) -> list[Step]:
     """The steps, in order, that bring the node to `spec`; [] when it is there already.
 
     `overlay_config` is the node's WireGuard config with its private key (a secret: written
-    0600, never shown in a step); None when the node is not on the overlay.
+    0600, never shown in a step); None when the node is not on the overlay. `keys`: the SSH
+    login's keys to keep (`denv_iac.node.ssh_keys`), before any other change, so a rotated key
+    lands even where a later step fails; None leaves authorized_keys alone.
 
     Raises UnsupportedNode for an operating system outside Ubuntu 22.04/24.04 and Debian 12,
     or a node without an NVIDIA GPU.
@@ -67,7 +74,7 @@ def plan_node(
     if not facts.pci_gpus and not facts.gpus:
         raise UnsupportedNode("no NVIDIA GPU on the PCI bus: join GPU machines only")
     missing = [p for p in BASE_PACKAGES if p not in facts.packages]
-    steps = []
+    steps = ssh_keys.plan(facts, keys)
     if missing:
         steps.append(
             Step("base", f"install {' '.join(missing)}", (apt_install(*missing),), uses_apt=True)

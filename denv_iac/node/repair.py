@@ -18,6 +18,7 @@ from denv_iac.node.facts import NodeFacts
 from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED, active, stopped_around
 from denv_iac.node.plan import fact_query
 from denv_iac.node.spec import NodeDeploySpec
+from denv_iac.node.steps import before_deadline, set_deadline, wait_streams_command
 
 DRAIN = "denv-agent drain"
 # A repaired GPU's faults are sticky in the agent until cleared; only then does undrain count.
@@ -72,15 +73,6 @@ _Action = Callable[[NodeSession, NodeFacts], str]
 
 # A deadline in the node's shell, `seconds` from now. `date +%s` counts whole seconds, so a
 # deadline passes only once the clock reads past it: never less than `seconds` after it is set.
-def _set_deadline(var: str, seconds: int) -> str:
-    return f"{var}=$(( $(date +%s) + {seconds} ))"
-
-
-def _before(var: str) -> str:
-    """A shell test: the deadline in `var` has not passed."""
-    return f'[ "$(date +%s)" -le "${var}" ]'
-
-
 class _Repair:
     def __init__(self, spec: NodeDeploySpec, level: RepairLevel) -> None:
         self.spec, self.level = spec, level
@@ -113,23 +105,7 @@ class _Repair:
         ports = [r.port for r in self.spec.replicas]
         if not ports:
             raise _Skip("no replicas on this node")
-        match = " or ".join(f"sport = :{port}" for port in ports)
-        established = f"ss -Htn state established '( {match} )'"
-        # Bounded by the clock, not by rounds (a round takes longer on a busy machine): past
-        # the timeout the repair goes on and what is left gets cut, and the operator is told
-        # who held the connections (peer address and count).
-        timeout = self.spec.drain_timeout_s
-        command = (
-            "command -v ss >/dev/null || { echo 'ss missing: not waited'; exit 0; }; "
-            f"{_set_deadline('end', timeout)}; while :; do "
-            f"n=$({established} | wc -l); "
-            '[ "$n" -eq 0 ] && { echo "no streams open"; exit 0; }; '
-            f"{_before('end')} || break; sleep 1; done; "
-            f"peers=$({established} | awk '{{sub(/:[0-9]+$/, \"\", $4); print $4}}'"
-            " | sort | uniq -c | awk '{printf \" %s x%s\", $2, $1}'); "
-            f'echo "$n connections still open after {timeout} s (from$peers): cut"'
-        )
-        return self._run(session, command)
+        return self._run(session, wait_streams_command(ports, self.spec.drain_timeout_s))
 
     def _units(self, facts: NodeFacts) -> list[str]:
         return sorted({r.unit for r in self.spec.replicas} | facts.replica_units)
@@ -204,10 +180,10 @@ class _Repair:
             shlex.quote(f"http://127.0.0.1:{r.port}{r.health_path}") for r in self.spec.replicas
         )
         command = (
-            f"{_set_deadline('deadline', self.spec.ready_timeout_s)}; "
+            f"{set_deadline('deadline', self.spec.ready_timeout_s)}; "
             f"for url in {urls}; do "
             'until curl -fsS -o /dev/null --max-time 5 "$url"; do '
-            f"{_before('deadline')}"
+            f"{before_deadline('deadline')}"
             ' || { echo "not ready: $url"; exit 1; }; '
             "sleep 2; done; done; echo ready"
         )

@@ -11,12 +11,16 @@ from denv_iac.node.spec import NodeDeploySpec, ReplicaSpec
 from denv_iac.node.steps import (
     FileContent,
     Step,
+    before_deadline,
     enable_link,
+    set_deadline,
     systemd_quote,
     text_file,
     unit_path,
+    wait_streams_command,
     wants_link,
 )
+from denv_iac.spec.model import SERVER_STOP_S
 
 LAUNCHER = "/opt/denv/bin/denv-replica-run"
 ENV_DIR = "/etc/denv/replicas"
@@ -94,7 +98,7 @@ StartLimitIntervalSec=0
 [Service]
 ExecStartPre=-/usr/bin/docker rm -f {name}
 ExecStart={" ".join(map(systemd_quote, argv))}
-ExecStop=/usr/bin/docker stop -t 30 {name}
+ExecStop=/usr/bin/docker stop -t {SERVER_STOP_S} {name}
 Restart=always
 RestartSec=2
 TimeoutStartSec=0
@@ -164,7 +168,19 @@ def _replica(
                 )
             )
         return steps
-    if changed:
+    if changed and replica.unit in facts.active_units:
+        steps.append(
+            Step(
+                "replicas",
+                f"{replica.id}: roll (drain, restart, warm, undrain)",
+                (
+                    "systemctl daemon-reload",
+                    f"systemctl enable {replica.unit}",
+                    roll_command(spec, replica),
+                ),
+            )
+        )
+    elif changed:
         steps.append(
             Step(
                 "replicas",
@@ -181,6 +197,32 @@ def _replica(
             Step("replicas", f"{replica.id}: start", (f"systemctl enable --now {replica.unit}",))
         )
     return steps
+
+
+def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
+    """Shell: restart a serving replica without cutting a call or leaving it cold: the agent
+    drains it (the balancers send it nothing new) -> its connections end, at most
+    `drain_timeout_s` (those left are cut and counted) -> restart -> health answers within
+    `ready_timeout_s` -> undrain -> `rejoin_s`, until the balancers count it UP. A replica
+    that never answers stays drained, and the command fails with one line naming it, so that
+    `pulumi up` stops before the pool's next node (denv_iac.rollout.deploy_after) with the
+    pool's other replicas serving the old version."""
+    health = shlex.quote(f"http://127.0.0.1:{replica.port}{replica.health_path}")
+    who = shlex.quote(replica.id)
+    never_warm = shlex.quote(
+        f"replica {replica.id} never became healthy within ready_timeout_s "
+        f"{spec.ready_timeout_s} s after its restart: left drained, the rollout stopped, the "
+        "pool's other replicas serve the old version"
+    )
+    return (
+        f"denv-agent drain --replica {who} >/dev/null || echo {who}: no agent drained it; "
+        f"{wait_streams_command([replica.port], spec.drain_timeout_s)}; "
+        f"systemctl restart {replica.unit}; "
+        f"{set_deadline('ready', spec.ready_timeout_s)}; "
+        f"until curl -fsS -o /dev/null --max-time 5 {health}; do "
+        f"{before_deadline('ready')} || {{ echo {never_warm} >&2; exit 1; }}; sleep 2; done; "
+        f"denv-agent undrain --replica {who} >/dev/null; sleep {spec.rejoin_s}; echo {who} rolled"
+    )
 
 
 def stale_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:

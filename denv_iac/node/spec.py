@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from denv_iac.sites import CACHE_MOUNT_POINT
-from denv_iac.spec.model import ENGINES, WIREGUARD_PORT
+from denv_iac.spec.model import (
+    AUTO_ENGINE,
+    COLD_START_BUDGET_S,
+    DRAIN_TIMEOUT_S,
+    ENGINES,
+    WIREGUARD_PORT,
+)
 from denv_iac.spec.values import (
     CACHE_ENV,
     DEPLOY_ENV,
@@ -153,8 +159,11 @@ class NodeDeploySpec:
     # Base URL of NVIDIA's CUDA repository (holding cuda-keyring_1.1-1_all.deb); {distro} and
     # {arch} are filled in from the node. A mirror for nodes without access to NVIDIA's CDN.
     nvidia_repo: str = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/{arch}"
-    drain_timeout_s: int = 120
-    ready_timeout_s: int = 900
+    drain_timeout_s: int = DRAIN_TIMEOUT_S
+    ready_timeout_s: int = COLD_START_BUDGET_S
+    # After a rolled replica is undrained, how long the balancers take to count it UP again
+    # (denv_iac.balancer.haproxy.rejoin_ms of the stack's timers), waited before the next goes.
+    rejoin_s: int = 3
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -221,9 +230,10 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
     problems += _overlay_problems(spec)
     if spec.ssh_port == spec.agent_port:
         problems.append(f"agent_port {spec.agent_port}: SSH listens there; pick another")
-    if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1:
+    if spec.drain_timeout_s < 0 or spec.ready_timeout_s < 1 or spec.rejoin_s < 0:
         problems.append(
-            "drain_timeout_s / ready_timeout_s: give seconds, drain 0 or more, ready 1+"
+            "drain_timeout_s / ready_timeout_s / rejoin_s: give seconds, drain and rejoin 0 or "
+            "more, ready 1+"
         )
     return problems
 
@@ -314,8 +324,9 @@ def _probe_problems(where: str, probe: ProbeSpec) -> list[str]:
             isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0
         ):
             problems.append(f"{where} probe {key} {budget!r}: milliseconds, a whole number over 0")
-    if probe.engine is not None and probe.engine not in ENGINES:
-        problems.append(f"{where} probe engine {probe.engine!r}: use one of {', '.join(ENGINES)}")
+    engines = (AUTO_ENGINE, *ENGINES)
+    if probe.engine is not None and probe.engine not in engines:
+        problems.append(f"{where} probe engine {probe.engine!r}: use one of {', '.join(engines)}")
     return problems
 
 

@@ -110,3 +110,32 @@ def systemd_quote(argument: str) -> str:
 def _c_escape(character: str) -> str:
     code = ord(character)
     return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def set_deadline(var: str, seconds: int) -> str:
+    """Shell: `var` holds the epoch second `seconds` from now."""
+    return f"{var}=$(( $(date +%s) + {seconds} ))"
+
+
+def before_deadline(var: str) -> str:
+    """A shell test: the deadline in `var` has not passed."""
+    return f'[ "$(date +%s)" -le "${var}" ]'
+
+
+def wait_streams_command(ports: list[int], timeout_s: int) -> str:
+    """Shell: wait until no connection is established to `ports`, at most `timeout_s` (by the
+    clock, not by rounds: a round takes longer on a busy machine); past it, say how many are
+    left and who held them (peer address and count): those get cut."""
+    match = " or ".join(f"sport = :{port}" for port in ports)
+    established = f"ss -Htn state established '( {match} )'"
+    return (
+        "command -v ss >/dev/null || { echo 'ss missing: not waited'; exit 0; }; "
+        f"{set_deadline('end', timeout_s)}; while :; do "
+        f"n=$({established} | wc -l); "
+        '[ "$n" -eq 0 ] && { echo "no streams open"; break; }; '
+        f"{before_deadline('end')} || {{ "
+        f"peers=$({established} | awk '{{sub(/:[0-9]+$/, \"\", $4); print $4}}'"
+        " | sort | uniq -c | awk '{printf \" %s x%s\", $2, $1}'); "
+        f'echo "$n connections still open after {timeout_s} s (from$peers): cut"; break; }}; '
+        "sleep 1; done"
+    )

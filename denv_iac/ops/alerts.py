@@ -14,17 +14,100 @@ import re
 
 import yaml
 
-from denv_iac.spec.model import StackSpec
+from denv_iac.balancer.haproxy import BOUNDED_TWIN_SUFFIXES, TWIN_SUFFIXES
+from denv_iac.dataplane import tier_priority
+from denv_iac.spec.model import RecipeSpec, StackSpec
 
 AGENT_JOB = "denv-agent"
 BALANCER_JOB = "denv-balancer"
 # Long enough that a restart under supervision (seconds) does not page anyone.
 FOR = "30s"
+# A pool that sheds or spills this long is short of capacity, not riding out a burst.
+SATURATION_FOR = "1m"
+# Per pool and balancer, recorded from HAProxy's exporter (see denv_iac/balancer/saturation.py
+# for what each figure means): the same figures `denv status` shows.
+SLOTS_IN_USE = "denv:pool_slots_in_use"
+SLOTS = "denv:pool_slots"
+QUEUED = "denv:pool_queued"
+SPILLED_RATE = "denv:pool_spilled:rate1m"
+SHED_RATE = "denv:pool_shed:rate1m"
+
+
+def _proxies(pool: str, tiers: str = "[0-9]+", twins: tuple[str, ...] = ()) -> str:
+    """PromQL regex (anchored by `=~`) for backends `POOL.tierN` and, when named, their twins."""
+    regex = re.escape(pool) + f"\\.tier{tiers}"
+    if twins:
+        regex += "(" + "|".join(re.escape(twin) for twin in twins) + ")?"
+    return regex.replace("\\", "\\\\")
 
 
 def _tiers_of(pool: str) -> str:
     """PromQL regex (anchored by `=~`) for the backends of one pool's tiers: `POOL.tierN`."""
-    return re.escape(pool).replace("\\", "\\\\") + "\\\\.tier[0-9]+"
+    return _proxies(pool)
+
+
+def _saturation_rules(recipe: RecipeSpec, labels: dict[str, str]) -> list[dict[str, object]]:
+    """Recording rules: a pool's slots in use and in rotation, queued, spilled and shed."""
+    tiers = _proxies(recipe.name)
+    bounded = _proxies(recipe.name, twins=BOUNDED_TWIN_SUFFIXES)
+    by = "sum by (instance)"
+    up = f'haproxy_server_status{{proxy=~"{tiers}",state="UP"}} == 1'
+    shed = " - ".join(
+        f'{by} (rate(haproxy_{kind}_http_responses_total{{proxy=~"{bounded}",code="5xx"}}[1m]))'
+        for kind in ("backend", "server")
+    )
+    rules = [
+        (SLOTS_IN_USE, f'{by} (haproxy_server_current_sessions{{proxy=~"{bounded}"}})'),
+        (
+            SLOTS,
+            f'{by} (haproxy_server_limit_sessions{{proxy=~"{tiers}"}}'
+            f" and on (instance, proxy, server) {up})",
+        ),
+        (
+            QUEUED,
+            f'{by} (haproxy_backend_current_queue{{proxy=~"{bounded}"}})'
+            f' + {by} (haproxy_server_current_queue{{proxy=~"{bounded}"}})',
+        ),
+        (SHED_RATE, shed),
+    ]
+    if len(recipe.tiers) > 1:
+        later = "(" + "|".join(str(tier_priority(i)) for i in range(1, len(recipe.tiers))) + ")"
+        spilled = _proxies(recipe.name, later, TWIN_SUFFIXES)
+        rules.append(
+            (SPILLED_RATE, f'{by} (rate(haproxy_backend_sessions_total{{proxy=~"{spilled}"}}[1m]))')
+        )
+    pool_labels = {"stack": labels["stack"], "pool": recipe.name}
+    return [{"record": name, "expr": expr, "labels": dict(pool_labels)} for name, expr in rules]
+
+
+def _saturation_alerts(labels: dict[str, str]) -> list[dict[str, object]]:
+    """A pool that sheds load or spills to a later tier for a minute: add capacity."""
+    where = f'{{stack="{labels["stack"]}"}}'
+    add = "add capacity (min_warm or spare, or max_concurrency if its replicas take more)"
+    return [
+        {
+            "alert": "DenvPoolShedding",
+            "expr": f"{SHED_RATE}{where} > 0",
+            "for": SATURATION_FOR,
+            "labels": dict(labels),
+            "annotations": {
+                "summary": 'pool {{ $labels.pool }} sheds {{ printf "%.1f" $value }} requests/s at'
+                " balancer {{ $labels.instance }}: every slot of every allowed tier is taken"
+                f" past the first-token budget, and its clients get 503 pool_full; {add}",
+            },
+        },
+        {
+            "alert": "DenvPoolSpilling",
+            "expr": f"{SPILLED_RATE}{where} > 0",
+            "for": SATURATION_FOR,
+            "labels": {**labels, "severity": "warning"},
+            "annotations": {
+                "summary": 'pool {{ $labels.pool }} sends {{ printf "%.1f" $value }} requests/s to'
+                " a later tier at balancer {{ $labels.instance }}: its first tier is full (or"
+                f" empty), so those requests pay the farther tier's latency; {add}",
+            },
+        },
+    ]
 
 
 def alert_rules(stack: StackSpec) -> str:
@@ -70,6 +153,9 @@ def alert_rules(stack: StackSpec) -> str:
                 },
             }
         )
+    for recipe in stack.recipes:
+        rules += _saturation_rules(recipe, labels)
+    rules += _saturation_alerts(labels)
     document = {"groups": [{"name": f"denv-{stack.name}", "rules": rules}]}
     header = (
         f"# Alerting rules of stack {stack.name}, rendered by denv-iac (`denv alerts`).\n"

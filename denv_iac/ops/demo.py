@@ -75,6 +75,17 @@ def kill_replica(state: RunState, replica_id: str, client: httpx.Client | None =
         client.post(url, json={"mode": "exit"}, headers=headers)
 
 
+def replica_fault(state: RunState, replica_id: str, mode: str, k: int = 0) -> None:
+    """Sets a simulated replica's fault (`POST /control/fault`); mode `none` clears it."""
+    replica = next(r for r in state.replicas if r.id == replica_id)
+    httpx.post(
+        f"{replica.url}/control/fault",
+        json={"mode": mode, "k": k},
+        headers=control_headers(state.control_token),
+        timeout=5,
+    ).raise_for_status()
+
+
 def seen_by_replicas(state: RunState) -> dict[str, list[str]]:
     """Request id -> the live replicas that received it, once per receipt."""
     seen: dict[str, list[str]] = {}

@@ -18,14 +18,16 @@ import base64
 import contextlib
 import io
 import json
+import math
 import os
+import random
 import ssl
 import statistics
 import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -714,6 +716,119 @@ class _Worker:
         await self.realtime.close()
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """One request of an open-loop run: when it is sent (seconds since the run started) and the
+    conversation it belongs to (`session`, None for a request of its own)."""
+
+    at_s: float
+    session: str | None = None
+
+
+# An open-loop run keeps this many conversations going at once: a session arrival is a turn of
+# one of them, so a conversation's turns are spread over the run rather than back to back.
+OPEN_SESSIONS = 8
+
+
+def arrivals(
+    rate: float,
+    *,
+    requests: int | None = None,
+    duration_s: float | None = None,
+    session_share: float = 0.0,
+    session_turns: int = 0,
+    open_sessions: int = OPEN_SESSIONS,
+    seed: int = 0,
+) -> Iterator[Arrival]:
+    """Poisson arrivals at `rate` requests/s, until `requests` of them or `duration_s`, whichever
+    comes first; the same seed gives the same run. A share `session_share` of them are turns of
+    conversations of `session_turns` turns each: `open_sessions` go on at once, each turn goes to
+    one of them at random, and a conversation that had its last turn gives way to a new one."""
+    problems = open_loop_problems(rate, session_share, session_turns)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if requests is None and duration_s is None:
+        raise ValueError("give duration_s or requests")
+    draw = random.Random(seed)
+    live: list[list[int]] = []  # [conversation number, turns taken]
+    started = 0
+    at_s, count = 0.0, 0
+    while requests is None or count < requests:
+        at_s += draw.expovariate(rate)
+        if duration_s is not None and at_s >= duration_s:
+            return
+        count += 1
+        if draw.random() >= session_share:
+            yield Arrival(at_s)
+            continue
+        if len(live) < open_sessions:
+            live.append([started, 0])
+            started += 1
+        slot = draw.randrange(len(live))
+        conversation = live[slot]
+        conversation[1] += 1
+        yield Arrival(at_s, f"o{seed}-c{conversation[0]}")
+        if conversation[1] >= session_turns:
+            live[slot] = [started, 0]
+            started += 1
+
+
+def open_loop_problems(rate: float, session_share: float, session_turns: int) -> list[str]:
+    """What is wrong with an open-loop run's settings, one line each, naming the fix."""
+    problems = []
+    if not (math.isfinite(rate) and rate > 0):
+        problems.append(f"rate: {rate} is not a positive number of requests/s; e.g. 5")
+    if not 0.0 <= session_share <= 1.0:
+        problems.append(f"session share: {session_share} is not between 0 and 1; e.g. 0.5")
+    elif session_share > 0 and session_turns < 1:
+        problems.append("session share: needs turns per conversation (session turns), e.g. 4")
+    return problems
+
+
+class _Clients:
+    """What one request goes out on: a client per endpoint URL (tried in order while nothing
+    was answered) and, with direct URLs, one replica called straight; each keeps its connection
+    (and realtime session) between the requests it carries."""
+
+    def __init__(
+        self,
+        endpoints: list[Endpoint],
+        direct: Endpoint | None,
+        protocol: Protocol,
+        pool: str,
+        api_key: str | None,
+        timeout_s: float,
+    ) -> None:
+        # The key is the endpoint's: a replica called directly never sees it.
+        self.through = [
+            _Worker(e, protocol, pool, api_key, timeout_s, "endpoint") for e in endpoints
+        ]
+        self.direct = (
+            [] if direct is None else [_Worker(direct, protocol, pool, None, timeout_s, "direct")]
+        )
+        self.session: str | None = None
+
+    async def send(
+        self, session: str | None, new_session: bool, t0: float, direct_first: bool
+    ) -> list[StreamResult]:
+        """One request through the endpoint (and one to the replica); a result per path."""
+        new_session = new_session or session != self.session
+        self.session = session
+        results = []
+        for clients in [self.direct, self.through] if direct_first else [self.through, self.direct]:
+            for client in clients:
+                result = await client.request(session, new_session, t0)
+                if result.error not in RETRYABLE:
+                    break
+            if clients:
+                results.append(result)
+        return results
+
+    async def close(self) -> None:
+        for client in [*self.through, *self.direct]:
+            await client.close()
+
+
 async def run_load(
     url: str,
     pool: str,
@@ -727,27 +842,78 @@ async def run_load(
     timeout_s: float = 30.0,
     fallback_urls: tuple[str, ...] = (),
     direct_urls: tuple[str, ...] = (),
+    rate: float | None = None,
+    session_share: float = 0.0,
+    seed: int = 0,
+    stop: asyncio.Event | None = None,
 ) -> LoadReport:
-    """Closed-loop load: `concurrency` workers, each sending its next request when one ends.
-
-    With `session_turns`, each worker is a conversation of that many turns sharing one
+    """Closed-loop load by default: `concurrency` workers, each sending its next request when
+    one ends. With `session_turns`, each worker is a conversation of that many turns sharing one
     `X-Denv-Session`, then starts a new conversation (a realtime worker opens a new session;
-    without `session_turns` it keeps one session while it lasts). With `fallback_urls`, a
-    request that got no response at all (refused, reset before a byte) is sent to the next URL,
-    as a client resolving several balancer addresses would. With `direct_urls` (replicas), each
-    worker also sends every request straight to one of them, alternating which path goes first,
-    without `api_key`: that key is the endpoint's, and a replica must never see it.
+    without `session_turns` it keeps one session while it lasts).
+
+    With `rate`, open-loop load instead (`arrivals`): Poisson arrivals at `rate` requests/s,
+    seeded by `seed`, each request its own task, so a slow answer never delays the next arrival
+    (`concurrency` does not apply); a share `session_share` of them are turns of conversations of
+    `session_turns` turns. A request takes an idle connection, or opens one.
+
+    With `fallback_urls`, a request that got no response at all (refused, reset before a byte)
+    is sent to the next URL, as a client resolving several balancer addresses would. With
+    `direct_urls` (replicas), every request is also sent straight to one of them, alternating
+    which path goes first, without `api_key`: that key is the endpoint's, and a replica must
+    never see it. The run ends when the requests or the duration are used up and every request
+    sent has its answer (or its `timeout_s`). With `stop`, no request is sent once it is set
+    (those under way end first).
     """
     if duration_s is None and requests is None:
         raise ValueError("give duration_s or requests")
+    if rate is None and session_share:
+        raise ValueError("session_share needs an open-loop rate")
     report = LoadReport(protocol=protocol, pool=pool)
     endpoints = [Endpoint(u) for u in (url, *fallback_urls)]
     directs = [Endpoint(u) for u in direct_urls]
+    made = [0]
+
+    def clients() -> _Clients:
+        direct = directs[made[0] % len(directs)] if directs else None
+        made[0] += 1
+        return _Clients(endpoints, direct, protocol, pool, api_key, timeout_s)
+
     t0 = time.perf_counter()
+    if rate is None:
+        await _closed_loop(
+            report, clients, t0, concurrency, duration_s, requests, session_turns, stop
+        )
+    else:
+        plan = arrivals(
+            rate,
+            requests=requests,
+            duration_s=duration_s,
+            session_share=session_share,
+            session_turns=session_turns,
+            seed=seed,
+        )
+        await _open_loop(report, clients, t0, plan, stop)
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+async def _closed_loop(
+    report: LoadReport,
+    clients: Callable[[], _Clients],
+    t0: float,
+    concurrency: int,
+    duration_s: float | None,
+    requests: int | None,
+    session_turns: int,
+    stop: asyncio.Event | None,
+) -> None:
     deadline = t0 + duration_s if duration_s is not None else None
     budget = [requests] if requests is not None else None
 
     def more() -> bool:
+        if stop is not None and stop.is_set():
+            return False
         if deadline is not None and time.perf_counter() >= deadline:
             return False
         if budget is not None:
@@ -757,13 +923,7 @@ async def run_load(
         return True
 
     async def worker(index: int) -> None:
-        def client(endpoint: Endpoint, via: Via) -> _Worker:
-            # The key is the endpoint's: a replica called directly never sees it.
-            key = api_key if via == "endpoint" else None
-            return _Worker(endpoint, protocol, pool, key, timeout_s, via)
-
-        through = [client(e, "endpoint") for e in endpoints]
-        direct = [client(directs[index % len(directs)], "direct")] if directs else []
+        mine = clients()
         turn, conversation, sent = 0, 0, 0
         while more():
             session, new_session = None, False
@@ -773,18 +933,38 @@ async def run_load(
                 turn += 1
                 if turn >= session_turns:
                     turn, conversation = 0, conversation + 1
-            paths = [through, direct] if sent % 2 == 0 else [direct, through]
+            report.results.extend(await mine.send(session, new_session, t0, sent % 2 == 1))
             sent += 1
-            for clients in paths:
-                for client_ in clients:
-                    result = await client_.request(session, new_session, t0)
-                    if result.error not in RETRYABLE:
-                        break
-                if clients:
-                    report.results.append(result)
-        for client_ in [*through, *direct]:
-            await client_.close()
+        await mine.close()
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    report.wall_s = time.perf_counter() - t0
-    return report
+
+
+async def _open_loop(
+    report: LoadReport,
+    clients: Callable[[], _Clients],
+    t0: float,
+    plan: Iterator[Arrival],
+    stop: asyncio.Event | None,
+) -> None:
+    idle: list[_Clients] = []
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def one(arrival: Arrival, index: int) -> None:
+        mine = idle.pop() if idle else clients()
+        report.results.extend(await mine.send(arrival.session, False, t0, index % 2 == 1))
+        idle.append(mine)
+
+    for index, arrival in enumerate(plan):
+        wait = t0 + arrival.at_s - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        if stop is not None and stop.is_set():
+            break
+        task = asyncio.create_task(one(arrival, index))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+    if in_flight:
+        await asyncio.gather(*in_flight)
+    for mine in idle:
+        await mine.close()

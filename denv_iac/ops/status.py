@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 
 from denv_iac.balancer.haproxy import STATS_PATH
-from denv_iac.balancer.runtime import parse_stats_csv
+from denv_iac.balancer.runtime import parse_stats_rows
+from denv_iac.balancer.saturation import PoolSaturation
 from denv_iac.spec.model import StackSpec
 
 AGENT_TIMEOUT_S = 1.0
@@ -55,6 +56,8 @@ class PoolStatus:
     pool: str
     healthy: int
     min_warm: int | None  # None when no stack spec says (status read from a bare admin socket)
+    # Slots in use, queued, spilled and shed; None when the balancer has no backend of it.
+    saturation: PoolSaturation | None = None
 
     @property
     def ok(self) -> bool:
@@ -137,14 +140,25 @@ def with_agent_health(
     return merged
 
 
-def pool_statuses(stack: StackSpec | None, replicas: Sequence[ReplicaStatus]) -> list[PoolStatus]:
-    """Healthy replicas per pool against its min_warm; without a stack, the pools seen."""
+def pool_statuses(
+    stack: StackSpec | None,
+    replicas: Sequence[ReplicaStatus],
+    saturation: Mapping[str, PoolSaturation] | None = None,
+) -> list[PoolStatus]:
+    """Healthy replicas per pool against its min_warm, and how full it is; without a stack,
+    the pools seen."""
     if stack is None:
         wanted: dict[str, int | None] = dict.fromkeys(sorted({r.pool for r in replicas}))
     else:
         wanted = {recipe.name: recipe.min_warm for recipe in stack.recipes}
+    full = saturation or {}
     return [
-        PoolStatus(pool, sum(1 for r in replicas if r.pool == pool and r.healthy), min_warm)
+        PoolStatus(
+            pool,
+            sum(1 for r in replicas if r.pool == pool and r.healthy),
+            min_warm,
+            full.get(pool),
+        )
         for pool, min_warm in wanted.items()
     ]
 
@@ -220,15 +234,13 @@ def stats_url(endpoint: str) -> str:
     return f"{base}{STATS_PATH};csv"
 
 
-def read_remote_stats(
-    endpoint: str, timeout_s: float = STATS_TIMEOUT_S
-) -> dict[str, dict[str, str]]:
-    """`show stat` rows read over HTTP from a balancer's stats page, by server name."""
+def read_remote_stats(endpoint: str, timeout_s: float = STATS_TIMEOUT_S) -> list[dict[str, str]]:
+    """Every `show stat` row, read over HTTP from a balancer's stats page."""
     url = stats_url(endpoint)
     try:
         response = httpx.get(url, timeout=timeout_s)
         response.raise_for_status()
-        return parse_stats_csv(response.text)
+        return parse_stats_rows(response.text)
     except httpx.HTTPStatusError as error:
         raise StatsUnreadable(f"{url}: HTTP {error.response.status_code}") from None
     except httpx.HTTPError as error:

@@ -7,7 +7,7 @@ Each is one line naming the field and the fix. `denv plan` prints them and still
 import hashlib
 import ipaddress
 
-from denv_iac.spec.gateway_link import gateway_link_warnings
+from denv_iac.spec.gateway_link import KUBERNETES, gateway_link_warnings
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.overlay import overlay_warnings
 
@@ -20,6 +20,9 @@ HOST_FIREWALLED_KINDS = ("joined",)
 # Keys anyone would try first: an endpoint that accepts one is open to everyone.
 GUESSABLE_KEYS = ("test", "secret", "password", "changeme", "admin", "key", "demo", "1234")
 _GUESSABLE = {hashlib.sha256(key.encode()).hexdigest(): key for key in GUESSABLE_KEYS}
+# Lambda regions where firewall rules do not apply (Lambda Cloud API spec 1.8.3, on its
+# firewall endpoints): the site's ruleset is made but filters nothing there.
+LAMBDA_UNFILTERED_REGIONS = ("us-south-1",)
 # Kinds whose endpoint is reachable from other machines (a local stack listens on loopback).
 REMOTE_KINDS = ("aws", "hetzner", "joined")
 
@@ -49,6 +52,12 @@ def stack_warnings(stack: StackSpec) -> list[str]:
     for index, site in enumerate(stack.sites):
         if site.kind not in (*FIREWALLED_KINDS, *HOST_FIREWALLED_KINDS):
             continue  # local and Kubernetes sites have no SSH
+        if site.kind == "lambda" and site.region in LAMBDA_UNFILTERED_REGIONS:
+            warnings.append(
+                f"sites[{index}].region: Lambda applies no firewall rules in {site.region}, so "
+                "every port of its instances is open to the internet and only the node "
+                "deploy's host firewall guards them; pick another Lambda region to have both"
+            )
         path = f"sites[{index}].admin_cidrs"
         world = [
             c for c in site.admin_cidrs if ipaddress.ip_network(c, strict=False).prefixlen == 0
@@ -96,4 +105,24 @@ def stack_warnings(stack: StackSpec) -> list[str]:
                 f'balancer.api_key_digests: {digest[:12]}... is the SHA-256 of "{key}", a key '
                 "anyone would try; make one with `openssl rand -hex 32` and list its digest"
             )
+    warnings += mig_strategy_warnings(stack)
     return warnings + overlay_warnings(stack) + gateway_link_warnings(stack)
+
+
+def mig_strategy_warnings(stack: StackSpec) -> list[str]:
+    """A MIG recipe on a kubernetes site asks for `nvidia.com/mig-<profile>`, which the GPU
+    operator advertises only under its `mixed` MIG strategy; its default, `single`, advertises
+    MIG devices as `nvidia.com/gpu`, and the pods stay Pending. The stack does not read the
+    cluster, so this is said for every such recipe."""
+    kube = {site.name for site in stack.sites if site.kind == KUBERNETES}
+    out = []
+    for index, recipe in enumerate(stack.recipes):
+        sites = sorted(kube & set(recipe.sites))
+        if recipe.is_mig and sites:
+            out.append(
+                f"recipes[{index}].share: {recipe.share} on {', '.join(sites)} needs the GPU "
+                f"operator's mixed MIG strategy (its default, single, never offers "
+                f"nvidia.com/mig-{recipe.share} and the pods stay Pending); install it with "
+                "--set mig.strategy=mixed"
+            )
+    return out

@@ -43,6 +43,10 @@ CONNECT_TIMEOUT_MS = 80
 # How long a rollout waits for a drained replica's streams and realtime sessions to end before it
 # restarts the replica anyway (and names what it cut): a voice call of a couple of minutes.
 DRAIN_TIMEOUT_S = 120
+# How long a replica may take from start to serving: weights loaded, kernels compiled.
+COLD_START_BUDGET_S = 900
+# How long a model server is given to stop once asked (SIGTERM, then SIGKILL), after its drain.
+SERVER_STOP_S = 30
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,12 @@ SIMULATED_SPEECH = ("tone", "espeak-ng")
 # whose names a simulated replica serves at /metrics.
 ENGINES = ("vllm", "sglang", "tgi")
 SIMULATED_ENGINES = ENGINES
+# A recipe's `engine` by default: the agent reads `metrics_path` and knows the engine by its
+# metric names (any of ENGINES), so a zombie engine is taken out within about 1.5 s on nodes
+# too, with no setting; a server that serves none of them is left to its health checks.
+AUTO_ENGINE = "auto"
+# `engine: none`: the agent reads no metrics.
+NO_ENGINE = "none"
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,7 @@ class RecipeSpec:
     image: str = ""  # container image on nodes and Kubernetes
     port: int = 8000
     health_path: str = "/health"
-    cold_start_budget_s: int = 900
+    cold_start_budget_s: int = COLD_START_BUDGET_S
     drain_timeout_s: int = DRAIN_TIMEOUT_S
     ttft_budget_ms: int | None = None
     # How long a request may wait for its first response byte before the balancer retries it on
@@ -164,13 +174,17 @@ class RecipeSpec:
     # the site's Kubernetes Secret, and is never printed.
     secret_env: tuple[tuple[str, Secret], ...] = ()
     simulate: SimulatedServer = field(default_factory=SimulatedServer)
-    # Whose metrics the node agent reads at metrics_path (one of ENGINES); None: it reads none.
-    engine: str | None = None
+    # Whose metrics the node agent reads at metrics_path: one of ENGINES, or AUTO_ENGINE (the
+    # agent tells by the names it finds); None (`engine: none`): it reads none.
+    engine: str | None = AUTO_ENGINE
     metrics_path: str = "/metrics"
 
     def agent_engine(self, simulated: bool) -> str | None:
-        """The engine the agent watches: the recipe's, else the simulated replica's own."""
-        return self.engine or (self.simulate.engine if simulated else None)
+        """The engine the agent watches: the recipe's; on a simulated replica, unless the
+        recipe names one, the simulator's own."""
+        if simulated and self.engine == AUTO_ENGINE:
+            return self.simulate.engine
+        return self.engine
 
     @property
     def is_mig(self) -> bool:

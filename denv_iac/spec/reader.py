@@ -9,11 +9,14 @@ from typing import Any
 from denv_iac.catalog import Catalog, load_catalog
 from denv_iac.spec.fields import Fields, Problems, describe, is_secret
 from denv_iac.spec.model import (
+    AUTO_ENGINE,
     BALANCER_HOST_KINDS,
+    COLD_START_BUDGET_S,
     DRAIN_TIMEOUT_S,
     ENGINES,
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
+    NO_ENGINE,
     SIMULATED_ENGINES,
     SIMULATED_SPEECH,
     SITE_KINDS,
@@ -45,6 +48,7 @@ from denv_iac.spec.values import (
     USER_RULE,
     is_host,
     lambda_full_name,
+    nebius_image_family,
 )
 
 CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
@@ -237,7 +241,8 @@ def _read_cloud_site(
     if kind == "nebius":
         extra["project_id"] = f.text("project_id", example="project-e00example")
         extra["subnet_id"] = f.text("subnet_id", example="vpcsubnet-e00example")
-        extra["image"] = f.text("image_family", "ubuntu22.04-cuda12")
+        gpu = offering.gpu if offering else ""
+        extra["image"] = f.text("image_family", nebius_image_family(gpu))
     return SiteSpec(name, kind, **common, **extra)
 
 
@@ -330,7 +335,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         image=_image(f),
         port=f.integer("port", 8000, 1, 65535),
         health_path=health_path,
-        cold_start_budget_s=f.integer("cold_start_budget_s", 900, 10, 86400),
+        cold_start_budget_s=f.integer("cold_start_budget_s", COLD_START_BUDGET_S, 10, 86400),
         drain_timeout_s=f.integer("drain_timeout_s", DRAIN_TIMEOUT_S, 1, 86400),
         ttft_budget_ms=ttft_budget,
         first_token_timeout_ms=first_token_timeout,
@@ -341,7 +346,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         env=env,
         secret_env=secret_env,
         simulate=simulate,
-        engine=f.choice("engine", ENGINES, "") or None,
+        engine=_engine(f),
         metrics_path=_metrics_path(f),
     )
     for cache_dir in recipe.cache_dirs:
@@ -357,6 +362,12 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         f.problem("cache_dirs", f'"{dup}" is listed twice; one volume mounts at each path')
     f.finish()
     return recipe
+
+
+def _engine(f: Fields) -> str | None:
+    """`auto` (the default), an engine of ENGINES, or `none` (None: no metrics read)."""
+    engine = f.choice("engine", (AUTO_ENGINE, *ENGINES, NO_ENGINE), AUTO_ENGINE) or AUTO_ENGINE
+    return None if engine == NO_ENGINE else engine
 
 
 def _metrics_path(f: Fields) -> str:

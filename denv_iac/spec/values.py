@@ -52,6 +52,19 @@ def lambda_name(*parts: str) -> str:
     return lambda_full_name(*parts)[:LAMBDA_NAME_LENGTH].rstrip("-")
 
 
+# Nebius boot images with drivers, by GPU: CUDA 12 families for Hopper; Blackwell (B200) needs
+# a driver branch the CUDA 12 families do not carry, so the CUDA 13 family. Public Nebius
+# examples use `ubuntu22.04-cuda12`, `ubuntu24.04-cuda12` and `ubuntu24.04-cuda13.0`; the
+# family list of an account (`nebius compute image list-public`) is the authority.
+NEBIUS_IMAGE_FAMILY = "ubuntu22.04-cuda12"
+NEBIUS_IMAGE_FAMILY_BY_GPU = {"B200": "ubuntu24.04-cuda13.0"}
+
+
+def nebius_image_family(gpu: str) -> str:
+    """The default image family of a Nebius site whose offering has this GPU."""
+    return NEBIUS_IMAGE_FAMILY_BY_GPU.get(gpu, NEBIUS_IMAGE_FAMILY)
+
+
 def control_character(text: str) -> str | None:
     """The first character that would end or bend a line of a unit, env file or rule, if any.
 

@@ -90,7 +90,7 @@ def test_multicloud_registers_each_component_once_with_its_children(preview: boo
     node = instances["prod-aws-use1-node-0"]
     assert node.inputs["instanceType"] == "p5.4xlarge"
     assert node.inputs["metadataOptions"] == {"httpTokens": "required"}
-    assert node.ignore_changes == ("ami",)
+    assert node.ignore_changes == ("ami", "keyName")
     assert node.inputs["tags"]["Name"] == "prod-aws-use1-node-0"
     volume = run.named("prod-aws-use1-node-0-cache").inputs
     assert (volume["size"], volume["type"], volume["encrypted"]) == (500, "gp3", True)

@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 
 from denv_iac.components.preview import shown
+from denv_iac.robot_firewall import OUTPUT_RULES
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
@@ -104,3 +105,24 @@ def test_more_rules_than_robot_takes_is_one_line_and_no_firewall() -> None:
     (problem,) = raised.value.problems
     assert problem.startswith("sites: hetzner-fsn: the Robot firewall takes at most 10 input rules")
     assert run.of_type(FIREWALL) == []
+
+
+def test_each_box_allows_its_own_traffic_out_and_its_deploy_waits_for_its_firewall() -> None:
+    run = _run(_args())
+    firewalls = {shown(r.inputs)["address"]: r for r in run.of_type(FIREWALL)}
+    for firewall in firewalls.values():
+        assert shown(firewall.inputs)["output_rules"] == list(OUTPUT_RULES)
+    deploys = {
+        r.name: r
+        for r in run.of_type("pulumi-python:dynamic/denv:NodeDeployment")
+        if r.name.startswith("prod-hetzner-fsn-")
+    }
+    assert sorted(deploys) == [
+        "prod-hetzner-fsn-gex-1-setup-deploy",
+        "prod-hetzner-fsn-gex-2-setup-deploy",
+    ]
+    for node, address in (("gex-1", "203.0.113.21"), ("gex-2", "203.0.113.22")):
+        waits = deploys[f"prod-hetzner-fsn-{node}-setup-deploy"].dependencies
+        assert firewalls[address].urn in waits, node
+        others = {r.urn for a, r in firewalls.items() if a != address}
+        assert not others & set(waits), f"{node} waits for another box's firewall"

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from denv_iac.components.cluster import validate_cluster
-from denv_iac.components.lambda_cloud import wire_rules
+from denv_iac.components.lambda_cloud import ssh_key_name, wire_rules
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG
 from denv_iac.components.secrets import public_key_of
 from denv_iac.overlay import plan_overlay
@@ -65,12 +65,15 @@ def test_one_instance_per_node_launched_with_the_sites_key_and_filesystem(previe
         assert instance.parent == site.urn
         if not preview:  # launched with the site's ruleset (its id is unknown in a preview)
             assert instance.inputs["firewall_rulesets"] == [f"{firewall.name}-id"]
-        skip = ("__provider", "api_key", "firewall_rulesets")
+            # The key's name carries a digest of the key (known once the secret is read).
+            key_name = ssh_key_name(public_key_of(SSH_KEY), "prod", "lambda-use1")
+            assert instance.inputs["ssh_key_names"] == [key_name]
+            assert key_name.startswith("prod-lambda-use1-")
+        skip = ("__provider", "api_key", "firewall_rulesets", "ssh_key_names")
         assert {k: v for k, v in instance.inputs.items() if k not in skip} == {
             "name": instance.name,
             "region": "us-east-1",
             "instance_type": "gpu_1x_h100_pcie",
-            "ssh_key_names": ["prod-lambda-use1"],
             "file_system_names": ["prod-lambda-use1-cache"],
         }
     cache = run.named("prod-lambda-use1-cache")

@@ -86,7 +86,7 @@ def test_each_node_boots_a_driver_image_and_mounts_the_sites_filesystem(preview:
         assert inputs["resources"] == {"platform": "gpu-h100-sxm", "preset": "1gpu-16vcpu-200gb"}
         (interface,) = inputs["networkInterfaces"]
         assert interface["subnetId"] == "vpcsubnet-e00example"
-        assert interface["publicIpAddress"] == {}
+        assert interface["publicIpAddress"] == {"static": True}  # kept across stop/start
         assert interface["securityGroups"] == [{"id": "prod-nebius-eun1-sg-id"}]
         assert inputs["filesystems"] == [
             {

@@ -1,14 +1,23 @@
 """NodeSetup: the deploy's inputs per node, the provider's create/diff/update/delete, a real run."""
 
 import dataclasses
+import errno
 import os
+import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import pulumi
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+from paramiko import AuthenticationException, SSHException
+from paramiko.ssh_exception import NoValidConnectionsError
 
 from denv_iac.balancer import RenderedConfig
 from denv_iac.balancer.model import TLS_CERT_PATH
@@ -17,12 +26,22 @@ from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import DeployRunner, NodeSetup, NodeSetupProvider
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
-from denv_iac.node import CacheVolume, MigSlice, NodeDeploySpec, ReplicaSpec, Step, Target
+from denv_iac.components.secrets import public_key_of
+from denv_iac.node import (
+    CacheVolume,
+    MigSlice,
+    NodeDeploySpec,
+    ReplicaSpec,
+    Step,
+    Target,
+)
 from denv_iac.node.balancer_host import GatewayCredentials
+from denv_iac.node.deploy import CannotConnect, NodeUnreachable, no_answer
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
 from denv_iac.node.spec import spec_to_json
+from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.steps import wants_link
 from denv_iac.overlay import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
 from denv_iac.placement import place_replicas
@@ -61,6 +80,8 @@ BALANCER = {
     },
 }
 DEPLOYMENT = "pulumi-python:dynamic/denv:NodeDeployment"
+# What the balancer host's login is asked to accept: the stack's key, nothing retired.
+BALANCER_KEYS = SshKeys("ubuntu", public_key_of(KEY))
 
 
 @dataclasses.dataclass
@@ -73,11 +94,12 @@ class KeyFile:
 class Recorder:
     """A deploy runner that records what it was asked to do and the key file it was given."""
 
-    def __init__(self, steps: int = 2, fail: bool = False) -> None:
+    def __init__(self, steps: int = 2, fail: bool = False, accepts: str | None = None) -> None:
         self.calls: list[tuple[str, Target, Any]] = []
         self.extras: list[tuple[Any, ...]] = []  # what a call got after `what`
         self.keys: list[KeyFile] = []
         self.steps, self.fail = steps, fail
+        self.accepts = accepts  # the one private key the machine lets in (None: any)
 
     def _record(self, kind: str) -> Callable[..., list[Step]]:
         def run(target: Target, what: Any, *extra: Any) -> list[Step]:
@@ -86,6 +108,8 @@ class Recorder:
             if target.key is not None:
                 mode = stat.S_IMODE(target.key.stat().st_mode)
                 self.keys.append(KeyFile(target.key, mode, target.key.read_text()))
+                if self.accepts is not None and target.key.read_text().strip() != self.accepts:
+                    raise CannotConnect(f"cannot connect to {target.host}: auth failed")
             if self.fail:
                 raise RuntimeError("replicas: start failed")
             return [Step(kind, f"step {n}") for n in range(self.steps)]
@@ -181,14 +205,15 @@ def test_a_balancer_host_gets_its_rendered_config_through_sudo() -> None:
     assert result.id == "balancer.203.0.113.9"
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     # A stack from before the balancer host's firewall: no admins, so nothing is guarded.
-    assert recorder.extras == [(BalancerAccess((), 0), None, None, None)]
+    assert recorder.extras == [(BalancerAccess((), 0), None, None, None, BALANCER_KEYS)]
 
 
 def test_a_balancer_host_gets_its_sites_admin_cidrs_and_stats_port_for_its_firewall() -> None:
     recorder = Recorder(steps=1)
     given = {"admin_cidrs": ["198.51.100.0/24"], "stats_port": 8405.0}  # as the engine hands it
     NodeSetupProvider(recorder.runner()).create({**BALANCER, "balancer_firewall": given})
-    assert recorder.extras == [(BalancerAccess(("198.51.100.0/24",), 8405), None, None, None)]
+    access = BalancerAccess(("198.51.100.0/24",), 8405)
+    assert recorder.extras == [(access, None, None, None, BALANCER_KEYS)]
 
 
 @pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
@@ -219,7 +244,9 @@ def test_the_provider_hands_the_certificate_to_the_deploy_and_a_new_one_reruns_i
     provider = NodeSetupProvider(recorder.runner())
     with_tls = {**BALANCER, "tls_certificate": stacks.TLS_CERTIFICATE}
     result = provider.create(dict(with_tls))
-    assert recorder.extras == [(BalancerAccess((), 0), stacks.TLS_CERTIFICATE, None, None)]
+    assert recorder.extras == [
+        (BalancerAccess((), 0), stacks.TLS_CERTIFICATE, None, None, BALANCER_KEYS)
+    ]
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     renewed = {**with_tls, "tls_certificate": stacks.TLS_CERTIFICATE + "\nrenewed"}
     assert provider.diff("balancer.203.0.113.9", with_tls, renewed).changes
@@ -232,9 +259,8 @@ def test_the_provider_hands_the_gateway_credentials_to_the_deploy_and_new_ones_r
     files = {"ca": "CA-CERTIFICATE", "client": "CLIENT-CERTIFICATE-AND-KEY"}
     with_gateway = {**BALANCER, "gateway_tls": files}
     provider.create(dict(with_gateway))
-    assert recorder.extras == [
-        (BalancerAccess((), 0), None, GatewayCredentials("CA-CERTIFICATE", files["client"]), None)
-    ]
+    gateway = GatewayCredentials("CA-CERTIFICATE", files["client"])
+    assert recorder.extras == [(BalancerAccess((), 0), None, gateway, None, BALANCER_KEYS)]
     # The key never shows in what a log of the call would print.
     assert "CLIENT" not in repr(recorder.extras)
     renewed = {**BALANCER, "gateway_tls": {**files, "client": "RENEWED"}}
@@ -329,6 +355,149 @@ def test_update_reruns_the_deploy_and_delete_stops_the_replicas_only() -> None:
         ("node", "590"),
         ("stop", "590"),
     ]
+
+
+@pytest.mark.parametrize("kind", ["node", "balancer"])
+def test_a_rotated_key_logs_in_with_the_old_one_once_and_the_deploy_installs_the_new(
+    kind: str,
+) -> None:
+    rotated = stacks.SSH_KEYS["aws-use1"]
+    olds = dict(NODE if kind == "node" else BALANCER)
+    news = {**olds, "ssh_private_key": rotated}
+    user = str(olds["ssh_user"])
+    provider = NodeSetupProvider((machine := Recorder(accepts=KEY.strip())).runner())
+    # A key change reruns the deploy in place: the machine stays.
+    diff = provider.diff("id", olds, news)
+    assert diff.changes and diff.replaces == []
+    outs = provider.update("id", olds, news).outs
+    # The new key first (refused: the machine has only the old one), then the old one ...
+    assert [key.text.strip() for key in machine.keys] == [rotated.strip(), KEY.strip()]
+    # ... and the deploy run through it puts the new key in and takes the old one out.
+    expected = SshKeys(user, public_key_of(rotated), (public_key_of(KEY),))
+    assert machine.extras[-1][-1] == expected
+    assert outs is not None and outs["ssh_private_key"] == rotated
+    # Once the machine takes the new key, the next deploy logs in with it alone.
+    landed = Recorder(accepts=rotated.strip())
+    NodeSetupProvider(landed.runner()).update("id", outs, dict(news))
+    assert [key.text.strip() for key in landed.keys] == [rotated.strip()]
+    assert landed.extras[-1][-1] == SshKeys(user, public_key_of(rotated))
+
+
+def test_a_machine_that_takes_neither_key_fails_the_deploy_naming_it() -> None:
+    machine = Recorder(accepts="another key")
+    news = {**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}
+    with pytest.raises(NodeUnreachable, match=r"192\.0\.2\.10"):
+        NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
+    assert len(machine.keys) == 2 and not any(key.path.exists() for key in machine.keys)
+
+
+def test_a_machine_lost_after_the_login_is_not_retried_with_the_old_key() -> None:
+    # A reboot that never came back is no refused key: the deploy ran, and its error stands.
+    class Lost(Recorder):
+        def runner(self) -> DeployRunner:
+            def node(target: Target, *_: Any) -> list[Step]:
+                self.keys.append(KeyFile(Path(), 0, ""))
+                raise NodeUnreachable("192.0.2.10: did not come back within 900 s of a reboot")
+
+            return DeployRunner(node=node)
+
+    machine = Lost()
+    news = {**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}
+    with pytest.raises(NodeUnreachable, match="did not come back"):
+        NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
+    assert len(machine.keys) == 1
+
+
+def _closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on: a connection there is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _delete_within(props: dict[str, Any], bound_s: float = 60.0) -> BaseException | None:
+    """The real provider's delete (real SSH, an OpenSSH key paramiko loads), in a thread given
+    `bound_s`; what it raised."""
+    key = Ed25519PrivateKey.generate().private_bytes(
+        Encoding.PEM, PrivateFormat.OpenSSH, NoEncryption()
+    )
+    props = {**props, "ssh_private_key": key.decode()}
+    raised: list[BaseException] = []
+
+    def delete() -> None:
+        try:
+            NodeSetupProvider().delete("office.rack-1", props)
+        except Exception as error:  # handed to the test
+            raised.append(error)
+
+    thread = threading.Thread(target=delete, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"delete still connecting after {bound_s:.0f} s"
+    return raised[0] if raised else None
+
+
+def test_delete_of_a_node_whose_machine_is_gone_succeeds_with_a_warning(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in the provider's own process, which has no engine to log to: the warning goes to
+    # stderr (an earlier test's mocks may have left one set in this process).
+    monkeypatch.setattr(pulumi.log, "get_engine", lambda: None)
+    port = _closed_port()
+    assert _delete_within({**NODE, "host": f"127.0.0.1:{port}"}) is None
+    warning = capsys.readouterr().err
+    assert "node office.rack-1: cannot connect to 127.0.0.1" in warning, warning
+    assert "taken as gone" in warning and "stop its denv-replica units by hand" in warning
+    assert "PRIVATE KEY" not in warning
+
+
+def test_delete_fails_when_something_answers_but_lets_no_deploy_in() -> None:
+    """An SSH port that answers (here: a listener that hangs up at once, as no SSH server
+    would) is a live machine: delete fails and the resource stays in the state."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def hang_up() -> None:
+            with suppress(OSError):
+                while True:
+                    connection, _ = server.accept()
+                    connection.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        raised = _delete_within({**NODE, "host": f"127.0.0.1:{port}"})
+    assert isinstance(raised, NodeUnreachable) and raised.answered, raised
+    assert str(raised).startswith("cannot connect to 127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("error", "gone"),
+    [
+        (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), True),
+        (TimeoutError("timed out"), True),
+        (OSError(errno.EHOSTUNREACH, "no route to host"), True),
+        (OSError(errno.EHOSTDOWN, "host is down"), True),
+        (OSError(errno.ETIMEDOUT, "timed out"), True),
+        (OSError(errno.ENETUNREACH, "network is unreachable"), False),  # the deployer's own
+        (NoValidConnectionsError({("192.0.2.1", 22): ConnectionRefusedError(111, "r")}), True),
+        (
+            NoValidConnectionsError(
+                {
+                    ("192.0.2.1", 22): ConnectionRefusedError(111, "r"),
+                    ("2001:db8::1", 22, 0, 0): OSError(errno.ENETUNREACH, "u"),
+                }
+            ),
+            False,
+        ),
+        (AuthenticationException("Authentication failed."), False),
+        (SSHException("Error reading SSH protocol banner"), False),
+        (EOFError(), False),
+        (None, False),
+    ],
+)
+def test_only_an_address_where_nothing_answers_counts_as_gone(
+    error: BaseException | None, gone: bool
+) -> None:
+    assert no_answer(error) is gone
 
 
 def test_node_setup_registers_the_deployment_with_its_key_a_secret() -> None:
@@ -507,3 +676,71 @@ def test_nodes_a_cloud_creates_are_set_up_as_ubuntu_keeping_the_images_driver(
             "vllm_cache": f"{cache_root}/vllm",
             "inductor_cache": f"{cache_root}/torchinductor",
         }
+
+
+def _deployments_hosting(run: Any, stack: Any) -> dict[str, dict[str, str]]:
+    """Pool -> node id -> the URN of the NodeDeployment of each node hosting it."""
+    urns = {r.name: r.urn for r in run.of_type(DEPLOYMENT)}
+    hosting: dict[str, dict[str, str]] = {}
+    for replica in place_replicas(stack).replicas:
+        name = f"prod-{replica.site}-{replica.node}-setup-deploy"
+        if name in urns:
+            hosting.setdefault(replica.pool, {})[f"{replica.site}.{replica.node}"] = urns[name]
+    return hosting
+
+
+def test_a_pools_node_deploys_run_one_after_another_across_sites() -> None:
+    args = stacks.multicloud()
+    args["sites"][0]["max_nodes"] = 2  # voice's third replica goes to the other region
+    run = run_program(lambda: cluster_outputs(args), preview=False)
+    stack, _, _ = validate_cluster("prod", args)
+    waits = {r.urn: set(r.dependencies) for r in run.of_type(DEPLOYMENT)}
+
+    def before(a: str, b: str) -> bool:  # b waits, directly or not, for a
+        seen, todo = set(), [b]
+        while todo:
+            for urn in waits.get(todo.pop(), set()) - seen:
+                seen.add(urn)
+                todo.append(urn)
+        return a in seen
+
+    hosting = _deployments_hosting(run, stack)
+    assert set(hosting) == {"voice", "side", "assist"}
+    for pool, nodes in hosting.items():
+        urns = list(nodes.values())
+        assert len(urns) >= 2, pool
+        # Any two deploys of a pool are ordered: the engine never runs them at once.
+        for i, a in enumerate(urns):
+            for b in urns[i + 1 :]:
+                assert before(a, b) or before(b, a), (pool, a, b)
+    # Voice spans two AWS regions: its chain crosses from one site to the other.
+    voice = list(hosting["voice"].items())
+    sites = [node.split(".")[0] for node, _ in voice]
+    assert sites[0] == "aws-use1" and sites[-1] == "aws-usw2"
+    # Pools that share no node are not ordered against each other.
+    (side, *_), (assist, *_) = hosting["side"].values(), hosting["assist"].values()
+    assert not before(side, assist) and not before(assist, side)
+
+
+def test_an_unchanged_recipe_diffs_to_nothing_and_a_new_image_to_an_update() -> None:
+    args = stacks.multicloud()
+    first = run_program(lambda: cluster_outputs(args), preview=False)
+    again = run_program(lambda: cluster_outputs(stacks.multicloud()), preview=False)
+    args["recipes"][1]["image"] = "ghcr.io/acme/side:3"
+    changed = run_program(lambda: cluster_outputs(args), preview=False)
+    provider = NodeSetupProvider()
+
+    def diffs(run: Any) -> dict[str, bool]:
+        olds = {r.name: r.inputs for r in first.of_type(DEPLOYMENT)}
+        return {
+            r.name: provider.diff("id", {**olds[r.name], "applied": ["x"]}, r.inputs).changes
+            for r in run.of_type(DEPLOYMENT)
+        }
+
+    # A second `up` of the same stack applies nothing on any node.
+    assert diffs(again) and not any(diffs(again).values())
+    # A new image for side re-runs the deploy of side's nodes only.
+    assert {name for name, changes in diffs(changed).items() if changes} == {
+        "prod-office-rack-1-setup-deploy",
+        "prod-office-rack-2-setup-deploy",
+    }

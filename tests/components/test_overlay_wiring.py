@@ -46,7 +46,8 @@ def test_the_node_deploy_gets_its_config_with_the_key_filled_in_and_its_peers() 
     (spec,) = [what for kind, _, what in recorder.calls if kind == "node"]
     assert (spec.listen_address, spec.overlay_senders) == ("10.99.4.7", ("203.0.113.9",))
     assert spec.balancer_addresses == ("10.99.0.9",)
-    assert recorder.extras == [(CONFIG.replace(PRIVATE_KEY_PLACEHOLDER, PRIVATE),)]
+    ((config, _),) = recorder.extras  # then the login's keys (tests/node/test_ssh_keys.py)
+    assert config == CONFIG.replace(PRIVATE_KEY_PLACEHOLDER, PRIVATE)
     # What the deploy reports holds no key (the outs keep it only as the secret input it is).
     assert result.outs is not None and PRIVATE not in str(result.outs["applied"])
 
@@ -71,7 +72,8 @@ def test_off_the_overlay_the_node_deploy_gets_no_config() -> None:
     off = {k: v for k, v in NODE.items() if not k.startswith("overlay_")}
     off["node"] = spec_to_json(NodeDeploySpec(node_id="office.rack-1"))
     NodeSetupProvider(recorder.runner()).create(off)
-    assert recorder.extras == [(None,)]
+    ((config, _),) = recorder.extras
+    assert config is None
     assert "listen_address" not in off["node"]  # the state of a stack without it is unchanged
 
 
@@ -85,7 +87,7 @@ def test_a_balancer_host_gets_its_config_and_its_wireguard_guard() -> None:
         "overlay_port": 51820.0,  # as the engine hands it
     }
     NodeSetupProvider(recorder.runner()).create(on)
-    ((access, _, _, config),) = recorder.extras
+    ((access, _, _, config, _),) = recorder.extras
     assert access == BalancerAccess((), 0, 51820, ("198.18.0.1", "198.18.0.2"))
     assert config == CONFIG.replace(PRIVATE_KEY_PLACEHOLDER, PRIVATE)
 

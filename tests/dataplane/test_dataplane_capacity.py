@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
-from denv_iac.balancer.runtime import server_stats, stats_command
+import httpx
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from denv_iac.balancer.model import queue_timeout_ms
+from denv_iac.balancer.runtime import server_stats, stats_command, stats_rows
+from denv_iac.balancer.saturation import PoolSaturation, pool_saturation
+from denv_iac.cli import main
 from denv_iac.local.replica_sim import ReplicaSimConfig
 
-from .dataplane_harness import Dataplane, PoolLayout, StreamOutcome, stream_chat
+from .dataplane_harness import Dataplane, PoolLayout, StreamOutcome, free_port, stream_chat
 
 # A token every 100 ms: a stream of n tokens holds its slot for about n / 10 seconds, and no
 # pause comes near the stall budget.
@@ -123,8 +133,11 @@ def test_past_the_first_token_budget_a_queued_request_gets_a_json_503_with_retry
     assert "x-denv-replica" not in refused.headers
     error = refused.json()["error"]
     assert (error["type"], error["code"]) == ("service_unavailable", "pool_full")
-    # It waited the budget for a slot, and no longer: the streams holding them ran on.
-    assert budget_s - 0.05 <= waited_s < budget_s + 0.5
+    # It waited the queue's share of the budget for a slot (the rest is a replica's prefill),
+    # and no longer: the streams holding them ran on.
+    queue_s = queue_timeout_ms(int(budget_s * 1000)) / 1000
+    assert queue_s < budget_s
+    assert queue_s - 0.05 <= waited_s < queue_s + 0.5
     assert not any(outcome.done for outcome in outcomes if outcome.elapsed_s < waited_s)
     # The streams that held the slots were never cut because of the load.
     assert all(_served_whole(outcome) for outcome in outcomes), outcomes
@@ -160,12 +173,13 @@ def test_a_full_home_tier_spills_to_the_next_tier_and_takes_requests_back_once_f
 def test_the_wait_for_a_slot_does_not_count_against_the_replica_silence_budget(
     start_dataplane: Start,
 ) -> None:
-    # 300 ms to the first token: a queued request's first byte comes past the 1 s budget.
-    prefill = ReplicaSimConfig("template", ttft_ms=300, itl_ms=100, tokens=8)
-    layout = _home_tier(1000)
+    # 900 ms to the first token: a request that waited for a slot (at most 1.5 s of the 2 s
+    # first-token budget) has its first byte past `timeout server` (2 s).
+    prefill = ReplicaSimConfig("template", ttft_ms=900, itl_ms=100, tokens=8)
+    layout = _home_tier(2000)
     plane = start_dataplane(pools=(layout,), replica_ids=HOME, sim=prefill)
     with _streams(plane) as start:
-        running = [start(6), start(6)]  # about 0.9 s each
+        running = [start(5), start(5)]  # about 1.4 s each
         plane.wait_until(
             lambda: all(_busy(plane, r) == 1 for r in HOME), 5, "both replicas take one stream"
         )
@@ -174,4 +188,136 @@ def test_the_wait_for_a_slot_does_not_count_against_the_replica_silence_budget(
 
     assert all(_served_whole(outcome) for outcome in (*outcomes, waited)), (outcomes, waited)
     assert waited.first_token_s is not None
-    assert waited.first_token_s > layout.stall_timeout_ms / 1000
+    timeout_server_ms = max(layout.first_token_timeout_ms, layout.stall_timeout_ms)
+    assert waited.first_token_s > timeout_server_ms / 1000
+
+
+def _status_output(plane: Dataplane, *flags: str) -> str:
+    """What `denv status` prints of the plane's balancer, read from its admin socket."""
+    assert plane.haproxy is not None
+    socket_path = str(plane.haproxy.stats_socket)
+    printed = CliRunner().invoke(main, ["status", "--admin-socket", socket_path, *flags])
+    # 1 says an agent check went unanswered (a loaded test host): not what is read here.
+    assert printed.exit_code in (0, 1), printed.output
+    return printed.output
+
+
+def _status(plane: Dataplane) -> dict[str, Any]:
+    """`denv status --json` of the plane's balancer."""
+    document: dict[str, Any] = json.loads(_status_output(plane, "--json"))
+    return document
+
+
+def _saturation(plane: Dataplane) -> PoolSaturation:
+    assert plane.haproxy is not None
+    return pool_saturation(stats_rows(plane.haproxy.stats_socket))["voice"]
+
+
+# What the alert rules record, from the exporter's series: the proxies of the pool's slot-taking
+# backends (tier and speech twin), its tier backends and its later tiers.
+BOUNDED = re.compile(r"voice\.tier[0-9]+(\.speech)?")
+TIERS = re.compile(r"voice\.tier[0-9]+")
+LATER = re.compile(r"voice\.tier20(\.speech|\.realtime)?")
+
+
+def _exported(plane: Dataplane) -> dict[str, int]:
+    """The pool's saturation as the alert rules record it, from HAProxy's exporter (counters
+    as totals, where the rules take their rate)."""
+    text = httpx.get(f"http://127.0.0.1:{plane.settings.prometheus_port}/metrics").text
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def total(name: str, proxies: re.Pattern[str], **labels: str) -> int:
+        return int(
+            sum(
+                s.value
+                for s in samples
+                if s.name == name
+                and proxies.fullmatch(s.labels.get("proxy", ""))
+                and labels.items() <= s.labels.items()
+            )
+        )
+
+    up = {
+        (s.labels["proxy"], s.labels["server"])
+        for s in samples
+        if s.name == "haproxy_server_status" and s.labels["state"] == "UP" and s.value == 1
+    }
+    return {
+        "slots_in_use": total("haproxy_server_current_sessions", BOUNDED),
+        "slots": int(
+            sum(
+                s.value
+                for s in samples
+                if s.name == "haproxy_server_limit_sessions"
+                and TIERS.fullmatch(s.labels["proxy"])
+                and (s.labels["proxy"], s.labels["server"]) in up
+            )
+        ),
+        "queued": total("haproxy_backend_current_queue", BOUNDED)
+        + total("haproxy_server_current_queue", BOUNDED),
+        "spilled": total("haproxy_backend_sessions_total", LATER),
+        "shed": total("haproxy_backend_http_responses_total", BOUNDED, code="5xx")
+        - total("haproxy_server_http_responses_total", BOUNDED, code="5xx"),
+    }
+
+
+def _figures(saturation: dict[str, Any]) -> dict[str, int]:
+    return {k: v for k, v in saturation.items() if k not in ("pool", "saturated")}
+
+
+def test_status_shows_a_full_pool_its_slots_queue_spill_and_shed(start_dataplane: Start) -> None:
+    layout = PoolLayout(
+        "voice",
+        ((10, ("home",)), (20, ("fallback",))),
+        session_affinity=False,
+        max_concurrency=1,
+        first_token_timeout_ms=1000,
+    )
+    home, fallback = "voice.home.n0.0", "voice.fallback.n1.0"
+    plane = start_dataplane(
+        pools=(layout,), replica_ids=(home, fallback), sim=SLOW, prometheus_port=free_port()
+    )
+    idle = _status(plane)["pools"][0]["saturation"]
+    with _streams(plane) as start, plane.client() as client:
+        held = start(30)  # about 3 s each: they hold both slots past the queue budget
+        plane.wait_until(lambda: _busy(plane, home) == 1, 5, "the home replica is full")
+        spilled = start(30)
+        plane.wait_until(lambda: _busy(plane, fallback) == 1, 5, "the next tier takes one")
+        refused: Future[httpx.Response] = ThreadPoolExecutor(1).submit(
+            client.post, "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 2}
+        )
+        plane.wait_until(lambda: _saturation(plane).queued == 1, 5, "the third one waits")
+        full = _status(plane)["pools"][0]["saturation"]
+        full_exported = _exported(plane)
+        assert refused.result().status_code == 503
+        after = _status(plane)["pools"][0]["saturation"]
+        after_exported = _exported(plane)
+        outcomes = [held.result(), spilled.result()]
+
+    assert idle == {
+        "pool": "voice",
+        "slots_in_use": 0,
+        "slots": 2,
+        "queued": 0,
+        "spilled": 0,
+        "shed": 0,
+        "saturated": False,
+    }
+    # Every slot taken, one request waiting for one, one already sent to the next tier.
+    assert full == {**idle, "slots_in_use": 2, "queued": 1, "spilled": 1, "saturated": True}
+    # It waited out the first-token budget and was shed; the streams holding slots ran on.
+    assert after == {**full, "queued": 0, "shed": 1}
+    assert refused.result().json()["error"]["code"] == "pool_full"
+    # The exporter's series the alert rules read say the same.
+    assert [full_exported, after_exported] == [_figures(full), _figures(after)]
+    assert all(_served_whole(outcome) for outcome in outcomes), outcomes
+    assert [o.replica for o in outcomes] == [home, fallback]
+    # Once the streams end, every slot is free again; what was spilled and shed stays counted.
+    plane.wait_until(lambda: _saturation(plane).slots_in_use == 0, 5, "the slots are free")
+    done = {**after, "slots_in_use": 0, "saturated": False}
+    assert _status(plane)["pools"][0]["saturation"] == done
+    assert (
+        "pool voice: slots 0/2 in use, 0 queued; since the balancer started 1 spilled to a later"
+        " tier, 1 shed\n"
+    ) in _status_output(plane)
+    print(f"idle {idle}\nfull {full}\nafter the budget {after}")

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from denv_iac.balancer.runtime import server_stats
-from denv_iac.local.replica_sim import control_headers
 from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.ops.demo import replica_fault
 from denv_iac.spec.reader import read_stack
 from tests.stacks import local_site
 from tests.timing import assert_within
@@ -77,16 +77,6 @@ def _agent_reply(state: RunState, replica_id: str) -> str:
         return sock.recv(4096).decode().strip()
 
 
-def _fault(state: RunState, replica_id: str, mode: str) -> None:
-    replica = next(r for r in state.replicas if r.id == replica_id)
-    httpx.post(
-        f"{replica.url}/control/fault",
-        json={"mode": mode},
-        headers=control_headers(state.control_token),
-        timeout=2,
-    ).raise_for_status()
-
-
 class Load:
     """`streams` client loops of streamed chat through the endpoint until stopped."""
 
@@ -131,7 +121,7 @@ def test_a_zombie_is_out_of_rotation_within_2_s_and_back_once_it_makes_tokens(
     with Load(stack, streams=2):
         # The clock starts with a stream running on it: the first stalled request is at once.
         _wait("a stream on the replica", lambda: int(_row(stack, zombie)["scur"] or 0) > 0, 5)
-        _fault(stack, zombie, "zombie")
+        replica_fault(stack, zombie, "zombie")
         out_s = _wait(
             "the zombie marked down",
             lambda: _row(stack, zombie)["status"].startswith("DOWN"),
@@ -141,7 +131,7 @@ def test_a_zombie_is_out_of_rotation_within_2_s_and_back_once_it_makes_tokens(
         assert _agent_reply(stack, zombie).startswith("down #engine stalled")
         # Its healthy peer is never touched.
         assert _row(stack, stack.replicas[1].id)["status"] == "UP"
-        _fault(stack, zombie, "none")
+        replica_fault(stack, zombie, "none")
         # Back once the agent's own request shows a token: a metrics poll, that request, an
         # agent check.
         _wait("the replica back up", lambda: _row(stack, zombie)["status"] == "UP", 5)

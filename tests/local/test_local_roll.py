@@ -77,7 +77,11 @@ def _until(done: Any, bound_s: float, what: str) -> None:
 
 def _ready(cluster: LocalCluster) -> set[str]:
     assert cluster.state is not None
-    return ready_servers(server_rows(stats_command(Path(cluster.state.admin_socket), "show stat")))
+    return _state_ready(cluster.state)
+
+
+def _state_ready(state: RunState) -> set[str]:
+    return ready_servers(server_rows(stats_command(Path(state.admin_socket), "show stat")))
 
 
 def _cmdline(pid: int) -> str:
@@ -236,3 +240,68 @@ def test_denv_local_roll_rolls_through_the_supervisor(tmp_path: Path) -> None:
     assert refused.returncode == 2
     assert refused.stderr.startswith("error: --stack: t has no supervising `denv local up`")
     assert len(refused.stderr.splitlines()) == 1
+
+
+def test_denv_local_roll_stops_naming_a_replica_that_never_warms(tmp_path: Path) -> None:
+    project = _stack_project(tmp_path)
+    config = copy.deepcopy(SUPERVISED)
+    voice = config["denv:recipes"][0]
+    voice.update(stall_timeout_ms=30000, cold_start_budget_s=10)
+    stack_file = project / "stacks" / "Pulumi.t.yaml"
+    stack_file.write_text(yaml.safe_dump({"config": config}))
+    with _supervised_up(project) as (supervisor, state):
+        # The new config's first token comes after 20 s: never within the 10 s budget.
+        voice["simulate"]["ttft_ms"] = 20000
+        stack_file.write_text(yaml.safe_dump({"config": config}))
+        stopped = _denv_roll(project)
+        assert stopped.returncode == 1, stopped.stderr
+        (line,) = stopped.stderr.splitlines()
+        first = next(r.id for r in state.replicas if r.pool == "voice")
+        assert line.startswith(f"error: replica {first} never became warm with the new config")
+        assert "cold_start_budget_s 10 s" in line
+        now = RunState.from_json((project / ".denv/t/state.json").read_text())
+        for before, after in zip(state.replicas, now.replicas, strict=True):
+            assert "--ttft-ms=20000" not in _cmdline(after.pid), after.id
+            if after.id != first:
+                assert after.pid == before.pid, after.id  # never touched
+        # The old version serves, the failed replica among it, through the endpoint.
+        _until(lambda: len(_state_ready(now)) == len(now.replicas), 15, "all UP again")
+        for _ in range(4):
+            response = httpx.post(
+                f"{now.endpoint}/v1/chat/completions", json={"model": "voice"}, timeout=5
+            )
+            assert response.status_code == 200
+        assert supervisor.poll() is None
+
+
+# Streams of 3 s against a drain bound of 1 s: each drained replica still holds its stream.
+LONG = {"ttft_ms": 20, "itl_ms": 20, "tokens": 150}
+
+
+@pytest.mark.parametrize("started", [_config(drain_timeout_s=1, simulate=LONG)], indirect=True)
+def test_streams_past_drain_timeout_are_cut_counted_and_named(started: LocalCluster) -> None:
+    cluster = started
+    assert cluster.state is not None
+    changed = read_stack("t", _config(drain_timeout_s=1, simulate={**LONG, "tokens": 149}))
+    lines: list[str] = []
+    with Load(cluster.state.endpoint, cluster) as load:
+        _until(lambda: _sessions(cluster) >= 3, 10, "3 streams open")
+        report = roll(cluster, changed, lines.append)
+        _until(lambda: load.completed >= 3, 15, "serving after the roll")
+    assert load.lost == []
+    # What the clients saw cut is what the roll counted, each on a replica it names.
+    assert load.cut and len(load.cut) <= report.cut
+    named = [line for line in lines if "still open after drain_timeout_s 1 s: cut" in line]
+    assert {line.split(":")[0].removeprefix("replica ") for line in named} == set(report.cut_on())
+    assert report.line().endswith(
+        f"{report.cut} session(s) cut past drain_timeout_s ("
+        + ", ".join(f"{r} {n}" for r, n in report.cut_on().items())
+        + ")"
+    )
+    assert min(load.ready_samples) >= 2  # min_warm held even so
+
+
+def _sessions(cluster: LocalCluster) -> int:
+    assert cluster.state is not None
+    rows = server_rows(stats_command(Path(cluster.state.admin_socket), "show stat"))
+    return sum(int(r["scur"] or 0) for r in rows if r["svname"].startswith("voice."))

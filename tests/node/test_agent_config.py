@@ -40,9 +40,25 @@ def test_a_recipe_with_a_ttft_budget_gets_the_stream_probe_on_its_nodes(tmp_path
     assert replica.probe.url == "http://127.0.0.1:8000/v1/chat/completions"
 
 
-def test_without_a_budget_no_probe(tmp_path: Path) -> None:
+def test_without_a_budget_no_stream_probe_but_the_engine_metrics_by_default(
+    tmp_path: Path,
+) -> None:
+    """A zombie (health 200, headers, no token) is out within 2 s on nodes with no setting:
+    the agent reads /metrics every 250 ms and knows vLLM, SGLang or TGI by the names."""
     text, _ = _agent_config(None)
-    assert parse(text, tmp_path).replicas[0].probe is None
+    config = parse(text, tmp_path)
+    replica = config.replicas[0]
+    assert replica.probe is None
+    assert replica.engine is not None
+    assert (replica.engine.family, replica.engine.stall_budget_ms) == ("auto", 1000.0)
+    assert replica.engine.metrics_url == "http://127.0.0.1:8000/metrics"
+    assert config.intervals.metrics_s == 0.25
+
+
+def test_engine_none_reads_no_metrics(tmp_path: Path) -> None:
+    text, _ = _agent_config(None, engine="none")
+    replica = parse(text, tmp_path).replicas[0]
+    assert (replica.probe, replica.engine) == (None, None)
     assert "probe_model" not in text
 
 

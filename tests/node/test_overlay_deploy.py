@@ -123,6 +123,15 @@ def test_a_changed_config_reloads_and_restarts_only_for_a_moved_address() -> Non
     assert all(PACKAGE not in command for command in apply.commands + moved.commands)
 
 
+def test_a_config_with_an_mtu_sets_it_in_place_on_a_running_interface() -> None:
+    # wg-quick sets MTU only at `up`, and syncconf ignores it: an interface up from before the
+    # config had one would keep the route's MTU (8921 on an AWS jumbo-frame link).
+    with_mtu = PEER_ADDED.replace("ListenPort = 51820\n", "ListenPort = 51820\nMTU = 1420\n")
+    (apply,) = [s for s in plan(UP, with_mtu) if s.title.startswith("apply")]
+    assert apply.commands[-1] == "ip link set dev denv0 mtu 1420"
+    assert apply.commands[:2] == (f"systemctl enable {UNIT}", f"systemctl reload {UNIT}")
+
+
 def test_a_config_without_an_address_is_refused() -> None:
     with pytest.raises(ValueError, match="no Address line"):
         plan(UP, "[Interface]\nListenPort = 51820\n")

@@ -30,6 +30,9 @@ def test_bad_fields_are_named_with_their_fix() -> None:
         "replica 'a' mig 1g.10gb#1: GPU 0 has 0 such instance(s) in the mig layout; "
         "add them or pick another"
     ]
+    bounds = "drain_timeout_s / ready_timeout_s / rejoin_s: give seconds, drain and rejoin 0 or "
+    for bad in ({"drain_timeout_s": -1}, {"ready_timeout_s": 0}, {"rejoin_s": -1}):
+        assert problems(**bad) == [bounds + "more, ready 1+"], bad
     own_env = (ReplicaSpec("a", "img", 8000, 0, env={"HF_HOME": "/x"}),)
     assert problems(replicas=own_env) == ["replica 'a' env HF_HOME: set by the deploy; remove it"]
 

@@ -1,0 +1,400 @@
+"""`make reliability`, overload and a zombie engine: replicas of known capacity, counted.
+
+Each scenario starts a fresh local stack whose simulated replicas have a capacity of their own
+(`slots` sequences decoding at once, each slower as the batch grows, a FIFO queue behind them,
+headers sent at admission as a real engine does) and a recipe whose `max_concurrency` equals the
+slots, then puts open-loop Poisson arrivals of streamed chat on it (half of them turns of
+four-turn conversations on `X-Denv-Session`, half requests of their own) at a multiple of the
+pool's capacity:
+
+- capacity = replicas x slots / the time one request holds its slot with every slot busy
+  (prefill, then `tokens` tokens at `itl_ms x (1 + itl_growth x (slots - 1))`);
+- per level: requests, completed, completed with the first token within the first-token budget,
+  cut mid-stream by the product (a 200 that broke off: must be 0 on healthy replicas), shed
+  (503/429) and the longest any shed request waited for that answer (must be within the budget
+  plus 100 ms), and goodput: completed-within-budget per second as a share of capacity;
+- `fallback 0.9x`: a second site of equal size as the pool's next tier, 0.9x of the home tier's
+  capacity (at least 99 % must complete with the first token within budget);
+- `zombie`: one of two replicas keeps answering /health and sending headers but makes no token,
+  under load, with the stack's defaults (no ttft_budget_ms, no probe settings): the time from
+  its first stalled request until HAProxy has it out of rotation (goal 2 s), the turns cut (at
+  most those in flight on it, which maxconn bounds), and the time until the pool is back at full
+  strength after the fault clears.
+
+Traffic stays on 127.0.0.1. Writes benchmarks/results/overload_reliability.json.
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.reliability import at_full_strength, stats_of, wait_full_strength
+from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.ops.demo import replica_fault, seen_by_replicas
+from denv_iac.ops.loadgen import LoadReport, percentile, run_load
+from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
+from denv_iac.spec.reader import read_stack
+
+RESULTS = Path(__file__).parent / "results" / "overload_reliability.json"
+LEVELS = (0.5, 0.9, 1.3, 2.0)
+FALLBACK_LEVEL = 0.9
+# With one of two replicas out, the other is at 0.8 of its own capacity.
+ZOMBIE_LEVEL = 0.4
+SESSION_SHARE = 0.5
+SESSION_TURNS = 4
+# A refusal must come within the first-token budget plus this: HAProxy's timer wheel and two
+# shared cores.
+SHED_SLACK_MS = 100
+ZOMBIE_OUT_MS = 2000
+# One GPU's engine in miniature: four sequences at once, each token 10 % slower per extra one.
+ENGINE = {"ttft_ms": 40, "itl_ms": 20, "tokens": 16, "slots": 4, "itl_growth": 0.1}
+SHED = ("http_503", "http_429")
+
+
+def capacity_per_s(replicas: int, engine: dict[str, Any] = ENGINE) -> float:
+    """Requests/s the replicas finish with every slot busy."""
+    slots = engine["slots"]
+    itl_ms = engine["itl_ms"] * (1 + engine["itl_growth"] * (slots - 1))
+    held_s = (engine["ttft_ms"] + engine["tokens"] * itl_ms) / 1000
+    return replicas * slots / held_s
+
+
+def _node(name: str) -> dict[str, Any]:
+    return {"name": name, "gpu": "H100", "gpus": 1}
+
+
+def overload_stack(fallback: bool) -> dict[str, Any]:
+    """Two replicas at the home site; with `fallback`, two more at a second site, the next
+    tier. Stack defaults otherwise: budgets, probe settings, session affinity."""
+    sites = ["home", "away"] if fallback else ["home"]
+    return {
+        "denv:sites": [
+            {"name": site, "kind": "local", "nodes": [_node("node-a"), _node("node-b")]}
+            for site in sites
+        ],
+        "denv:recipes": [
+            {
+                "name": "voice",
+                "min_warm": 2 * len(sites) - 1,
+                "spare": 1,
+                "sites": sites,
+                "max_concurrency": ENGINE["slots"],
+                "simulate": ENGINE,
+            }
+        ],
+        "denv:balancer": {"sites": ["home"]},
+    }
+
+
+@dataclass(frozen=True)
+class Level:
+    scenario: str
+    load: float  # the arrival rate as a multiple of the home tier's capacity
+    rate_per_s: float
+    capacity_per_s: float
+    duration_s: float
+    requests: int
+    completed: int
+    within_budget: int  # completed with the first token within the first-token budget
+    cut: int  # 200 answers that broke off mid-stream
+    shed: int  # answered 503 or 429
+    worst_shed_ms: float | None  # the longest wait for a 503/429, from the request
+    other_errors: dict[str, int]
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    # Within-budget completions per second of the run (its arrivals, then the last answers),
+    # as a share of capacity.
+    goodput: float
+    within_budget_share: float  # within_budget / requests
+    served_by_fallback: int = 0
+    # Replicas HAProxy took out of rotation during the level: a full replica is never down.
+    left_rotation: tuple[str, ...] = ()
+
+
+def count(
+    scenario: str, load: float, capacity: float, duration_s: float, report: LoadReport
+) -> Level:
+    results = report.results
+    completed = [r for r in results if r.ok]
+    within = [r for r in completed if r.ttft_ms is not None and r.ttft_ms <= FIRST_TOKEN_TIMEOUT_MS]
+    shed = [r for r in results if r.error in SHED]
+    cut = [r for r in results if r.status == 200 and r.error]
+    others = [r for r in results if r.error and r not in shed and r not in cut]
+    firsts = [r.ttft_ms for r in completed if r.ttft_ms is not None]
+    p50, p90 = percentile(firsts, 50), percentile(firsts, 90)
+    return Level(
+        scenario,
+        load,
+        round(load * capacity, 2),
+        round(capacity, 2),
+        duration_s,
+        len(results),
+        len(completed),
+        len(within),
+        len(cut),
+        len(shed),
+        round(max(r.total_ms for r in shed), 1) if shed else None,
+        dict(sorted(_counts(r.error for r in others).items())),
+        None if p50 is None else round(p50, 1),
+        None if p90 is None else round(p90, 1),
+        round(len(within) / report.wall_s / capacity, 3) if report.wall_s else 0.0,
+        round(len(within) / len(results), 4) if results else 0.0,
+        sum(1 for r in completed if ".away." in r.replica),
+    )
+
+
+def _counts(errors: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for error in errors:
+        out[error] = out.get(error, 0) + 1
+    return out
+
+
+def level_problems(level: Level) -> list[str]:
+    """What the issue's goals say of one level, one line each."""
+    problems = []
+    if level.cut:
+        problems.append(f"{level.scenario}: {level.cut} streams cut on healthy replicas")
+    budget = FIRST_TOKEN_TIMEOUT_MS + SHED_SLACK_MS
+    if level.worst_shed_ms is not None and level.worst_shed_ms > budget:
+        problems.append(f"{level.scenario}: a 503 took {level.worst_shed_ms} ms (> {budget})")
+    if level.other_errors:
+        problems.append(f"{level.scenario}: unserved without a 503/429: {level.other_errors}")
+    if level.left_rotation:
+        problems.append(f"{level.scenario}: full replicas marked down: {level.left_rotation}")
+    if level.scenario.startswith("fallback") and level.within_budget_share < 0.99:
+        problems.append(f"{level.scenario}: {level.within_budget_share:.1%} within budget (< 99%)")
+    if level.load >= 2.0 and not level.scenario.startswith("fallback") and level.goodput < 0.9:
+        problems.append(f"{level.scenario}: goodput {level.goodput} (< 0.9 of capacity)")
+    return problems
+
+
+def _started(stack: dict[str, Any], tmp: Path) -> LocalCluster:
+    cluster = LocalCluster(read_stack("overload", stack), tmp, free_port())
+    cluster.up()
+    return cluster
+
+
+def _wait_ready(state: RunState, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not at_full_strength(state):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the stack was not at full strength")
+        time.sleep(0.05)
+
+
+async def _load(state: RunState, rate: float, duration_s: float, seed: int) -> LoadReport:
+    return await run_load(
+        state.endpoint,
+        "voice",
+        rate=rate,
+        duration_s=duration_s,
+        session_share=SESSION_SHARE,
+        session_turns=SESSION_TURNS,
+        seed=seed,
+        timeout_s=10,
+    )
+
+
+def _watch_rotation(state: RunState, stop: threading.Event, left: set[str]) -> None:
+    """Every replica HAProxy had out of rotation (not UP) while the load ran."""
+    while not stop.wait(0.02):
+        for replica_id, row in stats_of(state).items():
+            if not row.get("status", "").startswith("UP"):
+                left.add(replica_id)
+
+
+def run_levels(
+    levels: tuple[float, ...], duration_s: float, fallback: bool = False, seed: int = 1
+) -> list[Level]:
+    """Each level on the same stack, one after the other (a second between them)."""
+    capacity = capacity_per_s(2)
+    name = "fallback" if fallback else "one tier"
+    out = []
+    with tempfile.TemporaryDirectory(prefix="denv-overload-") as tmp:
+        cluster = _started(overload_stack(fallback), Path(tmp))
+        try:
+            state = cluster.state
+            assert state is not None
+            for load in levels:
+                _wait_ready(state)
+                left: set[str] = set()
+                stop = threading.Event()
+                watching = threading.Thread(target=_watch_rotation, args=(state, stop, left))
+                watching.start()
+                try:
+                    report = asyncio.run(_load(state, load * capacity, duration_s, seed))
+                finally:
+                    stop.set()
+                    watching.join()
+                level = count(f"{name} {load}x", load, capacity, duration_s, report)
+                out.append(replace(level, left_rotation=tuple(sorted(left))))
+                time.sleep(1.0)
+        finally:
+            cluster.down()
+    return out
+
+
+@dataclass(frozen=True)
+class Zombie:
+    scenario: str
+    load: float
+    requests: int
+    completed: int
+    cut: int
+    # Of those, streams the zombie had (by its own log and the replica header) that were sent
+    # before it went out of rotation: the turns in flight on it.
+    cut_in_flight: int
+    in_flight_when_out: int  # HAProxy's count of requests on it when it went out
+    shed: int
+    worst_shed_ms: float | None
+    other_errors: dict[str, int]
+    out_of_rotation_ms: float | None  # from its first stalled request
+    recovered_ms: float | None  # from the fault's clearing until full strength
+
+
+def _poll(check: Callable[[], bool], limit_s: float) -> float | None:
+    since = time.perf_counter()
+    while time.perf_counter() - since < limit_s:
+        if check():
+            return time.perf_counter() - since
+        time.sleep(0.005)
+    return None
+
+
+def run_zombie(duration_s: float, seed: int = 2) -> Zombie:
+    """A zombie a third of the way in, cleared two thirds in; detection counted from its first
+    stalled request: the fault is set while a stream runs on it."""
+    capacity = capacity_per_s(2)
+    with tempfile.TemporaryDirectory(prefix="denv-zombie-") as tmp:
+        cluster = _started(overload_stack(False), Path(tmp))
+        try:
+            state = cluster.state
+            assert state is not None
+            _wait_ready(state)
+            zombie = state.replicas[0].id
+            moments: dict[str, float] = {}
+            timings: dict[str, float | None] = {}
+            rows: list[dict[str, str]] = []
+
+            def row() -> dict[str, str]:
+                return stats_of(state).get(zombie, {})
+
+            def out() -> bool:
+                rows.append(row())
+                return not rows[-1].get("status", "UP").startswith("UP")
+
+            def fault() -> None:
+                time.sleep(duration_s / 3)
+                _poll(lambda: int(row().get("scur") or 0) > 0, 5.0)
+                replica_fault(state, zombie, "zombie")
+                moments["fault"] = time.perf_counter()
+                timings["out"] = _poll(out, 10.0)
+                time.sleep(max(0.0, duration_s / 3 - (timings["out"] or 0)))
+                healing = time.perf_counter()
+                replica_fault(state, zombie, "none")
+                timings["recovered"] = wait_full_strength(state, healing)
+
+            stop = threading.Event()
+            supervisor = threading.Thread(target=cluster.supervise_until, args=(stop, print))
+            supervisor.start()
+            faulting = threading.Thread(target=fault)
+            faulting.start()
+            began = time.perf_counter()
+            try:
+                report = asyncio.run(_load(state, ZOMBIE_LEVEL * capacity, duration_s, seed))
+            finally:
+                faulting.join()
+                stop.set()
+                supervisor.join()
+            seen = seen_by_replicas(state)
+        finally:
+            cluster.down()
+    out_s, recovered_s = timings.get("out"), timings.get("recovered")
+    went_out = moments.get("fault", began) + (out_s or duration_s) - began
+    results = report.results
+    cut = [r for r in results if r.status == 200 and r.error]
+    shed = [r for r in results if r.error in SHED]
+    others = [r for r in results if r.error and r not in cut and r not in shed]
+    return Zombie(
+        "zombie, stack defaults",
+        ZOMBIE_LEVEL,
+        len(results),
+        sum(1 for r in results if r.ok),
+        len(cut),
+        sum(
+            1
+            for r in cut
+            if r.replica == zombie and seen.get(r.request_id) == [zombie] and r.started_s < went_out
+        ),
+        int(rows[-1].get("scur") or 0) if rows else 0,
+        len(shed),
+        round(max(r.total_ms for r in shed), 1) if shed else None,
+        dict(sorted(_counts(r.error for r in others).items())),
+        None if out_s is None else round(out_s * 1000, 1),
+        None if recovered_s is None else round(recovered_s * 1000, 1),
+    )
+
+
+def zombie_problems(zombie: Zombie) -> list[str]:
+    problems = []
+    if zombie.out_of_rotation_ms is None or zombie.out_of_rotation_ms > ZOMBIE_OUT_MS:
+        problems.append(f"zombie out of rotation after {zombie.out_of_rotation_ms} ms")
+    if zombie.cut != zombie.cut_in_flight:
+        problems.append(
+            f"zombie: {zombie.cut} cut, of which {zombie.cut_in_flight} were in flight on it"
+        )
+    budget = FIRST_TOKEN_TIMEOUT_MS + SHED_SLACK_MS
+    if zombie.worst_shed_ms is not None and zombie.worst_shed_ms > budget:
+        problems.append(f"zombie: a 503 took {zombie.worst_shed_ms} ms (> {budget})")
+    if zombie.recovered_ms is None:
+        problems.append("zombie: the pool was not back at full strength")
+    if zombie.other_errors:
+        problems.append(f"zombie: other errors {zombie.other_errors}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Overload and zombie scenarios, counted.")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per level")
+    args = parser.parse_args(argv)
+    levels = run_levels(LEVELS, args.duration)
+    levels += run_levels((FALLBACK_LEVEL,), args.duration, fallback=True)
+    zombie = run_zombie(args.duration)
+    for level in levels:
+        print(
+            f"{level.scenario:16} rate={level.rate_per_s:6}/s requests={level.requests:5} "
+            f"completed={level.completed:5} within_budget={level.within_budget:5} "
+            f"cut={level.cut} shed={level.shed} worst_shed_ms={level.worst_shed_ms} "
+            f"goodput={level.goodput} ttft_p50/p90_ms={level.ttft_p50_ms}/{level.ttft_p90_ms}"
+            f" fallback_served={level.served_by_fallback} other={level.other_errors}"
+            f" left_rotation={list(level.left_rotation)}"
+        )
+    print(json.dumps(asdict(zombie)))
+    problems = [p for level in levels for p in level_problems(level)] + zombie_problems(zombie)
+    RESULTS.parent.mkdir(exist_ok=True)
+    figures = {
+        "engine": ENGINE,
+        "max_concurrency": ENGINE["slots"],
+        "first_token_budget_ms": FIRST_TOKEN_TIMEOUT_MS,
+        "session_share": SESSION_SHARE,
+        "levels": [asdict(level) for level in levels],
+        "zombie": asdict(zombie),
+        "problems": problems,
+    }
+    RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
+    for problem in problems:
+        print(problem)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""What a running machine keeps when the stack changes around it, read from what each provider
+reads only at creation: a rotated SSH key (and the Nebius address kind and image family) never
+replaces a GPU; the key reaches the machine through its deploy (tests/node/test_ssh_keys.py).
+
+Under Pulumi's mocks the engine's diff does not run: the options each component sets are what
+the engine uses to keep an input as it was (`ignore_changes`), and each Lambda provider's own
+diff is called directly.
+"""
+
+import copy
+from typing import Any
+
+import pytest
+
+from denv_iac.components.lambda_cloud import (
+    API_KEY,
+    LambdaInstanceProvider,
+    LambdaSshKeyProvider,
+    ssh_key_name,
+)
+from denv_iac.components.secrets import public_key_of
+from denv_iac.spec.exposure import stack_warnings
+from denv_iac.spec.reader import read_stack
+from denv_iac.spec.values import LAMBDA_NAME_LENGTH
+from tests.components import stacks
+from tests.components.harness import Run, cluster_outputs, run_program
+from tests.components.test_lambda import LAMBDA_SITE, lambda_stack
+from tests.components.test_nebius import NEBIUS_SITE, nebius_stack
+
+# Each kind of machine the stack creates, and the argument its provider reads the SSH key from
+# (as ignore_changes names it).
+KEY_ARGUMENTS = {
+    "aws:ec2/instance:Instance": "keyName",
+    "hcloud:index/server:Server": "sshKeys",
+    "pulumi-python:dynamic/lambda:Instance": "ssh_key_names",
+    "nebius:index/computeV1Instance:ComputeV1Instance": "cloudInitUserData",
+}
+HCLOUD_SERVER = "hcloud:index/server:Server"
+
+
+def _runs(preview: bool) -> list[Run]:
+    return [
+        run_program(lambda args=args: cluster_outputs(args()), preview=preview)
+        for args in (stacks.multicloud, lambda_stack, nebius_stack)
+    ]
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_no_machine_is_replaced_for_a_rotated_key(preview: bool) -> None:
+    seen = set()
+    for run in _runs(preview):
+        for type_, argument in KEY_ARGUMENTS.items():
+            for machine in run.of_type(type_):
+                seen.add(type_)
+                assert argument in machine.ignore_changes, machine.name
+                assert not machine.delete_before_replace, machine.name
+    assert seen == set(KEY_ARGUMENTS)  # every kind was looked at
+
+
+def test_a_rotated_lambda_key_is_a_new_key_made_before_the_old_one_goes() -> None:
+    old, new = (public_key_of(stacks.SSH_KEYS[s]) for s in ("office", "aws-use1"))
+    olds = {API_KEY: "k", "name": ssh_key_name(old, "prod", "lambda-use1"), "public_key": old}
+    news = {API_KEY: "k", "name": ssh_key_name(new, "prod", "lambda-use1"), "public_key": new}
+    diff = LambdaSshKeyProvider().diff("key0", olds, news)
+    # Names are unique per account: the new key has its own, so it can exist beside the old.
+    assert olds["name"] != news["name"]
+    assert diff.replaces == ["name", "public_key"] and diff.delete_before_replace is False
+    # The instance would be relaunched for its keys: only ignore_changes keeps it (above).
+    instance = {API_KEY: "k", "name": "n", "region": "us-east-1", "instance_type": "t"}
+    relaunch = LambdaInstanceProvider().diff(
+        "i0", {**instance, "ssh_key_names": [olds["name"]]}, {**instance, "ssh_key_names": []}
+    )
+    assert relaunch.replaces == ["ssh_key_names"]
+
+
+def test_a_lambda_key_name_keeps_its_digest_within_lambdas_length() -> None:
+    key = public_key_of(stacks.SSH_KEYS["office"])
+    name = ssh_key_name(key, "prod", "x" * 80)
+    assert len(name) <= LAMBDA_NAME_LENGTH and name != ssh_key_name(key + " ", "prod", "y" * 80)
+    assert name.endswith(ssh_key_name(key, "p")[-9:])
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_the_hcloud_balancer_host_ignores_the_firewall_ids_it_reads_back(preview: bool) -> None:
+    # Created with firewall_ids, and the overlay's firewall attached by a FirewallAttachment:
+    # the hcloud provider's FirewallAttachment docs require ignore_remote_firewall_ids then, or
+    # a refresh records both firewalls and the next `up` detaches the overlay's.
+    (run,) = _runs(preview)[:1]
+    (server,) = run.of_type(HCLOUD_SERVER)
+    attachments = run.of_type("hcloud:index/firewallAttachment:FirewallAttachment")
+    assert attachments and server.inputs["firewallIds"]
+    assert server.inputs["ignoreRemoteFirewallIds"] is True
+
+
+def test_nebius_nodes_keep_their_address_and_disk_across_stop_start_and_new_defaults() -> None:
+    run = run_program(lambda: cluster_outputs(nebius_stack()), preview=False)
+    instances = run.of_type("nebius:index/computeV1Instance:ComputeV1Instance")
+    assert instances
+    for instance in instances:
+        (interface,) = instance.inputs["networkInterfaces"]
+        assert interface["publicIpAddress"] == {"static": True}
+        assert "networkInterfaces[*].publicIpAddress.static" in instance.ignore_changes
+    for disk in run.of_type("nebius:index/computeV1Disk:ComputeV1Disk"):
+        assert "sourceImageFamily" in disk.ignore_changes
+    rules = run.of_type("nebius:index/vpcV1SecurityRule:VpcV1SecurityRule")
+    assert rules and all(rule.inputs.get("name") == rule.name for rule in rules)
+
+
+def _nebius(**site: Any) -> Any:
+    args = nebius_stack()
+    args["sites"][0] = {**copy.deepcopy(NEBIUS_SITE), **site}
+    for recipe in args["recipes"]:
+        if "gpu_models" in recipe:
+            recipe["gpu_models"] = [*recipe["gpu_models"], "B200"]
+    return args
+
+
+@pytest.mark.parametrize(
+    ("site", "family"),
+    [
+        ({}, "ubuntu22.04-cuda12"),
+        ({"platform": "gpu-b200-sxm", "preset": "8gpu-160vcpu-1792gb"}, "ubuntu24.04-cuda13.0"),
+        (
+            {"platform": "gpu-b200-sxm", "preset": "8gpu-160vcpu-1792gb", "image_family": "mine"},
+            "mine",
+        ),
+    ],
+    ids=["h100", "b200", "b200-given"],
+)
+def test_a_nebius_b200_site_boots_the_cuda_13_family_unless_told(
+    site: dict[str, Any], family: str
+) -> None:
+    run = run_program(lambda: cluster_outputs(_nebius(**site)), preview=False)
+    disks = run.of_type("nebius:index/computeV1Disk:ComputeV1Disk")
+    assert disks and {d.inputs["sourceImageFamily"]["imageFamily"] for d in disks} == {family}
+
+
+def _config(args: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "denv:sites": args["sites"],
+        "denv:recipes": args["recipes"],
+        "denv:balancer": args["balancer"],
+    }
+
+
+@pytest.mark.parametrize(("region", "warned"), [("us-south-1", True), ("us-east-1", False)])
+def test_a_lambda_site_in_us_south_1_is_warned_of_its_unfiltered_firewall(
+    region: str, warned: bool
+) -> None:
+    args = lambda_stack()
+    args["sites"][0] = {**copy.deepcopy(LAMBDA_SITE), "region": region}
+    lines = [w for w in stack_warnings(read_stack("prod", _config(args))) if "firewall" in w]
+    assert bool(lines) == warned
+    if warned:
+        (line,) = lines
+        assert line.startswith("sites[0].region: Lambda applies no firewall rules in us-south-1")
+        assert "\n" not in line
