@@ -29,6 +29,7 @@ def balancer_settings(stack: StackSpec) -> BalancerSettings:
         **asdict(spec.timers),  # BalancerSettings names each timer as the stack does
         tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
         api_key_digests=spec.api_key_digests,
+        key_scopes=spec.key_scopes,
         prometheus_port=spec.prometheus_port,
         prometheus_address=LOOPBACK if metrics_on_loopback(stack) else None,
         gateway_ca_file=GATEWAY_CA_PATH if gateway_tls else None,

@@ -5,14 +5,16 @@ from typing import Any
 
 import pytest
 
+from denv_iac.balancer import BalancerPool, BalancerTier
 from denv_iac.balancer.haproxy import render_haproxy_config
 from denv_iac.endpoint import balancer_settings
 from denv_iac.spec.model import AGENT_INTER_MS, MAX_CONCURRENCY, Secret, SimulatedServer
 from denv_iac.spec.reader import StackError, read_stack
-from tests.balancer.sample_pools import MAP_DIR, VOICE
+from tests.balancer.sample_pools import MAP_DIR, VOICE, server
 from tests.stacks import SECRET, valid_config
 
 Config = dict[str, Any]
+KEY_A, KEY_B = "ab" * 32, "cd" * 32
 
 
 def site(c: Config, i: int) -> dict[str, Any]:
@@ -547,6 +549,57 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "recipes[0].command: one string is one argument; write each as an item, e.g. "
         '[vllm, serve, "$MODEL"]',
     ),
+    (
+        "key scope names a pool no recipe names",
+        lambda c: c["denv:balancer"].update(
+            api_key_digests=[KEY_B, {"digest": KEY_A, "pools": ["side", "vocie"]}]
+        ),
+        f'balancer.api_key_digests[1].pools: key {KEY_A[:12]}... may use pool "vocie", which no'
+        " recipe names; use one of voice, side, rtx",
+    ),
+    (
+        "key scope of no pool",
+        lambda c: c["denv:balancer"].update(api_key_digests=[{"digest": KEY_A, "pools": []}]),
+        "balancer.api_key_digests[0].pools: is empty; list the recipes this key may use, or leave"
+        " pools out",
+    ),
+    (
+        "key rate of zero",
+        lambda c: c["denv:balancer"].update(api_key_digests=[{"digest": KEY_A, "rate": 0}]),
+        "balancer.api_key_digests[0].rate: 0 is out of range; use a number from 1 to 1000000",
+    ),
+    (
+        "key scope misspelt",
+        lambda c: c["denv:balancer"].update(api_key_digests=[{"digest": KEY_A, "pool": ["side"]}]),
+        'balancer.api_key_digests[0].pool: unknown key; did you mean "pools"?',
+    ),
+    (
+        "key entry of another type",
+        lambda c: c["denv:balancer"].update(api_key_digests=[KEY_A, 7]),
+        "balancer.api_key_digests[1]: expected a key's digest, or a mapping of digest, pools and"
+        " rate, got a number",
+    ),
+    (
+        "key scope of pools that are no names",
+        lambda c: c["denv:balancer"].update(api_key_digests=[{"digest": KEY_A, "pools": [5]}]),
+        "balancer.api_key_digests[0].pools: expected a list of non-empty strings, got a list",
+    ),
+    (
+        "key listed twice",
+        lambda c: c["denv:balancer"].update(
+            api_key_digests=[KEY_A, {"digest": KEY_A, "pools": ["side"]}]
+        ),
+        f"balancer.api_key_digests[1]: key {KEY_A[:12]}... is listed twice; give each key one"
+        " entry",
+    ),
+    (
+        "scoped key not a digest",
+        lambda c: c["denv:balancer"].update(
+            api_key_digests=[{"digest": "sk-live-1", "pools": ["side"]}]
+        ),
+        "balancer.api_key_digests: entries must be SHA-256 hex digests (64 lower-case hex "
+        "characters); compute one with `denv key digest`",
+    ),
 ]
 
 
@@ -636,6 +689,29 @@ def test_a_recipe_sets_its_simulated_capacity_and_engine() -> None:
     # Unset: the capacity of one GPU, never unbounded slots.
     assert recipes[1].simulate == SimulatedServer()
     assert (SimulatedServer().slots, SimulatedServer().queue_limit) == (32, None)
+
+
+def test_key_scopes_reach_the_haproxy_config() -> None:
+    config = valid_config()
+    config["denv:balancer"]["api_key_digests"] = [
+        KEY_A,
+        {"digest": KEY_B, "pools": ["side"], "rate": 5},
+        {"digest": "ef" * 32, "rate": 9},
+    ]
+    stack = read_stack("t", config)
+    assert stack.balancer.api_key_digests == (KEY_A, KEY_B, "ef" * 32)
+    settings = balancer_settings(stack)
+    pools = [
+        BalancerPool(name, (BalancerTier(1, ("s",), (server(f"{name}.s.n.0", "10.0.0.1"),)),))
+        for name in ("voice", "side", "rtx")
+    ]
+    files = render_haproxy_config(pools, settings, MAP_DIR).files
+    assert files["api_keys.map"].splitlines()[1:] == [
+        f"{KEY_A} *",
+        f"{KEY_B} side",
+        f"{'ef' * 32} *",
+    ]
+    assert files["key_rates.map"].splitlines()[1:] == [f"{KEY_B} 5", f"{'ef' * 32} 9"]
 
 
 def test_a_recipe_engine_is_auto_unless_named_or_none() -> None:

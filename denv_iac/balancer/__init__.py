@@ -10,6 +10,7 @@ from denv_iac.balancer.model import (
     RenderedConfig,
 )
 from denv_iac.balancer.validation import BalancerConfigError
+from denv_iac.spec.model import KeyScope
 
 __all__ = [
     "BalancerConfigError",
@@ -18,6 +19,7 @@ __all__ = [
     "BalancerSettings",
     "BalancerTier",
     "HaproxyConfigCheckError",
+    "KeyScope",
     "RenderedConfig",
     "check_haproxy_config",
     "render_haproxy_config",

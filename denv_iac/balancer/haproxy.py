@@ -20,9 +20,15 @@ from denv_iac.balancer.model import (
     RenderedConfig,
 )
 from denv_iac.balancer.validation import BalancerConfigError, validate_balancer_inputs
+from denv_iac.spec.model import KeyScope
 
 POOLS_MAP = "pools.map"
 API_KEYS_MAP = "api_keys.map"
+KEY_RATES_MAP = "key_rates.map"
+KEY_RATES_TABLE = "denv.key-rates"
+# A key's scope as api_keys.map gives it: this for every pool, else its pools joined by commas
+# (pool names have none).
+ALL_POOLS = "*"
 NO_REPLICA_BACKEND = "denv.no-healthy-replica"
 ENDPOINT_FRONTEND = "denv.endpoint"
 PROMETHEUS_FRONTEND = "denv.prometheus"
@@ -35,6 +41,10 @@ _BUFSIZE = 65536
 _ERROR_UNAUTHORIZED = (
     '{"error":{"type":"authentication_error","code":"invalid_api_key",'
     '"message":"missing or unknown API key: send Authorization: Bearer <key>"}}'
+)
+_ERROR_RATE = (
+    '{"error":{"type":"requests","code":"rate_limit_exceeded","message":"this key sent more than'
+    ' %[var(txn.key_rate)] requests in the last second; retry after Retry-After seconds"}}'
 )
 _ERROR_UNKNOWN_POOL = (
     '{"error":{"type":"invalid_request_error","code":"model_not_found",'
@@ -151,6 +161,12 @@ MODELS_PATH = "/v1/models"
 # 500. The model list stays below this, leaving room for the answer's own headers.
 MODELS_LIST_LIMIT = 60 * 1024
 REQUEST_ID_HEADER = "X-Request-Id"
+# A client's own request id is kept when it is one header of at most this many characters, each
+# a letter, a digit or one of . _ : / + = -; any other is replaced by a fresh one, as a missing
+# one is made. It goes into a log line, the replica's log and every answer: a long or odd one
+# would bloat or break them.
+REQUEST_ID_MAX = 128
+_REQUEST_ID = f"^[A-Za-z0-9._:/+=-]{{1,{REQUEST_ID_MAX}}}$"
 # Every 503 of the endpoint tells the client when to try again; the OpenAI SDKs and most HTTP
 # clients honour it. One second: a voice turn frees a slot within about that.
 RETRY_AFTER_S = 1
@@ -215,11 +231,14 @@ def render_haproxy_config(
             for tier in pool.tiers
         ),
         _no_replica_backend(),
+        *([_key_rates_backend()] if _key_rates(settings) else []),
         *_agent_relay_sections(relays, settings),
     ]
     files = {POOLS_MAP: _pools_map(ordered)}
     if settings.api_key_digests:
-        files[API_KEYS_MAP] = _api_keys_map(settings.api_key_digests)
+        files[API_KEYS_MAP] = _api_keys_map(settings)
+    if _key_rates(settings):
+        files[KEY_RATES_MAP] = _key_rates_map(settings)
     return RenderedConfig(haproxy_cfg="\n".join(sections), files=files, map_dir=map_dir)
 
 
@@ -258,6 +277,7 @@ class _MapPaths:
     def __init__(self, map_dir: str) -> None:
         self.pools = posixpath.join(map_dir, POOLS_MAP)
         self.api_keys = posixpath.join(map_dir, API_KEYS_MAP)
+        self.key_rates = posixpath.join(map_dir, KEY_RATES_MAP)
 
 
 def _section(title: str, comments: Iterable[str], lines: Iterable[str]) -> str:
@@ -389,11 +409,14 @@ def _endpoint_frontend(
         "http-request del-header X-Denv-Replica",
         "",
         f"# Every answer carries {REQUEST_ID_HEADER}, the client's when it sent one; the replica",
-        "# gets it too, and this log shows it among the captured headers.",
+        "# gets it too, and this log shows it among the captured headers. A client's id sent",
+        f"# twice, longer than {REQUEST_ID_MAX} characters or with others than letters, digits and",
+        "# . _ : / + = - is replaced by a fresh one, which the answer then carries.",
         f"http-request set-header {REQUEST_ID_HEADER} %[uuid]"
-        f" unless {{ req.hdr({REQUEST_ID_HEADER}) -m found }}",
-        f"http-request set-var(txn.request_id) req.hdr({REQUEST_ID_HEADER})",
-        "http-request capture var(txn.request_id) len 64",
+        f" unless {{ req.fhdr_cnt({REQUEST_ID_HEADER}) eq 1 }}"
+        f" {{ req.fhdr({REQUEST_ID_HEADER}) -m reg {_config_word(_REQUEST_ID)} }}",
+        f"http-request set-var(txn.request_id) req.fhdr({REQUEST_ID_HEADER})",
+        f"http-request capture var(txn.request_id) len {REQUEST_ID_MAX}",
         f"http-after-response set-header {REQUEST_ID_HEADER} %[var(txn.request_id)]",
         "",
         *_health_answer(pools),
@@ -409,18 +432,17 @@ def _endpoint_frontend(
     ]
     multipart_model = f"req.body,regsub('{_MULTIPART_MODEL}','\\1'),map({maps.pools})"
     if settings.api_key_digests:
-        lines += [
-            "",
-            "# API keys are stored as SHA-256 digests; the bearer token's digest must be listed.",
-            "http-request return status 401 content-type application/json"
-            f" string '{_ERROR_UNAUTHORIZED}' hdr WWW-Authenticate Bearer"
-            f" unless {{ http_auth_bearer,sha2(256),hex,lower,map({maps.api_keys}) -m found }}",
-            "# The endpoint key is ours: replicas never see it.",
-            "http-request del-header Authorization",
-        ]
+        lines += ["", *_key_check(settings, maps)]
     lines += [
         "",
-        "# The served models are the pools, as OpenAI's model list.",
+        "# The served models are the pools, as OpenAI's model list; a key limited to some pools",
+        "# is shown those alone.",
+        *(
+            "http-request return status 200 content-type application/json"
+            f" string '{_models_list([p for p in pools if p.name in scope])}'"
+            f" if METH_GET api:models {_scope_acl(scope)}"
+            for scope in _pool_scopes(settings)
+        ),
         "http-request return status 200 content-type application/json"
         f" string '{_models_list(pools)}' if METH_GET api:models",
         "",
@@ -462,6 +484,19 @@ def _endpoint_frontend(
         "http-request return status 404 content-type application/json"
         f" string '{_ERROR_UNKNOWN_POOL}' unless routed",
     ]
+    if _pool_scopes(settings):
+        lines += [
+            "# A key limited to some pools is answered for any other as for a pool that does not",
+            "# exist, as OpenAI answers a model a key may not use: a key learns nothing of pools",
+            "# outside its scope, and nothing reaches a replica (a realtime session: before the",
+            "# upgrade).",
+            *(
+                "http-request return status 404 content-type application/json"
+                f" string '{_ERROR_UNKNOWN_POOL}' if {_scope_acl(scope)}"
+                f" !{{ var(txn.pool) -m str {' '.join(scope)} }}"
+                for scope in _pool_scopes(settings)
+            ),
+        ]
     lines += [
         "",
         "# After a reload the old worker still answers the requests already on its keep-alive",
@@ -479,6 +514,64 @@ def _endpoint_frontend(
         ["The endpoint: authenticate, pick the pool, then the most preferred tier with a replica."],
         lines,
     )
+
+
+def _key_check(settings: BalancerSettings, maps: _MapPaths) -> list[str]:
+    """The API key: listed, or a 401; then its rate, when it has one."""
+    lines = [
+        "# API keys are stored as SHA-256 digests; the bearer token's digest must be listed. Its",
+        "# value is the key's scope: the pools it may use, joined by commas, or"
+        f" {ALL_POOLS} for all.",
+        "http-request set-var(txn.key) http_auth_bearer,sha2(256),hex,lower",
+        f"http-request set-var(txn.key_scope) var(txn.key),map({maps.api_keys})",
+        "http-request return status 401 content-type application/json"
+        f" string '{_ERROR_UNAUTHORIZED}' hdr WWW-Authenticate Bearer"
+        " unless { var(txn.key_scope) -m found }",
+        "# The endpoint key is ours: replicas never see it.",
+        "http-request del-header Authorization",
+    ]
+    if _key_rates(settings):
+        lines += [
+            "# A key with a rate: its requests of the last second on this host, counted by",
+            "# digest; past its rate, a 429 before anything else is read.",
+            f"http-request set-var(txn.key_rate) var(txn.key),map_str_int({maps.key_rates})",
+            f"http-request track-sc0 var(txn.key) table {KEY_RATES_TABLE}"
+            " if { var(txn.key_rate) -m found }",
+            "http-request return status 429 content-type application/json"
+            f" lf-string '{_ERROR_RATE}' {_RETRY_AFTER} if {{ var(txn.key_rate) -m found }}"
+            " { sc_http_req_rate(0),sub(txn.key_rate) gt 0 }",
+        ]
+    return lines
+
+
+def _scope_of(scope: KeyScope) -> str:
+    """A key's scope as api_keys.map gives it."""
+    return ALL_POOLS if scope.pools is None else ",".join(sorted(set(scope.pools)))
+
+
+def _scopes(settings: BalancerSettings) -> dict[str, KeyScope]:
+    """Each listed key's scope, by its lower-case digest; a key without one has every pool."""
+    scoped = {scope.digest.lower(): scope for scope in settings.key_scopes}
+    return {
+        digest.lower(): scoped.get(digest.lower(), KeyScope(digest.lower()))
+        for digest in settings.api_key_digests
+    }
+
+
+def _pool_scopes(settings: BalancerSettings) -> list[tuple[str, ...]]:
+    """The distinct sets of pools keys are limited to, sorted."""
+    found = {_scope_of(scope) for scope in _scopes(settings).values()} - {ALL_POOLS}
+    return [tuple(scope.split(",")) for scope in sorted(found)]
+
+
+def _scope_acl(pools: tuple[str, ...]) -> str:
+    return f"{{ var(txn.key_scope) -m str {','.join(pools)} }}"
+
+
+def _key_rates(settings: BalancerSettings) -> dict[str, int]:
+    return {
+        digest: scope.rate for digest, scope in _scopes(settings).items() if scope.rate is not None
+    }
 
 
 def _health_answer(pools: Sequence[BalancerPool]) -> list[str]:
@@ -916,10 +1009,24 @@ def _pools_map(pools: Sequence[BalancerPool]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _api_keys_map(digests: Iterable[str]) -> str:
-    lines = ["# SHA-256 of an API key (lowercase hex) -> 1"]
-    lines += [f"{digest} 1" for digest in sorted({digest.lower() for digest in digests})]
+def _api_keys_map(settings: BalancerSettings) -> str:
+    lines = [f"# SHA-256 of an API key (lowercase hex) -> its pools, or {ALL_POOLS} for every pool"]
+    lines += [f"{digest} {_scope_of(scope)}" for digest, scope in sorted(_scopes(settings).items())]
     return "\n".join(lines) + "\n"
+
+
+def _key_rates_map(settings: BalancerSettings) -> str:
+    lines = ["# SHA-256 of an API key (lowercase hex) -> requests a second it may send"]
+    lines += [f"{digest} {rate}" for digest, rate in sorted(_key_rates(settings).items())]
+    return "\n".join(lines) + "\n"
+
+
+def _key_rates_backend() -> str:
+    return _section(
+        f"backend {KEY_RATES_TABLE}",
+        ["Requests of the last second of each key that has a rate, by the key's digest."],
+        ["stick-table type string len 64 size 100k expire 10s store http_req_rate(1s)"],
+    )
 
 
 def _host_port(address: str, port: int) -> str:

@@ -12,6 +12,7 @@ from denv_iac.spec.model import (
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
     STALL_TIMEOUT_MS,
+    KeyScope,
 )
 
 # HAProxy's runtime API on a balancer host. Its folder is made by the haproxy unit at each
@@ -99,6 +100,8 @@ class BalancerSettings:
     port: int = 8080
     tls_cert_path: str | None = None
     api_key_digests: tuple[str, ...] = ()  # SHA-256 hex digests of API keys; empty = no auth
+    # Keys among those that may use only some pools, or send only so many requests a second.
+    key_scopes: tuple[KeyScope, ...] = ()
     stats_socket: str = STATS_SOCKET
     prometheus_port: int | None = 8405
     # Where the metrics and stats page listen; None: bind_address, as the endpoint.

@@ -50,7 +50,40 @@ def validate_balancer_inputs(
         pool_names.add(pool.name)
         _check_pool(field, pool, replica_ids)
     _check_model_names(pools)
+    _check_key_scopes(pools, settings)
     _check_gateway_credentials(pools, settings)
+
+
+def _check_key_scopes(pools: Sequence[BalancerPool], settings: BalancerSettings) -> None:
+    """A scope is of a listed key, names served pools, and bounds something."""
+    digests = {digest.lower() for digest in settings.api_key_digests}
+    names = sorted(pool.name for pool in pools)
+    seen: set[str] = set()
+    for i, scope in enumerate(settings.key_scopes):
+        field = f"settings.key_scopes[{i}]"
+        key = scope.digest.lower()
+        if key not in digests or key in seen:
+            raise BalancerConfigError(
+                f"{field}.digest",
+                f"{scope.digest[:12]}... is not one of api_key_digests, or is scoped twice",
+                "scope each listed key at most once",
+            )
+        seen.add(key)
+        if scope.pools is None and scope.rate is None:
+            raise BalancerConfigError(field, "limits nothing", "give pools, a rate, or both")
+        if scope.pools is not None and not scope.pools:
+            raise BalancerConfigError(
+                f"{field}.pools", "is empty", "list the pools the key may use, or None for all"
+            )
+        for pool in scope.pools or ():
+            if pool not in names:
+                raise BalancerConfigError(
+                    f"{field}.pools",
+                    f"key {scope.digest[:12]}... may use pool {pool!r}, which is not served",
+                    f"use one of {', '.join(names)}",
+                )
+        if scope.rate is not None and scope.rate < 1:
+            raise BalancerConfigError(f"{field}.rate", f"{scope.rate} is not positive", "use >= 1")
 
 
 def _check_gateway_credentials(pools: Sequence[BalancerPool], settings: BalancerSettings) -> None:

@@ -237,10 +237,22 @@ class BalancerTimers:
 
 
 @dataclass(frozen=True)
+class KeyScope:
+    """What one API key may use, for a key that may not use everything: the pools (recipe
+    names) it reaches, and at most `rate` requests a second on each balancer host."""
+
+    digest: str  # the key's SHA-256 hex digest, as in api_key_digests
+    pools: tuple[str, ...] | None = None  # None: every pool
+    rate: int | None = None  # requests a second; None: no bound
+
+
+@dataclass(frozen=True)
 class BalancerSpec:
     sites: tuple[str, ...]  # where HAProxy instances run
     port: int = 8080
     api_key_digests: tuple[str, ...] = ()  # SHA-256 hex digests of accepted API keys
+    # The keys above that are limited to some pools or to a rate; any other key uses every pool.
+    key_scopes: tuple[KeyScope, ...] = ()
     tls_certificate: Secret | None = None
     prometheus_port: int = 8405
     dns: DnsSpec | None = None

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from denv_iac.catalog import Catalog, load_catalog
-from denv_iac.spec.fields import Fields, Problems
+from denv_iac.spec.fields import Fields, Problems, describe, is_secret
 from denv_iac.spec.model import (
     AUTO_ENGINE,
     BALANCER_HOST_KINDS,
@@ -25,6 +25,7 @@ from denv_iac.spec.model import (
     BalancerSpec,
     BalancerTimers,
     DnsSpec,
+    KeyScope,
     NodeSpec,
     OverlaySpec,
     RecipeSpec,
@@ -422,15 +423,7 @@ def _read_balancer(f: Fields) -> BalancerSpec:
     sites = f.text_list("sites", required=True)
     if f.has("sites") and f.raw["sites"] == []:
         f.problem("sites", "is empty; name the site or sites that run the balancer")
-    digests = f.text_list("api_key_digests")
-    for digest in digests:
-        if not DIGEST.fullmatch(digest):
-            f.problem(
-                "api_key_digests",
-                "entries must be SHA-256 hex digests (64 lower-case hex "
-                "characters); compute one with `denv key digest`",
-            )
-            break
+    digests, key_scopes = _read_api_keys(f)
     dns_fields = f.child("dns")
     dns = None
     if dns_fields is not None:
@@ -450,6 +443,7 @@ def _read_balancer(f: Fields) -> BalancerSpec:
         sites=sites,
         port=f.integer("port", 8080, 1, 65535),
         api_key_digests=digests,
+        key_scopes=key_scopes,
         tls_certificate=f.secret("tls_certificate", required=False, how=SSH_KEY_HOW),
         prometheus_port=f.integer("prometheus_port", 8405, 1, 65535),
         dns=dns,
@@ -460,6 +454,73 @@ def _read_balancer(f: Fields) -> BalancerSpec:
         f.problem("prometheus_port", f"{balancer.port} is also the endpoint port; pick another")
     f.finish()
     return balancer
+
+
+def _read_api_keys(f: Fields) -> tuple[tuple[str, ...], tuple[KeyScope, ...]]:
+    """`api_key_digests`: each entry a key's digest (the key may use every pool), or a mapping
+    of its `digest`, the `pools` it may use and the `rate` it may send (requests a second)."""
+    raw = f.raw.get("api_key_digests")
+    f.known.add("api_key_digests")
+    entries = (
+        [(f.at("api_key_digests"), raw)]
+        if isinstance(raw, str)
+        else list(f.items("api_key_digests", required=False))
+    )
+    digests: list[str] = []
+    scopes: list[KeyScope] = []
+    for path, entry in entries:
+        if isinstance(entry, Mapping) and not is_secret(entry):
+            scope = _read_key_scope(Fields(f.problems, path, entry))
+            digest = scope.digest
+            if scope.pools is not None or scope.rate is not None:
+                scopes.append(scope)
+        elif isinstance(entry, str) and entry.strip():
+            digest = entry if f.one_line("api_key_digests", entry) else ""
+        else:
+            f.problems.add(
+                path,
+                f"expected a key's digest, or a mapping of digest, pools and rate, got"
+                f" {describe(entry)}",
+            )
+            continue
+        if digest and digest in digests:
+            f.problems.add(path, f"key {digest[:12]}... is listed twice; give each key one entry")
+        digests.append(digest)
+    if any(digest and not DIGEST.fullmatch(digest) for digest in digests):
+        f.problem(
+            "api_key_digests",
+            "entries must be SHA-256 hex digests (64 lower-case hex "
+            "characters); compute one with `denv key digest`",
+        )
+    return tuple(digest for digest in digests if digest), tuple(scopes)
+
+
+def _read_key_scope(f: Fields) -> KeyScope:
+    digest = f.text("digest", example="<output of `denv key digest`>")
+    f.known.update(("pools", "rate"))  # both may be left out
+    pools = f.text_list("pools") if f.has("pools") else None
+    if f.raw.get("pools", ()) in ([], None):
+        f.problem("pools", "is empty; list the recipes this key may use, or leave pools out")
+    rate = f.integer("rate", 0, 1, 1_000_000) if f.has("rate") else None
+    f.finish()
+    return KeyScope(digest, pools or None, rate or None)
+
+
+def _check_key_scopes(problems: Problems, stack: StackSpec) -> None:
+    """A key's pools are recipes of this stack; the key is named by its entry and digest."""
+    recipes = [recipe.name for recipe in stack.recipes]
+    paths = {
+        digest: f"balancer.api_key_digests[{i}]"
+        for i, digest in enumerate(stack.balancer.api_key_digests)
+    }
+    for scope in stack.balancer.key_scopes:
+        for pool in scope.pools or ():
+            if pool not in recipes:
+                problems.add(
+                    f"{paths.get(scope.digest, 'balancer.api_key_digests')}.pools",
+                    f'key {scope.digest[:12]}... may use pool "{pool}", which no recipe names;'
+                    f" use one of {', '.join(recipes)}",
+                )
 
 
 def _read_timers(f: Fields) -> BalancerTimers:
@@ -541,6 +602,7 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
                 f"{name}: a {by_name[name].kind} site cannot host the balancer yet; "
                 f"use one of {', '.join(BALANCER_HOST_KINDS)}",
             )
+    _check_key_scopes(problems, stack)
     _check_addresses(problems, stack)
     overlay_problems(problems, stack)
     _check_machine_names(problems, stack)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
-from denv_iac.balancer import BalancerPool, BalancerServer, BalancerSettings, BalancerTier
+from denv_iac.balancer import (
+    BalancerPool,
+    BalancerServer,
+    BalancerSettings,
+    BalancerTier,
+    KeyScope,
+)
 from denv_iac.balancer.haproxy import models_list
 
 MAP_DIR = "/etc/denv/maps"
 API_KEY = "sk-denv-example"
+LLM_KEY = "sk-denv-llm-only"
+LLM_KEY_DIGEST = hashlib.sha256(LLM_KEY.encode()).hexdigest()
 
 
 def server(replica_id: str, address: str, port: int = 8000) -> BalancerServer:
@@ -50,6 +59,12 @@ SETTINGS = BalancerSettings(
     tls_cert_path="/etc/denv/tls/endpoint.pem",
     api_key_digests=(hashlib.sha256(API_KEY.encode()).hexdigest(),),
     state_file="/var/lib/denv/haproxy.state",
+)
+# The same with a key that may use the LLM alone, at most 20 requests a second.
+SCOPED_SETTINGS = dataclasses.replace(
+    SETTINGS,
+    api_key_digests=(*SETTINGS.api_key_digests, LLM_KEY_DIGEST),
+    key_scopes=(KeyScope(LLM_KEY_DIGEST, ("llm-8b",), 20),),
 )
 
 

@@ -19,7 +19,7 @@ from denv_iac.balancer import (
     render_haproxy_config,
 )
 
-from .sample_pools import LLM, MAP_DIR, POOLS, SETTINGS, VOICE
+from .sample_pools import LLM, MAP_DIR, POOLS, SCOPED_SETTINGS, SETTINGS, VOICE
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
 
@@ -90,6 +90,7 @@ _IPV6_POOL = BalancerPool(
 CONFIGS = {
     "representative-without-tls": (POOLS, dataclasses.replace(SETTINGS, tls_cert_path=None)),
     "minimal": ((LLM,), BalancerSettings(prometheus_port=None)),
+    "scoped-keys": (POOLS, dataclasses.replace(SCOPED_SETTINGS, tls_cert_path=None)),
     "ipv6-hostnames-empty-tier": ((_IPV6_POOL,), BalancerSettings(bind_address="::")),
     "forty-pools": (_many_pools(40, 3, 5), BalancerSettings(api_key_digests=("0" * 64,))),
     "fast-timers": (

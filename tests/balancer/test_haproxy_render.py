@@ -19,12 +19,23 @@ from denv_iac.balancer import (
     BalancerPool,
     BalancerSettings,
     BalancerTier,
+    KeyScope,
     RenderedConfig,
     render_haproxy_config,
 )
 from denv_iac.balancer.haproxy import MODELS_LIST_LIMIT, models_list
 
-from .sample_pools import LLM, MAP_DIR, POOLS, SETTINGS, VOICE, aliases_filling, server
+from .sample_pools import (
+    LLM,
+    LLM_KEY_DIGEST,
+    MAP_DIR,
+    POOLS,
+    SCOPED_SETTINGS,
+    SETTINGS,
+    VOICE,
+    aliases_filling,
+    server,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "representative.cfg"
 
@@ -107,8 +118,9 @@ def test_realtime_sessions_get_tunnel_timers_and_close_with_their_replica() -> N
             BalancerSettings(api_key_digests=("ab" * 32,)),
             [
                 "http-request return status 401 content-type application/json string '{",
-                f"unless {{ http_auth_bearer,sha2(256),hex,lower,map({MAP_DIR}/api_keys.map)"
-                " -m found }",
+                "http-request set-var(txn.key) http_auth_bearer,sha2(256),hex,lower\n",
+                f"http-request set-var(txn.key_scope) var(txn.key),map({MAP_DIR}/api_keys.map)\n",
+                "hdr WWW-Authenticate Bearer unless { var(txn.key_scope) -m found }\n",
                 "http-request del-header Authorization",
             ],
             [],
@@ -407,16 +419,27 @@ def test_server_ids_survive_adding_a_replica() -> None:
     assert len(set(after.values())) == len(after)
 
 
-def test_answers_of_the_balancer_are_json_and_cannot_break_out_of_their_quotes() -> None:
-    cfg = render().haproxy_cfg
+@pytest.mark.parametrize(
+    ("balancer", "error_count", "other_count"),
+    [
+        # 401, 404 (no such endpoint, unknown pool), 413 (too large to route), 400 (a control
+        # character in a header, not JSON, no model part, an ambiguous model key), 503 of ours;
+        # HAProxy's own 502, 503, 504. Others: /health's 503 (one line per pool) and 200; the
+        # model list.
+        (SETTINGS, 12, 4),
+        # And a key's 429 past its rate, the unknown pool's 404 for a pool outside its scope;
+        # the model list of its scope.
+        (SCOPED_SETTINGS, 14, 5),
+    ],
+)
+def test_answers_of_the_balancer_are_json_and_cannot_break_out_of_their_quotes(
+    balancer: BalancerSettings, error_count: int, other_count: int
+) -> None:
+    cfg = render(balancer=balancer).haproxy_cfg
     bodies = re.findall(r"(?:lf-)?string '([^']*)'", cfg)
     errors = [body for body in bodies if body.startswith('{"error":{')]
-    # 401, 404 (no such endpoint, unknown pool), 413 (too large to route), 400 (a control
-    # character in a header, not JSON, no model part, an ambiguous model key), 503 of ours;
-    # HAProxy's own 502, 503, 504.
-    assert len(errors) == 12
-    # /health: 503 (one line per pool) and 200; the model list.
-    assert len(bodies) == len(errors) + 4
+    assert len(errors) == error_count
+    assert len(bodies) == len(errors) + other_count
     for body in bodies:
         assert body.endswith("}") and "\n" not in body
         if "%[" not in body:  # lf-string bodies are JSON once HAProxy fills them in
@@ -442,6 +465,119 @@ def test_the_model_list_fits_one_buffer_or_the_stack_is_refused(size: int) -> No
     assert f" string '{listed}' if METH_GET api:models" in cfg
 
 
+OTHER_KEY = hashlib.sha256(b"other").hexdigest()
+_NO_SCOPE_RULES = ["key_scope) -m str", "track-sc0", "key_rates.map", "backend denv.key-rates"]
+
+
+def _scoped(*scopes: KeyScope, listed: bool = True) -> BalancerSettings:
+    """SETTINGS with OTHER_KEY and LLM_KEY_DIGEST listed too (unless not `listed`), and these
+    scopes."""
+    more = (OTHER_KEY, LLM_KEY_DIGEST) if listed else ()
+    return dataclasses.replace(
+        SETTINGS, api_key_digests=(*SETTINGS.api_key_digests, *more), key_scopes=scopes
+    )
+
+
+def _refused_outside(scope: str, pools: str) -> str:
+    return (
+        'string \'{"error":{"type":"invalid_request_error","code":"model_not_found"'
+        f',"message":"unknown pool: set the model field or the X-Denv-Pool header to a served'
+        f" pool\"}}}}' if {{ var(txn.key_scope) -m str {scope} }}"
+        f" !{{ var(txn.pool) -m str {pools} }}"
+    )
+
+
+def _listed_for(scope: str, *names: str) -> str:
+    listed = models_list(names)
+    return f"string '{listed}' if METH_GET api:models {{ var(txn.key_scope) -m str {scope} }}"
+
+
+_RATE_RULES = [
+    f"http-request set-var(txn.key_rate) var(txn.key),map_str_int({MAP_DIR}/key_rates.map)\n",
+    "http-request track-sc0 var(txn.key) table denv.key-rates if { var(txn.key_rate) -m found }",
+    "if { var(txn.key_rate) -m found } { sc_http_req_rate(0),sub(txn.key_rate) gt 0 }\n",
+    "backend denv.key-rates\n    stick-table type string len 64 size 100k expire 10s"
+    " store http_req_rate(1s)\n",
+]
+
+
+@pytest.mark.parametrize(
+    ("scopes", "keys_map", "rates_map", "present", "absent"),
+    [
+        pytest.param((), {OTHER_KEY: "*", LLM_KEY_DIGEST: "*"}, None, [], _NO_SCOPE_RULES),
+        pytest.param(
+            (KeyScope(LLM_KEY_DIGEST, ("llm-8b",)),),
+            {OTHER_KEY: "*", LLM_KEY_DIGEST: "llm-8b"},
+            None,
+            [_refused_outside("llm-8b", "llm-8b"), _listed_for("llm-8b", "llm-8b")],
+            _NO_SCOPE_RULES[1:],
+            id="one-pool",
+        ),
+        pytest.param(
+            # Listed in any order, twice: one scope, its pools sorted.
+            (KeyScope(LLM_KEY_DIGEST, ("voice", "llm-8b", "voice")),),
+            {OTHER_KEY: "*", LLM_KEY_DIGEST: "llm-8b,voice"},
+            None,
+            [
+                _refused_outside("llm-8b,voice", "llm-8b voice"),
+                _listed_for("llm-8b,voice", "llm-8b", "voice"),
+            ],
+            _NO_SCOPE_RULES[1:],
+            id="two-pools",
+        ),
+        pytest.param(
+            # Two keys of one scope share its rules.
+            (KeyScope(LLM_KEY_DIGEST, ("voice",)), KeyScope(OTHER_KEY.upper(), ("voice",), 7)),
+            {OTHER_KEY: "voice", LLM_KEY_DIGEST: "voice"},
+            {OTHER_KEY: "7"},
+            [_refused_outside("voice", "voice"), _listed_for("voice", "voice"), *_RATE_RULES],
+            [],
+            id="shared-scope-and-a-rate",
+        ),
+        pytest.param(
+            (KeyScope(LLM_KEY_DIGEST, None, 5),),
+            {OTHER_KEY: "*", LLM_KEY_DIGEST: "*"},
+            {LLM_KEY_DIGEST: "5"},
+            _RATE_RULES,
+            _NO_SCOPE_RULES[:1],
+            id="rate-alone",
+        ),
+    ],
+)
+def test_key_scopes_shape_the_maps_and_rules(
+    scopes: tuple[KeyScope, ...],
+    keys_map: dict[str, str],
+    rates_map: dict[str, str] | None,
+    present: list[str],
+    absent: list[str],
+) -> None:
+    rendered = render(balancer=_scoped(*scopes))
+    keys = dict(line.split() for line in rendered.files["api_keys.map"].splitlines()[1:])
+    assert keys == {**dict.fromkeys(SETTINGS.api_key_digests, "*"), **keys_map}
+    rates = rendered.files.get("key_rates.map")
+    assert (rates and dict(line.split() for line in rates.splitlines()[1:])) == rates_map
+    cfg = rendered.haproxy_cfg
+    for text in present:
+        assert text in cfg
+    for text in absent:
+        assert text not in cfg
+    frontend = cfg.split("frontend denv.endpoint\n", 1)[1]
+    # The key's scope is known before the model list is answered, the pool before it is checked,
+    # and both before any request is sent to a backend.
+    order = [
+        frontend.index("set-var(txn.key_scope)"),
+        frontend.index("if METH_GET api:models"),
+        frontend.index("unless routed"),
+        frontend.index("use_backend"),
+    ]
+    assert order == sorted(order)
+    for rule in ("api:models { var(txn.key_scope)", "!{ var(txn.pool) -m str", "track-sc0"):
+        assert rule not in frontend or order[0] < frontend.index(rule) < order[-1]
+    assert frontend.count("!{ var(txn.pool) -m str") == 0 or frontend.index(
+        "!{ var(txn.pool) -m str"
+    ) > frontend.index("unless routed")
+
+
 def test_map_files() -> None:
     upper = hashlib.sha256(b"other").hexdigest().upper()
     balancer = dataclasses.replace(
@@ -454,9 +590,11 @@ def test_map_files() -> None:
     )
     digests = sorted({upper.lower(), *SETTINGS.api_key_digests})
     assert rendered.files["api_keys.map"] == (
-        "# SHA-256 of an API key (lowercase hex) -> 1\n" + "".join(f"{d} 1\n" for d in digests)
+        "# SHA-256 of an API key (lowercase hex) -> its pools, or * for every pool\n"
+        + "".join(f"{d} *\n" for d in digests)
     )
     assert "api_keys.map" not in render(balancer=BalancerSettings()).files
+    assert "key_rates.map" not in rendered.files
 
 
 def test_no_timestamps_or_machine_details() -> None:
@@ -660,6 +798,40 @@ VALIDATION_CASES: list[tuple[str, Case, str]] = [
         "settings.agent_inter_ms: 0 is not positive",
     ),
     ("map dir", lambda: render_haproxy_config(POOLS, SETTINGS, "/etc/my maps"), "map_dir:"),
+    (
+        "scope of a key not listed",
+        lambda: render(balancer=_scoped(KeyScope(OTHER_KEY, ("voice",)), listed=False)),
+        f"settings.key_scopes[0].digest: {OTHER_KEY[:12]}... is not one of api_key_digests",
+    ),
+    (
+        "scope naming a pool not served",
+        lambda: render(balancer=_scoped(KeyScope(OTHER_KEY, ("vocie",)))),
+        f"settings.key_scopes[0].pools: key {OTHER_KEY[:12]}... may use pool 'vocie', which is"
+        " not served; use one of llm-8b, voice",
+    ),
+    (
+        "scope with no pool",
+        lambda: render(balancer=_scoped(KeyScope(OTHER_KEY, ()))),
+        "settings.key_scopes[0].pools: is empty",
+    ),
+    (
+        "scope limiting nothing",
+        lambda: render(balancer=_scoped(KeyScope(OTHER_KEY))),
+        "settings.key_scopes[0]: limits nothing; give pools, a rate, or both",
+    ),
+    (
+        "rate of zero",
+        lambda: render(balancer=_scoped(KeyScope(OTHER_KEY, None, 0))),
+        "settings.key_scopes[0].rate: 0 is not positive",
+    ),
+    (
+        "key scoped twice",
+        lambda: render(
+            balancer=_scoped(KeyScope(OTHER_KEY, ("voice",)), KeyScope(OTHER_KEY, None, 3))
+        ),
+        f"settings.key_scopes[1].digest: {OTHER_KEY[:12]}... is not one of api_key_digests, or"
+        " is scoped twice",
+    ),
 ]
 
 

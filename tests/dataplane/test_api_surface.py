@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from denv_iac.balancer.haproxy import MODELS_LIST_LIMIT
+from denv_iac.balancer.haproxy import MODELS_LIST_LIMIT, REQUEST_ID_MAX
 from tests.balancer.sample_pools import aliases_filling
 
 from .dataplane_harness import STANDARD_POOLS, STANDARD_REPLICAS, Dataplane
@@ -107,13 +107,53 @@ def test_every_answer_carries_a_request_id_the_replica_saw_too(dataplane: Datapl
     assert kept.headers["x-request-id"] == "turn-42"
     assert dataplane.total_requests("turn-42") == 1
     generated = made.headers["x-request-id"]
-    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}", generated)
+    assert re.fullmatch(_UUID, generated)
     assert dataplane.total_requests(generated) == 1
     for answer in (refused, off_api):
         assert answer.status_code == 404 and answer.headers["x-request-id"]
     assert dataplane.haproxy is not None
     log = dataplane.haproxy.log_path.read_text()
     assert "{turn-42}" in log and f"{{{generated}}}" in log
+
+
+_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+@pytest.mark.parametrize(
+    ("sent", "kept"),
+    [
+        ([b"a" * REQUEST_ID_MAX], True),
+        ([b"0f1e:span/9+x=_.-Z"], True),
+        ([b"a" * (REQUEST_ID_MAX + 1)], False),
+        ([b"r" * 8000], False),
+        ([b"two words"], False),
+        ([b'quo"te'], False),
+        ([b"per%cent"], False),
+        ([b"a,b"], False),  # a comma: a list of two ids to some readers
+        (["caf\u00e9".encode()], False),
+        ([b""], False),
+        ([b"first", b"second"], False),  # sent twice: the log and a replica could read either
+    ],
+)
+def test_a_clients_request_id_is_kept_only_when_short_and_plain(
+    dataplane: Dataplane, sent: list[bytes], kept: bool
+) -> None:
+    headers = [(b"X-Request-Id", value) for value in sent]
+    with dataplane.client() as client:
+        answer = client.post(
+            "/v1/chat/completions", json={"model": "voice", "max_tokens": 1}, headers=headers
+        )
+    assert answer.status_code == 200
+    used = answer.headers["x-request-id"]
+    if kept:
+        assert used == sent[0].decode()
+    else:
+        assert re.fullmatch(_UUID, used)
+        assert all(dataplane.total_requests(value.decode()) == 0 for value in sent if value)
+    # The replica saw the id the answer carries, once, and the log has it whole.
+    assert dataplane.total_requests(used) == 1
+    assert dataplane.haproxy is not None
+    assert f"{{{used}}}" in dataplane.haproxy.log_path.read_text()
 
 
 def test_realtime_sessions_are_routed_by_the_model_in_the_query(dataplane: Dataplane) -> None:
