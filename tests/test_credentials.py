@@ -234,14 +234,19 @@ STACKS = Path(__file__).parent.parent / "stacks"
 
 
 @pytest.mark.parametrize("stack", ["voice-multicloud", "k8s"])
-def test_commands_that_need_no_network_open_no_connection(stack: str, tap: Wiretap) -> None:
+def test_commands_that_need_no_network_open_no_connection(
+    stack: str, tap: Wiretap, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The plan and its resources preview, whose providers are mocked (AWS, Lambda, Nebius,
-    Hetzner with Robot, a joined site, Kubernetes, each with its credential in the stack), and
-    `key digest`."""
+    Hetzner with Robot, a joined site, Kubernetes, each with its credential in the stack),
+    `key digest`, the stack's alerting rules and `doctor` on the stack."""
     assert "voice" in denv("plan", "--stack", stack, "--stacks-dir", str(STACKS))
     assert "voice" in denv("plan", "--stack", stack, "--stacks-dir", str(STACKS), "--resources")
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     assert denv("key", "digest", stdin=KEY.encode()).strip() == digest
+    monkeypatch.chdir(STACKS.parent)  # alerts and doctor find the stacks from the project
+    assert "DenvPoolBelowMinWarm" in denv("alerts", "--stack", stack)
+    assert "haproxy" in denv("doctor", "--stack", stack)
     assert tap.connections == []
 
 
