@@ -357,3 +357,19 @@ def test_a_refused_local_up_keeps_a_run_folder_it_did_not_make(
     kept.write_text("mine")
     assert denv("local", "up", "--stack", "k8s", "--detach").exit_code == 2
     assert kept.read_text() == "mine"
+
+
+def test_local_demo_on_a_keyed_stack_without_a_key_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    config = yaml.safe_load(LOCAL_STACK.read_text())
+    config["config"]["denv:balancer"]["api_key_digests"] = ["ab" * 32]
+    (project / "stacks" / "Pulumi.local.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.delenv("DEMO_KEY", raising=False)
+    refused(
+        denv("local", "demo", "--stack", "local", "--api-key-env", "DEMO_KEY"),
+        "--api-key-env: DEMO_KEY is not set, and stack local's endpoint answers only keys in "
+        "balancer.api_key_digests; export one of those keys as DEMO_KEY",
+    )
+    assert not (project / ".denv").exists()

@@ -34,7 +34,7 @@ from denv_iac.kube_manifests import (
 from denv_iac.placement import place_replicas
 from denv_iac.spec.exposure import stack_warnings
 from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec
-from denv_iac.spec.reader import read_stack
+from denv_iac.spec.reader import StackError, read_stack
 from tests.gateway_pki import reading_tls_from, write_pki
 
 KUBERNETES_VERSION = "1.37.0"
@@ -498,21 +498,53 @@ def test_the_namespace_admits_the_agents_host_path_whatever_the_clusters_default
     assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
 
 
-@pytest.mark.parametrize(("recipes", "warned"), [([VOICE, SIDE], True), ([VOICE], False)])
+@pytest.mark.parametrize(
+    ("recipes", "strategy", "warned"),
+    [([VOICE, SIDE], None, True), ([VOICE], None, False), ([VOICE, SIDE], "mixed", False)],
+    ids=["mig-unstated", "no-mig", "mig-mixed"],
+)
 def test_a_mig_recipe_on_a_kubernetes_site_names_the_operators_mig_strategy(
-    recipes: list[Any], warned: bool
+    recipes: list[Any], strategy: str | None, warned: bool
 ) -> None:
     balancer = {"sites": ["edge"]}
+    site = _site() if strategy is None else _site(mig_strategy=strategy)
     stack = read_stack(
-        "prod", {"denv:sites": [_site(), EDGE], "denv:recipes": recipes, "denv:balancer": balancer}
+        "prod", {"denv:sites": [site, EDGE], "denv:recipes": recipes, "denv:balancer": balancer}
     )
     lines = [w for w in stack_warnings(stack) if "mig.strategy" in w]
     assert lines == (
         [
             "recipes[1].share: 1g.10gb on k8s needs the GPU operator's mixed MIG strategy (its "
             "default, single, never offers nvidia.com/mig-1g.10gb and the pods stay Pending); "
-            "install it with --set mig.strategy=mixed"
+            "install it with --set mig.strategy=mixed and set the site's mig_strategy: mixed"
         ]
         if warned
         else []
     )
+
+
+def test_a_mig_recipe_on_a_site_whose_operator_runs_the_single_strategy_is_refused() -> None:
+    config = {
+        "denv:sites": [_site(mig_strategy="single"), EDGE],
+        "denv:recipes": [VOICE, SIDE],
+        "denv:balancer": {"sites": ["edge"]},
+    }
+    with pytest.raises(StackError) as refused:
+        read_stack("prod", config)
+    assert refused.value.problems == [
+        'recipes[1].gpu: MIG profile "1g.10gb" on site k8s, whose GPU operator runs the single'
+        " MIG strategy: it never offers nvidia.com/mig-1g.10gb, so the pods would stay Pending;"
+        " reinstall the operator with --set mig.strategy=mixed and set mig_strategy: mixed, or"
+        " use a whole GPU"
+    ]
+
+
+def test_a_mig_strategy_outside_the_operators_is_refused() -> None:
+    config = {
+        "denv:sites": [_site(mig_strategy="mixd"), EDGE],
+        "denv:recipes": [VOICE],
+        "denv:balancer": {"sites": ["edge"]},
+    }
+    with pytest.raises(StackError) as refused:
+        read_stack("prod", config)
+    assert refused.value.problems == ['sites[0].mig_strategy: "mixd" is not one of mixed, single']

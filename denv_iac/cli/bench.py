@@ -17,7 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from denv_iac.cli.console import fail, output_file_problems, wide_console, write_output
+from denv_iac.cli.console import (
+    API_KEY_ENV,
+    fail,
+    output_file_problems,
+    wide_console,
+    write_output,
+)
 from denv_iac.ops.loadgen import (
     FIGURES,
     PROTOCOLS,
@@ -139,12 +145,7 @@ def _loop_problems(
     default=0,
     help="Turns per sticky conversation (X-Denv-Session); 0 for none.",
 )
-@click.option(
-    "--api-key-env",
-    default="DENV_API_KEY",
-    show_default=True,
-    help="Environment variable holding the endpoint's API key, if it needs one.",
-)
+@API_KEY_ENV
 @click.option(
     "--json", "json_file", help="Write the summary as JSON to FILE ('-' for standard output)."
 )

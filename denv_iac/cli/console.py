@@ -14,6 +14,16 @@ if TYPE_CHECKING:
 # rich is imported where output is drawn: `fail` and the CLI's start must not load it.
 
 
+# The endpoint's API key is read from the environment, never from an argument (process lists
+# and shell history show arguments).
+API_KEY_ENV = click.option(
+    "--api-key-env",
+    default="DENV_API_KEY",
+    show_default=True,
+    help="Environment variable holding the endpoint's API key, if it needs one.",
+)
+
+
 def wide_console(stderr: bool = False) -> Console:
     """A console that never truncates ids when output goes to a file or a CI log."""
     from rich.console import Console

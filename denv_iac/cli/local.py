@@ -1,6 +1,7 @@
 """`denv local up|down|roll|demo`: the data plane of a local stack on this machine."""
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -10,7 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from denv_iac.cli.console import fail, wide_console
+from denv_iac.cli.console import API_KEY_ENV, fail, wide_console
 from denv_iac.cli.status import status
 from denv_iac.local.rollout import ROLL_SIGNAL, ask_roll, roll_bound_s, serve_roll_requests
 from denv_iac.local.runner import (
@@ -197,14 +198,25 @@ def roll(stack_name: str) -> None:
     show_default=True,
     help="Seconds of traffic.",
 )
-def demo(stack_name: str, duration: float) -> None:
+@API_KEY_ENV
+def demo(stack_name: str, duration: float, api_key_env: str) -> None:
     """Traffic through the endpoint while replicas die and a GPU fails; counts what was lost."""
     console = wide_console()
-    cluster, _lock = _cluster(stack_name, None)
+    cluster, lock = _cluster(stack_name, None)
+    api_key = os.environ.get(api_key_env)
+    if cluster.stack.balancer.api_key_digests and not api_key:
+        lock.abandon()
+        fail(
+            [
+                f"--api-key-env: {api_key_env} is not set, and stack {stack_name}'s endpoint"
+                " answers only keys in balancer.api_key_digests; export one of those keys as"
+                f" {api_key_env}"
+            ]
+        )
     state = _start(cluster, console, quiet=False)
     console.print(_table(state))
     try:
-        result = run_demo(cluster, console.print, duration)
+        result = run_demo(cluster, console.print, duration, api_key)
     finally:
         cluster.down()
     console.print(result.line, highlight=False, soft_wrap=True)

@@ -123,7 +123,9 @@ def count_retried(results: list[StreamResult], seen: dict[str, list[str]]) -> in
     return sum(1 for r in results if r.error != "aborted" and len(seen.get(r.request_id, [])) > 1)
 
 
-async def _faults(cluster: LocalCluster, state: RunState, say: Say) -> FailoverReport:
+async def _faults(
+    cluster: LocalCluster, state: RunState, say: Say, api_key: str | None
+) -> FailoverReport:
     voice = [r for r in state.replicas if r.pool == VOICE]
     await asyncio.sleep(2.0)
     say(
@@ -141,6 +143,7 @@ async def _faults(cluster: LocalCluster, state: RunState, say: Say) -> FailoverR
                 lambda replica_id: kill_replica(state, replica_id, client),
                 lambda: seen_by_replicas(state),
                 sessions=FAILOVER_SESSIONS,
+                api_key=api_key,
             ),
         )
     figures = failover.figures()
@@ -163,7 +166,7 @@ async def _faults(cluster: LocalCluster, state: RunState, say: Say) -> FailoverR
 
 
 async def _traffic(
-    cluster: LocalCluster, state: RunState, say: Say, duration_s: float
+    cluster: LocalCluster, state: RunState, say: Say, duration_s: float, api_key: str | None
 ) -> tuple[list[LoadReport], FailoverReport]:
     async def load(pool: str, protocol: Protocol, concurrency: int, turns: int) -> LoadReport:
         return await run_load(
@@ -173,21 +176,26 @@ async def _traffic(
             concurrency=concurrency,
             duration_s=duration_s,
             session_turns=turns,
+            api_key=api_key,
         )
 
     loads = [
         load(r.name, PROTOCOL_OF_POOL.get(r.name, "chat"), 8, 4) for r in cluster.stack.recipes
     ]
     loads.append(load(VOICE, "realtime", REALTIME_WORKERS, 0))
-    faults = asyncio.create_task(_faults(cluster, state, say))
+    faults = asyncio.create_task(_faults(cluster, state, say, api_key))
     reports = await asyncio.gather(*loads)
     return list(reports), await faults
 
 
-def run_demo(cluster: LocalCluster, say: Say, duration_s: float = 10.0) -> DemoResult:
+def run_demo(
+    cluster: LocalCluster, say: Say, duration_s: float = 10.0, api_key: str | None = None
+) -> DemoResult:
+    """The demo's traffic and faults on a running local stack; `api_key` is sent to the
+    endpoint (a stack with `balancer.api_key_digests` answers nothing else)."""
     state = cluster.state
     assert state is not None
-    reports, failover = asyncio.run(_traffic(cluster, state, say, duration_s))
+    reports, failover = asyncio.run(_traffic(cluster, state, say, duration_s, api_key))
     results = [r for report in reports for r in report.results]
     aborted = {r.request_id for r in results if r.error == "aborted"}
     figures = failover.figures()

@@ -113,16 +113,18 @@ def mig_strategy_warnings(stack: StackSpec) -> list[str]:
     """A MIG recipe on a kubernetes site asks for `nvidia.com/mig-<profile>`, which the GPU
     operator advertises only under its `mixed` MIG strategy; its default, `single`, advertises
     MIG devices as `nvidia.com/gpu`, and the pods stay Pending. The stack does not read the
-    cluster, so this is said for every such recipe."""
-    kube = {site.name for site in stack.sites if site.kind == KUBERNETES}
+    cluster: a site states its strategy (`mig_strategy`), and until it does this is said."""
+    unstated = {
+        site.name for site in stack.sites if site.kind == KUBERNETES and not site.mig_strategy
+    }
     out = []
     for index, recipe in enumerate(stack.recipes):
-        sites = sorted(kube & set(recipe.sites))
+        sites = sorted(unstated & set(recipe.sites))
         if recipe.is_mig and sites:
             out.append(
                 f"recipes[{index}].share: {recipe.share} on {', '.join(sites)} needs the GPU "
                 f"operator's mixed MIG strategy (its default, single, never offers "
                 f"nvidia.com/mig-{recipe.share} and the pods stay Pending); install it with "
-                "--set mig.strategy=mixed"
+                "--set mig.strategy=mixed and set the site's mig_strategy: mixed"
             )
     return out

@@ -97,6 +97,8 @@ class SiteSpec:
     robot_user: Secret | None = None
     robot_password: Secret | None = None
     namespace: str = ""
+    # Kubernetes: the GPU operator's MIG strategy as installed on the cluster ("" when unstated).
+    mig_strategy: str = ""
     project_id: str = ""  # Nebius parent project
     subnet_id: str = ""  # Nebius / AWS subnet, optional on AWS
     image: str = ""  # AMI SSM parameter, Nebius image family
@@ -106,6 +108,10 @@ class SiteSpec:
     def creates_nodes(self) -> bool:
         return self.kind in ("aws", "lambda", "nebius", "kubernetes")
 
+
+# The GPU operator's MIG strategies: `mixed` offers each profile as nvidia.com/mig-<profile>,
+# `single` (its default) offers MIG slices as nvidia.com/gpu.
+MIG_STRATEGIES = ("mixed", "single")
 
 # What answers /v1/audio/speech on a simulated replica: a tone paced like tokens, or espeak-ng's
 # real synthesized speech (Debian's espeak-ng, on the CPU).

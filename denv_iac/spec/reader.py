@@ -16,6 +16,7 @@ from denv_iac.spec.model import (
     ENGINES,
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
+    MIG_STRATEGIES,
     NO_ENGINE,
     SIMULATED_ENGINES,
     SIMULATED_SPEECH,
@@ -167,6 +168,7 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
             gpu=_gpu_model(f, "gpu", catalog),
             gpus_per_node=f.integer("gpus_per_node", None, 1, 16),
             max_nodes=f.integer("max_nodes", None, 1, 1000),
+            mig_strategy=f.choice("mig_strategy", MIG_STRATEGIES, ""),
         )
     if kind:  # with the kind unknown, which keys belong is unknown too
         f.finish()
@@ -706,6 +708,15 @@ def _check_share(
             )
             return
     if not recipe.is_mig:
+        return
+    if site.mig_strategy == "single":
+        problems.add(
+            f"{path}.gpu",
+            f'MIG profile "{recipe.share}" on site {site.name}, whose GPU operator runs the single'
+            f" MIG strategy: it never offers nvidia.com/mig-{recipe.share}, so the pods would"
+            " stay Pending; reinstall the operator with --set mig.strategy=mixed and set"
+            " mig_strategy: mixed, or use a whole GPU",
+        )
         return
     for model in models:
         gpu = catalog.gpus[model]
