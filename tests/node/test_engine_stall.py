@@ -17,7 +17,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from denv_iac.balancer import render_haproxy_config
@@ -68,9 +70,15 @@ CONFIG = {
     ],
     "denv:balancer": {"sites": ["office"]},
 }
-# The engine behind each replica: two slots, so the balancer's four requests leave two queued
-# in the engine; each stream (16 tokens, 30 ms apart) ends well inside the first-token budget.
-ENGINE = {"ttft_ms": 20, "itl_ms": 30, "tokens": 16, "slots": 2, "engine": "vllm"}
+
+
+def _engine(replica_id: str, model: str) -> ReplicaSimConfig:
+    """The engine behind a replica: two slots, so the balancer's four requests leave two queued
+    in the engine; each stream (16 tokens, 30 ms apart) ends well inside the first-token budget.
+    It serves vLLM's metric names."""
+    return ReplicaSimConfig(
+        replica_id, LOOPBACK, ttft_ms=20, itl_ms=30, tokens=16, engine="vllm", model=model, slots=2
+    )
 
 
 @dataclass(frozen=True)
@@ -118,12 +126,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeStack]:
     spec = read_stack("t", CONFIG)
     placement = place_replicas(spec)
     (recipe,) = spec.recipes
-    processes: list[subprocess.Popen[bytes]] = []
+    agents: list[subprocess.Popen[bytes]] = []
     replicas: dict[str, ReplicaProcess] = {}
     haproxy: HaproxyProcess | None = None
     try:
         for placed in placement.replicas:
-            config = ReplicaSimConfig(placed.id, LOOPBACK, model=recipe.model_names[0], **ENGINE)
+            config = _engine(placed.id, recipe.model_names[0])
             replicas[placed.id] = process = ReplicaProcess(config, directory / f"{placed.id}.log")
             process.spawn()
         ports = {replica_id: p.wait_ready() for replica_id, p in replicas.items()}
@@ -135,10 +143,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeStack]:
             node_dir.mkdir()
             (node_dir / "agent.token").write_text("t" * 32)
             path = node_dir / "agent.toml"
-            path.write_text(_relocated(agent.config(here).content.decode(), node_dir))
+            text = agent.config(here).content.decode()
+            # The agent's own intervals (metrics every 250 ms): the deploy sets none by default.
+            assert "[intervals]" not in text and 'engine = "auto"' in text, text
+            path.write_text(_relocated(text, node_dir))
             command = [sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"]
             with (node_dir / "agent.log").open("ab") as log:
-                processes.append(
+                agents.append(
                     subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
                 )
             wait_for_port(here.agent_port, f"agent of {node_id}", LOOPBACK)
@@ -172,9 +183,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeStack]:
     finally:
         if haproxy is not None:
             haproxy.stop()
-        for process in processes:
-            process.kill()
-            process.wait()
+        for agent_process in agents:
+            agent_process.kill()
+            agent_process.wait()
         for replica in replicas.values():
             replica.stop()
 
@@ -196,11 +207,29 @@ def _all_up(stack: NodeStack) -> bool:
     return all_up(stack.admin_socket, list(stack.replicas))
 
 
+def _engine_read(stack: NodeStack, replica_id: str) -> dict[str, Any] | None:
+    """What the agent last read from the replica's engine metrics (its /healthz)."""
+    port = stack.agent_ports[replica_id] + 1  # the deploy's control endpoint
+    doc = httpx.get(f"http://{LOOPBACK}:{port}/healthz", timeout=5).json()
+    (replica,) = [r for r in doc["replicas"] if r["id"] == replica_id]
+    engine: dict[str, Any] | None = (replica["health"] or {}).get("engine")
+    return engine
+
+
 def test_the_node_agent_reads_the_engine_with_no_setting(stack: NodeStack) -> None:
-    """What the deploy wrote is what the agent runs: the engine's metrics, vLLM's names."""
+    """What the deploy wrote is what the agent runs: the engine's metrics, known by vLLM's
+    names with `engine: auto`."""
     wait_for("every replica up", lambda: _all_up(stack), 20)
     for replica_id in stack.replicas:
         assert _reply(stack, replica_id).startswith("up ready"), replica_id
+
+        def read(replica_id: str = replica_id) -> bool:
+            engine = _engine_read(stack, replica_id)
+            return engine is not None and engine["running"] == 0
+
+        wait_for("the engine's metrics read", read, 5)
+        engine = _engine_read(stack, replica_id)
+        assert engine is not None and engine["error"] is None, engine
 
 
 @pytest.mark.timing
