@@ -177,8 +177,10 @@ def level_problems(level: Level) -> list[str]:
     return problems
 
 
-def _started(stack: dict[str, Any], tmp: Path) -> LocalCluster:
-    cluster = LocalCluster(read_stack("overload", stack), tmp, free_port())
+def _started(
+    stack: dict[str, Any], tmp: Path, cluster_type: type[LocalCluster] = LocalCluster
+) -> LocalCluster:
+    cluster = cluster_type(read_stack("overload", stack), tmp, free_port())
     cluster.up()
     return cluster
 
@@ -213,14 +215,20 @@ def _watch_rotation(state: RunState, stop: threading.Event, left: set[str]) -> N
 
 
 def run_levels(
-    levels: tuple[float, ...], duration_s: float, fallback: bool = False, seed: int = 1
+    levels: tuple[float, ...],
+    duration_s: float,
+    fallback: bool = False,
+    seed: int = 1,
+    stack: dict[str, Any] | None = None,
+    cluster_type: type[LocalCluster] = LocalCluster,
 ) -> list[Level]:
-    """Each level on the same stack, one after the other (a second between them)."""
+    """Each level on the same stack (`overload_stack` unless given), one after the other (a
+    second between them)."""
     capacity = capacity_per_s(2)
     name = "fallback" if fallback else "one tier"
     out = []
     with tempfile.TemporaryDirectory(prefix="denv-overload-") as tmp:
-        cluster = _started(overload_stack(fallback), Path(tmp))
+        cluster = _started(stack or overload_stack(fallback), Path(tmp), cluster_type)
         try:
             state = cluster.state
             assert state is not None
@@ -270,12 +278,14 @@ def _poll(check: Callable[[], bool], limit_s: float) -> float | None:
     return None
 
 
-def run_zombie(duration_s: float, seed: int = 2) -> Zombie:
+def run_zombie(
+    duration_s: float, seed: int = 2, cluster_type: type[LocalCluster] = LocalCluster
+) -> Zombie:
     """A zombie a third of the way in, cleared two thirds in; detection counted from its first
     stalled request: the fault is set while a stream runs on it."""
     capacity = capacity_per_s(2)
     with tempfile.TemporaryDirectory(prefix="denv-zombie-") as tmp:
-        cluster = _started(overload_stack(False), Path(tmp))
+        cluster = _started(overload_stack(False), Path(tmp), cluster_type)
         try:
             state = cluster.state
             assert state is not None

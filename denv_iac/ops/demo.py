@@ -78,10 +78,15 @@ def kill_replica(state: RunState, replica_id: str, client: httpx.Client | None =
 def replica_fault(state: RunState, replica_id: str, mode: str, k: int = 0) -> None:
     """Sets a simulated replica's fault (`POST /control/fault`); mode `none` clears it."""
     replica = next(r for r in state.replicas if r.id == replica_id)
+    set_fault(replica.url, state.control_token, mode, k)
+
+
+def set_fault(replica_url: str, token: str, mode: str, k: int = 0) -> None:
+    """Sets the fault of the simulated replica at `replica_url` that obeys `token`."""
     httpx.post(
-        f"{replica.url}/control/fault",
+        f"{replica_url}/control/fault",
         json={"mode": mode, "k": k},
-        headers=control_headers(state.control_token),
+        headers=control_headers(token),
         timeout=5,
     ).raise_for_status()
 

@@ -121,7 +121,7 @@ SIMULATED_SPEECH = ("tone", "espeak-ng")
 ENGINES = ("vllm", "sglang", "tgi")
 SIMULATED_ENGINES = ENGINES
 # A recipe's `engine` by default: the agent reads `metrics_path` and knows the engine by its
-# metric names (any of ENGINES), so a zombie engine is taken out within about 1.5 s on nodes
+# metric names (any of ENGINES), so a zombie engine is taken out within 2 s on nodes
 # too, with no setting; a server that serves none of them is left to its health checks.
 AUTO_ENGINE = "auto"
 # `engine: none`: the agent reads no metrics.

@@ -6,18 +6,15 @@ HAProxy) with the stack's defaults: stall budget 1000 ms, metrics read every 250
 
 import shutil
 import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from denv_iac.balancer.runtime import server_stats
 from denv_iac.local.runner import LocalCluster, RunState
 from denv_iac.ops.demo import replica_fault
 from denv_iac.spec.reader import read_stack
+from tests.engine_load import agent_reply, all_up, server_row, streaming, wait_for, watch_full
 from tests.stacks import local_site
 from tests.timing import assert_within
 
@@ -58,71 +55,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunState]:
 
 
 def _row(state: RunState, replica_id: str) -> dict[str, str]:
-    return server_stats(Path(state.admin_socket))[replica_id]
-
-
-def _wait(what: str, check: Callable[[], bool], within_s: float) -> float:
-    """Seconds until `check` holds, polled every 20 ms; fails past `within_s`."""
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < within_s, f"{what} not within {within_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - started
+    return server_row(Path(state.admin_socket), replica_id)
 
 
 def _agent_reply(state: RunState, replica_id: str) -> str:
     replica = next(r for r in state.replicas if r.id == replica_id)
-    with socket.create_connection(("127.0.0.1", replica.agent_port), timeout=2) as sock:
-        sock.sendall(f"{replica_id}\n".encode())
-        return sock.recv(4096).decode().strip()
-
-
-class Load:
-    """`streams` client loops of streamed chat through the endpoint until stopped."""
-
-    def __init__(self, state: RunState, streams: int) -> None:
-        self.url = f"{state.endpoint}/v1/chat/completions"
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(streams)]
-
-    def __enter__(self) -> "Load":
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(10)
-
-    def _loop(self) -> None:
-        body = {"model": "voice", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-        with httpx.Client(timeout=5) as client:
-            while not self.stop.is_set():
-                try:
-                    with client.stream("POST", self.url, json=body) as response:
-                        for _ in response.iter_bytes():
-                            pass
-                except httpx.HTTPError:
-                    pass  # a cut turn: what this test bounds is how long the replica stays in
+    return agent_reply("127.0.0.1", replica.agent_port, replica_id)
 
 
 def _all_up(state: RunState) -> bool:
-    rows = server_stats(Path(state.admin_socket))
-    return all(rows[r.id]["status"] == "UP" for r in state.replicas)
+    return all_up(Path(state.admin_socket), [r.id for r in state.replicas])
 
 
 @pytest.mark.timing
 def test_a_zombie_is_out_of_rotation_within_2_s_and_back_once_it_makes_tokens(
     stack: RunState,
 ) -> None:
-    _wait("every replica up", lambda: _all_up(stack), 20)
+    wait_for("every replica up", lambda: _all_up(stack), 20)
     zombie = stack.replicas[0].id
-    with Load(stack, streams=2):
+    with streaming(stack.endpoint, streams=2):
         # The clock starts with a stream running on it: the first stalled request is at once.
-        _wait("a stream on the replica", lambda: int(_row(stack, zombie)["scur"] or 0) > 0, 5)
+        wait_for("a stream on the replica", lambda: int(_row(stack, zombie)["scur"] or 0) > 0, 5)
         replica_fault(stack, zombie, "zombie")
-        out_s = _wait(
+        out_s = wait_for(
             "the zombie marked down",
             lambda: _row(stack, zombie)["status"].startswith("DOWN"),
             ZOMBIE_OUT_S + 3,
@@ -134,7 +89,7 @@ def test_a_zombie_is_out_of_rotation_within_2_s_and_back_once_it_makes_tokens(
         replica_fault(stack, zombie, "none")
         # Back once the agent's own request shows a token: a metrics poll, that request, an
         # agent check.
-        _wait("the replica back up", lambda: _row(stack, zombie)["status"] == "UP", 5)
+        wait_for("the replica back up", lambda: _row(stack, zombie)["status"] == "UP", 5)
     assert _agent_reply(stack, zombie).startswith("up ready")
 
 
@@ -142,17 +97,13 @@ def test_a_zombie_is_out_of_rotation_within_2_s_and_back_once_it_makes_tokens(
 def test_a_full_replica_is_never_marked_down_and_its_queue_lowers_its_weight(
     stack: RunState,
 ) -> None:
-    _wait("every replica up", lambda: _all_up(stack), 20)
-    replies: set[str] = set()
-    states: set[str] = set()
-    # Eight streams over two replicas of two slots each: every slot busy, a queue behind them.
-    with Load(stack, streams=8):
-        deadline = time.monotonic() + 4.0
-        while time.monotonic() < deadline:
-            for replica in stack.replicas:
-                replies.add(_agent_reply(stack, replica.id))
-                states.add(_row(stack, replica.id)["status"])
-            time.sleep(0.05)
+    wait_for("every replica up", lambda: _all_up(stack), 20)
+    replies, states = watch_full(
+        stack.endpoint,
+        [r.id for r in stack.replicas],
+        lambda r: _agent_reply(stack, r),
+        lambda r: _row(stack, r)["status"],
+    )
     assert states == {"UP"}, states
     assert all(reply.startswith("up ready") for reply in replies), replies
     assert any(reply != "up ready 100%" for reply in replies), replies

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from benchmarks.observe_bench import busy_stack
 from benchmarks.overload import ZOMBIE_OUT_MS, run_levels, run_zombie
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
 from tests.timing import DETECTION_SLACK_S, RECOVERY_SLACK_S, assert_within
@@ -58,3 +59,14 @@ def test_a_zombie_is_out_within_2_s_with_the_defaults_and_cuts_only_its_turns() 
         "zombie cleared: back at full strength",
         RECOVERY_SLACK_S,
     )
+
+
+def test_an_engine_answering_503_when_its_queue_is_full_stays_in_rotation() -> None:
+    """Busy is not broken on live traffic too: the balancer's passive checks (`observe layer4`)
+    leave a replica whose engine refuses work past its queue in rotation, where `observe layer7`
+    took both replicas out (docs/balancer.md, "Passive checks")."""
+    (level,) = run_levels((2.0,), duration_s=5.0, stack=busy_stack())
+    assert level.shed > 0, level  # the engines did answer 503
+    assert level.cut == 0 and level.other_errors == {}, level
+    assert level.left_rotation == (), level
+    assert level.goodput >= 0.85, level
