@@ -10,13 +10,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from denv_agent.agent import Agent
 from denv_agent.config import AgentConfig, parse, to_toml
+from denv_agent.http_api import JsonHandler
 from denv_agent.nvml_double import FakeNvml
+from denv_agent.pod_resources import PodResourcesSource
 
 TOKEN = "test-control-token-0123456789"
 
@@ -47,7 +49,7 @@ class ReplicaServer:
         self.released = threading.Event()
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_GET(self) -> None:
                 mode = owner.health
                 if mode == "hang":
@@ -76,13 +78,6 @@ class ReplicaServer:
                         self.wfile.write(f"data: {json.dumps(token)}\n\n".encode())
                         self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
-
-            def _send(self, status: int, body: bytes, content_type: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -154,8 +149,14 @@ def replica(n: int, health_url: str, **extra: object) -> dict[str, object]:
 
 
 @contextmanager
-def running(config: AgentConfig, nvml: FakeNvml, *, simulate: bool = False) -> Iterator[Agent]:
-    agent = Agent(config, nvml, simulator=nvml if simulate else None)
+def running(
+    config: AgentConfig,
+    nvml: FakeNvml,
+    *,
+    simulate: bool = False,
+    pod_source: PodResourcesSource | None = None,
+) -> Iterator[Agent]:
+    agent = Agent(config, nvml, simulator=nvml if simulate else None, pod_source=pod_source)
     agent.start()
     try:
         yield agent
@@ -199,9 +200,15 @@ def wait_for(
 
 def http_get(agent: Agent, path: str) -> tuple[int, bytes]:
     assert agent.http is not None
-    host, port = agent.http.address
+    return http_call(agent.http.address, "GET", path)
+
+
+def http_call(address: tuple[str, int], method: str, path: str) -> tuple[int, bytes]:
+    """One request without a body: its status and body, errors included."""
+    host, port = address
+    request = urllib.request.Request(f"http://{host}:{port}{path}", method=method)
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
