@@ -18,7 +18,12 @@ from denv_agent.agent import Agent
 from denv_agent.config import AgentConfig, parse, to_toml
 from denv_agent.http_api import JsonHandler
 from denv_agent.nvml_double import FakeNvml
-from denv_agent.pod_resources import PodResourcesSource
+from denv_agent.pod_resources import (
+    ContainerDevices,
+    ContainerResources,
+    PodResources,
+    PodResourcesSource,
+)
 
 TOKEN = "test-control-token-0123456789"
 
@@ -163,6 +168,53 @@ def running(
     finally:
         nvml.close()
         agent.stop()
+
+
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"  # FakeNvml's first GPU
+
+
+class PodTable:
+    """The kubelet's pod list of one node: each named pod's server container holds one GPU."""
+
+    def __init__(self, pods: Mapping[str, str], namespace: str = "denv") -> None:
+        self.pods = dict(pods)  # pod -> GPU UUID
+        self.namespace = namespace
+
+    def list(self) -> tuple[PodResources, ...]:
+        return tuple(
+            PodResources(
+                pod,
+                self.namespace,
+                (ContainerResources("server", (ContainerDevices("nvidia.com/gpu", (gpu,)),)),),
+            )
+            for pod, gpu in self.pods.items()
+        )
+
+
+@contextmanager
+def kube_agent(
+    tmp_path: Path, replicas: list[dict[str, object]], pods: Mapping[str, str]
+) -> Iterator[Agent]:
+    """A Kubernetes node's agent serving its pod endpoints on 127.0.0.1; `pods` are this node's
+    (pod -> GPU UUID), other replicas' pods are elsewhere."""
+    config = make_config(
+        tmp_path,
+        replicas,
+        listen={"agent_check": "127.0.0.1:0", "http": "127.0.0.1:0", "pods": "127.0.0.1:0"},
+        kubernetes={
+            "namespace": "denv",
+            "container": "server",
+            "pod_resources_socket": str(tmp_path / "kubelet.sock"),
+        },
+    )
+    with running(config, FakeNvml(1), pod_source=PodTable(pods)) as agent:
+        yield agent
+
+
+def pods_url(agent: Agent) -> str:
+    assert agent.pod_api is not None
+    host, port = agent.pod_api.address
+    return f"http://{host}:{port}"
 
 
 def ask(address: tuple[str, int], payload: bytes, *, half_close: bool = False) -> bytes:
