@@ -9,6 +9,7 @@ import pytest
 from denv_agent import agentcheck
 from denv_agent.config import Kubernetes
 from denv_agent.config import parse as parse_agent_config
+from denv_agent.http_api import MAX_HOLD_S
 
 from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
@@ -251,6 +252,7 @@ def test_a_stopping_pod_is_given_its_drain_bound_and_the_servers_stop() -> None:
         (120, 200, "1.4"),  # the defaults: two agent checks and a second for the relay
         (300, 2000, "5.0"),  # slow agent checks: a longer settle
         (2, 2000, "2.0"),  # never past the drain bound
+        (86400, 200, "1.4"),  # the longest bound a recipe may set: the agent still holds it
     ],
 )
 def test_a_stopping_pod_drains_and_waits_within_its_grace_period(
@@ -277,7 +279,7 @@ def test_a_stopping_pod_drains_and_waits_within_its_grace_period(
     # The kubelet kills the pod at its grace period: the hook's wait fits in it, with the
     # server's own stop after it, and the agent's drain lasts no longer than the pod.
     grace = pod["terminationGracePeriodSeconds"]
-    assert grace == drain_timeout_s + SERVER_STOP_S == int(hold)
+    assert grace == drain_timeout_s + SERVER_STOP_S == int(hold) <= MAX_HOLD_S
     assert float(settle_s) <= int(wait) <= grace - SERVER_STOP_S
     # Both hooks ask the agent of the pod's own node, by the pod's name.
     ready = server["readinessProbe"]

@@ -159,8 +159,9 @@ class _PodHandler(JsonHandler):
 
 
 _NOT_FOUND: PodAnswer = (404, {"error": "not found"})
-# A drain held longer than a day is a mistake in the caller, not a voice call.
-MAX_HOLD_S = 86400.0
+# A drain held longer than two days is a mistake in the caller, not a voice call (a recipe's
+# drain bound is at most a day, and the grace period adds its server's stop).
+MAX_HOLD_S = 172800.0
 
 
 class _Handler(JsonHandler):
