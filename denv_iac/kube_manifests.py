@@ -205,10 +205,17 @@ def site_problems(site: SiteSpec, recipes: Sequence[RecipeSpec]) -> list[str]:
             f"need gateway ports up to {highest}; keep max_nodes x gpus_per_node at most {most}"
         )
     for index, recipe in enumerate(recipes):
-        if site.name in recipe.sites and not recipe.image:
+        if site.name not in recipe.sites:
+            continue
+        if not recipe.image:
             problems.append(
                 f"recipes[{index}].image: missing; a kubernetes site ({site.name}) runs the "
                 "model server as a container: add image: vllm/vllm-openai:v0.11.0"
+            )
+        if any(name == POD_NAME_ENV for name, _ in (*recipe.env, *recipe.secret_env)):
+            problems.append(
+                f"recipes[{index}].env.{POD_NAME_ENV}: the pod's own name on a kubernetes site "
+                f"({site.name}), which its hooks read: remove it from env"
             )
     return problems
 

@@ -481,6 +481,13 @@ def test_raising_min_warm_keeps_every_existing_route() -> None:
             "sites: k8s.max_nodes: 1000 nodes of 8 GPUs need gateway ports up to 73999; keep "
             "max_nodes x gpus_per_node at most 6942",
         ),
+        (
+            _site(),
+            [{**VOICE, "env": {"DENV_POD": "x"}}],
+            "recipes[0].env.DENV_POD: the pod's own name on a kubernetes site (k8s), which its "
+            "hooks read: remove it from env",
+        ),
+        (_site(), [{**VOICE, "env": {"DENV_POD": "x"}, "sites": ["edge"]}], None),
     ],
 )
 def test_site_problems(site: dict[str, Any], recipes: list[Any], problem: str | None) -> None:
