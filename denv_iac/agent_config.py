@@ -78,6 +78,7 @@ class AgentConfig:
     agent_check: str  # host:port, where the balancers' agent checks arrive
     http: str  # host:port of the control endpoint
     replicas: tuple[AgentReplica, ...]
+    pods: str | None = None  # host:port of the pod endpoints (Kubernetes): readiness, drain
     control_token: str | None = None
     control_token_file: str | None = None
     tables: Mapping[str, Table] = field(default_factory=dict)
@@ -92,7 +93,7 @@ def agent_config_toml(config: AgentConfig) -> str:
         "control_token_file": config.control_token_file,
     }
     lines = _pairs(top)
-    listen = {"agent_check": config.agent_check, "http": config.http}
+    listen = {"agent_check": config.agent_check, "http": config.http, "pods": config.pods}
     for name, table in [("listen", listen), *config.tables.items()]:
         lines += ["", f"[{_key(name)}]", *_pairs(table)]
     for replica in config.replicas:

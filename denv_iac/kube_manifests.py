@@ -28,6 +28,10 @@ the balancer's check is relayed to the agent of the replica's node. The global b
 its per-replica health checks, agent verdicts and session affinity exactly as on machines; the
 gateway is only a relay. The price is one cloud load balancer per planning node.
 
+A replica pod rolls as a replica on a machine does. Its readiness means warm, and its preStop
+drains it and waits for its calls to end; both ask the agent of the pod's own node, through a
+Service that keeps traffic on the caller's node (AGENT_LOCAL_NAME), on the agent's pod endpoints.
+
 Every listener the balancer calls (replica ports and the agent frontend) takes only TLS with a
 client certificate of the stack's own CA, whose certificate and key reach the pods as a Secret
 (see `denv_iac.spec.gateway_link` for why TLS and not a WireGuard peer).
@@ -79,6 +83,19 @@ NVIDIA_RUNTIME_CLASS = "nvidia"
 # The kubelet's pod-resources API socket lives here (the v1 PodResourcesLister).
 POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
 SERVER_CONTAINER = "server"
+# The agent's pod endpoints (readiness that means warm, drain before a pod stops), which each
+# replica pod asks its own node's agent through AGENT_LOCAL_NAME: a Service whose traffic stays
+# on the caller's node (internalTrafficPolicy Local), so it reaches that node's agent alone. The
+# port is the agent pod's own (not the node's), free beside AGENT_PORT and its HTTP port.
+AGENT_PODS_PORT = AGENT_PORT + 2
+AGENT_LOCAL_NAME = "denv-agent-local"
+# The replica pod's own name, given to its hooks by the downward API.
+POD_NAME_ENV = "DENV_POD"
+# How often the warm readiness is asked, how long one answer may take (python3's start-up
+# included), and how many misses make a ready pod unready.
+READY_PERIOD_S = 10
+READY_TIMEOUT_S = 5
+READY_FAILURES = 3
 # How often the gateway asks every agent which of them knows a replica.
 AGENT_FIND_INTERVAL_S = 2
 CACHE_VOLUME = "cache"
@@ -139,6 +156,7 @@ class SiteManifests:
     agent_config: Manifest
     agent: Manifest  # the DaemonSet
     agent_service: Manifest  # headless: every node's agent, by one DNS name
+    agent_local_service: Manifest  # each replica pod's own node's agent (pod endpoints)
     agent_network_policy: Manifest
     gateway_config: Manifest
     # The frame of the gateway's TLS Secret (no data): None when the link is plain TCP.
@@ -156,7 +174,13 @@ class SiteManifests:
             for m in (p.env_secret, p.service, p.stateful_set, p.disruption_budget)
             if m is not None
         ]
-        agent = [self.agent_config, self.agent_service, self.agent, self.agent_network_policy]
+        agent = [
+            self.agent_config,
+            self.agent_service,
+            self.agent_local_service,
+            self.agent,
+            self.agent_network_policy,
+        ]
         tls = [self.gateway_tls] if self.gateway_tls is not None else []
         gateway = [self.gateway_config, *tls, self.gateway, self.gateway_budget]
         services = [self.node_services[node] for node in sorted(self.node_services)]
@@ -181,10 +205,17 @@ def site_problems(site: SiteSpec, recipes: Sequence[RecipeSpec]) -> list[str]:
             f"need gateway ports up to {highest}; keep max_nodes x gpus_per_node at most {most}"
         )
     for index, recipe in enumerate(recipes):
-        if site.name in recipe.sites and not recipe.image:
+        if site.name not in recipe.sites:
+            continue
+        if not recipe.image:
             problems.append(
                 f"recipes[{index}].image: missing; a kubernetes site ({site.name}) runs the "
                 "model server as a container: add image: vllm/vllm-openai:v0.11.0"
+            )
+        if any(name == POD_NAME_ENV for name, _ in (*recipe.env, *recipe.secret_env)):
+            problems.append(
+                f"recipes[{index}].env.{POD_NAME_ENV}: the pod's own name on a kubernetes site "
+                f"({site.name}), which its hooks read: remove it from env"
             )
     return problems
 
@@ -239,7 +270,7 @@ def site_manifests(
         placed = [r for r in replicas if r.pool == recipe.name and r.site == site.name]
         if not placed:
             continue
-        pools.append(_pool_manifests(stack.name, site, recipe, placed))
+        pools.append(_pool_manifests(stack, site, recipe, placed))
         for ordinal, replica in enumerate(placed):
             pod = f"{recipe.name}-{ordinal}"
             route = GatewayRoute(
@@ -265,6 +296,7 @@ def site_manifests(
         agent_config=_config_map(stack.name, site, AGENT_NAME, "agent", {"agent.toml": agent_toml}),
         agent=_agent_daemon_set(stack.name, site, agent_toml),
         agent_service=_agent_service(stack.name, site),
+        agent_local_service=_agent_local_service(stack.name, site),
         agent_network_policy=_agent_network_policy(stack.name, site),
         gateway_config=_config_map(
             stack.name, site, GATEWAY_NAME, "gateway", {"haproxy.cfg": haproxy_cfg}
@@ -493,6 +525,7 @@ def _agent_toml(site: SiteSpec, replicas: Sequence[AgentReplica]) -> str:
             control_token_file=f"{AGENT_RUN_DIR}/agent.token",
             agent_check=f"0.0.0.0:{AGENT_PORT}",
             http=f"127.0.0.1:{AGENT_PORT + 1}",
+            pods=f"0.0.0.0:{AGENT_PODS_PORT}",
             replicas=tuple(replicas),
             tables={"kubernetes": kubernetes},
         )
@@ -514,7 +547,94 @@ def env_secret_name(recipe: RecipeSpec) -> str:
     return f"{recipe.name}-env"
 
 
-def _server_container(recipe: RecipeSpec) -> Manifest:
+# A replica pod's hooks, run by python3 in the recipe's image (the engines' images have it; not
+# every one has curl). Each asks the agent of the pod's own node (AGENT_LOCAL_NAME), never
+# through a proxy the recipe's env may name. Arguments after the script: the pod's agent URL,
+# then the hook's own.
+_HOOK_HEAD = """\
+import os, sys, time, urllib.error, urllib.request
+url = sys.argv[1] + "/pods/" + os.environ["DENV_POD"]
+agent = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""
+# Readiness: exit 0 only on the agent's 200 (warm); its reason, or why it was not asked, is what
+# the kubelet shows in the pod's events.
+READY_HOOK = (
+    _HOOK_HEAD
+    + """\
+try:
+    agent.open(url + "/ready", timeout=4).read()
+except urllib.error.HTTPError as e:
+    sys.exit("not warm: " + e.read().decode(errors="replace")[:300])
+except OSError as e:
+    sys.exit("warmth unknown, no agent answered: " + str(e))
+"""
+)
+# preStop: drain (the balancers send nothing new once their next agent check has the answer:
+# `settle` s), then wait until no connection to the server's port is open (streams and realtime
+# sessions alike, as `ss` shows on a node), `wait` s at most in all; past it, what is open is cut
+# when the server stops. Argument order: url, port, wait, settle, hold.
+STOP_HOOK = (
+    _HOOK_HEAD
+    + """\
+port, wait, settle, hold = int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+start = time.monotonic()
+try:
+    request = urllib.request.Request(url + "/drain?hold_s=" + hold, method="POST")
+    agent.open(request, timeout=5).read()
+except OSError as e:
+    print("no agent drained this pod:", e, file=sys.stderr)
+def open_connections():
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                lines = rows.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+while True:
+    left, spent = open_connections(), time.monotonic() - start
+    if left == 0 and spent >= settle:
+        print("no streams open after %.1f s" % spent)
+        break
+    if spent >= wait:
+        print("%d connections still open after %.0f s: cut" % (left, wait), file=sys.stderr)
+        break
+    time.sleep(0.5)
+"""
+)
+
+
+def drain_settle_s(agent_inter_ms: int) -> float:
+    """How long a stopping pod waits after its drain before it may stop with no connection open:
+    the balancers ask the agent every `agent_inter_ms` through the gateway's relay, so two of
+    their checks and a second for the relay, after which nothing new arrives."""
+    return round(2 * agent_inter_ms / 1000 + 1, 3)
+
+
+def agent_pods_url(site: SiteSpec) -> str:
+    """Where a replica pod reaches its own node's agent's pod endpoints."""
+    return f"http://{AGENT_LOCAL_NAME}.{site.namespace}.svc.cluster.local:{AGENT_PODS_PORT}"
+
+
+def ready_command(site: SiteSpec) -> list[str]:
+    return ["python3", "-c", READY_HOOK, agent_pods_url(site)]
+
+
+def stop_command(site: SiteSpec, recipe: RecipeSpec, agent_inter_ms: int) -> list[str]:
+    """The preStop: drain, wait for open connections to end within drain_timeout_s; the agent
+    holds the drain at most the grace period, by whose end the kubelet has stopped the pod."""
+    wait = recipe.drain_timeout_s
+    settle = min(float(wait), drain_settle_s(agent_inter_ms))
+    args = (recipe.port, wait, settle, termination_grace_s(recipe))
+    return ["python3", "-c", STOP_HOOK, agent_pods_url(site), *(str(a) for a in args)]
+
+
+def _server_container(recipe: RecipeSpec, site: SiteSpec, agent_inter_ms: int) -> Manifest:
     cache_env = {"HF_HOME": recipe.cache_dirs[0], "VLLM_CACHE_ROOT": recipe.cache_dirs[-1]}
     env: list[Manifest] = [{"name": k, "value": v} for k, v in recipe.env if k not in cache_env]
     env += [
@@ -523,6 +643,7 @@ def _server_container(recipe: RecipeSpec) -> Manifest:
         if k not in cache_env
     ]
     env += [{"name": k, "value": v} for k, v in cache_env.items()]
+    env.append({"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     container: Manifest = {
         "name": SERVER_CONTAINER,
         "image": recipe.image,
@@ -532,7 +653,17 @@ def _server_container(recipe: RecipeSpec) -> Manifest:
         "startupProbe": _http_probe(
             recipe.health_path, "http", STARTUP_PERIOD_S, startup_failure_threshold(recipe)
         ),
-        "readinessProbe": _http_probe(recipe.health_path, "http", 5, 2),
+        # Ready means warm, as the agent of the pod's node judges it: the server answers and,
+        # where the recipe has a first-token probe, has streamed a first token. The rollout's
+        # next pod, and the disruption budget, wait on it.
+        "readinessProbe": {
+            "exec": {"command": ready_command(site)},
+            "periodSeconds": READY_PERIOD_S,
+            "timeoutSeconds": READY_TIMEOUT_S,
+            "failureThreshold": READY_FAILURES,
+        },
+        # Before the kubelet stops the server: drain it and let its calls end (see STOP_HOOK).
+        "lifecycle": {"preStop": {"exec": {"command": stop_command(site, recipe, agent_inter_ms)}}},
         # One claim for every cache folder, each in its own sub-folder of it.
         "volumeMounts": [
             {"name": CACHE_VOLUME, "mountPath": path, "subPath": f"dir-{index}"}
@@ -562,7 +693,10 @@ def _agent_daemon_set(stack: str, site: SiteSpec, agent_toml: str) -> Manifest:
             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
             {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},
         ],
-        "ports": [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"},
+            {"name": "pods", "containerPort": AGENT_PODS_PORT, "protocol": "TCP"},
+        ],
         "resources": {
             "requests": {"cpu": "50m", "memory": "64Mi"},
             "limits": {"memory": "128Mi"},
@@ -611,24 +745,39 @@ def _agent_daemon_set(stack: str, site: SiteSpec, agent_toml: str) -> Manifest:
 
 
 def _agent_service(stack: str, site: SiteSpec) -> Manifest:
+    """Every node's agent, by one DNS name (headless): the gateway relays checks to them all."""
+    port = {"name": "agent", "port": AGENT_PORT}
+    # A starting agent answers `starting`-like verdicts too: let the gateway find it.
+    headless = {"clusterIP": "None", "publishNotReadyAddresses": True}
+    return _agent_ports_service(stack, site, AGENT_NAME, port, headless)
+
+
+def _agent_local_service(stack: str, site: SiteSpec) -> Manifest:
+    """The agent of the caller's own node: a replica pod's hooks ask it about that pod alone.
+    Only endpoints on the client's node (internalTrafficPolicy Local): never another node's
+    agent, which would answer 404 (the pod is not on its node). None there: the call fails,
+    and the pod is not ready (its warmth is unknown) and stops undrained."""
+    port = {"name": "pods", "port": AGENT_PODS_PORT}
+    local = {"internalTrafficPolicy": "Local"}
+    return _agent_ports_service(stack, site, AGENT_LOCAL_NAME, port, local)
+
+
+def _agent_ports_service(
+    stack: str, site: SiteSpec, name: str, port: dict[str, Any], spec: Manifest
+) -> Manifest:
     labels = _agent_labels(stack, site)
+    ports = [{**port, "targetPort": port["name"], "protocol": "TCP"}]
     return _object(
         "v1",
         "Service",
-        _meta(site, AGENT_NAME, labels),
-        spec={
-            "clusterIP": "None",
-            "selector": _selector(labels),
-            # A starting agent answers `starting`-like verdicts too: let the gateway find it.
-            "publishNotReadyAddresses": True,
-            "ports": [
-                {"name": "agent", "port": AGENT_PORT, "targetPort": "agent", "protocol": "TCP"}
-            ],
-        },
+        _meta(site, name, labels),
+        spec={**spec, "selector": _selector(labels), "ports": ports},
     )
 
 
 def _agent_network_policy(stack: str, site: SiteSpec) -> Manifest:
+    """Agent checks from the gateway; the pod endpoints from the site's replica pods alone (they
+    take no token: a pod may drain a replica of its node, nothing else)."""
     return _object(
         "networking.k8s.io/v1",
         "NetworkPolicy",
@@ -642,7 +791,11 @@ def _agent_network_policy(stack: str, site: SiteSpec) -> Manifest:
                         {"podSelector": {"matchLabels": _selector(_gateway_labels(stack, site))}}
                     ],
                     "ports": [{"protocol": "TCP", "port": AGENT_PORT}],
-                }
+                },
+                {
+                    "from": [{"podSelector": {"matchLabels": _replica_pods(site)}}],
+                    "ports": [{"protocol": "TCP", "port": AGENT_PODS_PORT}],
+                },
             ],
         },
     )
@@ -661,12 +814,12 @@ def _pod_affinity(site: SiteSpec) -> Manifest:
 
 
 def _pool_manifests(
-    stack: str, site: SiteSpec, recipe: RecipeSpec, placed: Sequence[PlacedReplica]
+    stack: StackSpec, site: SiteSpec, recipe: RecipeSpec, placed: Sequence[PlacedReplica]
 ) -> PoolManifests:
-    labels = _replica_labels(stack, site, recipe.name)
+    labels = _replica_labels(stack.name, site, recipe.name)
     selector = _selector(labels)
     pod_spec: Manifest = {
-        "containers": [_server_container(recipe)],
+        "containers": [_server_container(recipe, site, stack.balancer.timers.agent_inter_ms)],
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         # The placement spreads replicas over nodes so that one lost node costs at most
         # `spare`; the scheduler is asked for the same.
@@ -729,7 +882,7 @@ def _pool_manifests(
         },
     )
     budget = _disruption_budget(
-        stack, site, recipe.name, labels, min_available(recipe, len(placed))
+        stack.name, site, recipe.name, labels, min_available(recipe, len(placed))
     )
     env_secret = (
         _object("v1", "Secret", _meta(site, env_secret_name(recipe), labels), type="Opaque")
@@ -748,7 +901,7 @@ def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpe
         "NetworkPolicy",
         _meta(site, "denv-replicas-from-gateway", _labels(stack, site, role="replica")),
         spec={
-            "podSelector": {"matchLabels": {"denv/site": site.name, "denv/role": "replica"}},
+            "podSelector": {"matchLabels": _replica_pods(site)},
             "policyTypes": ["Ingress"],
             "ingress": [
                 {
@@ -758,6 +911,11 @@ def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpe
             ],
         },
     )
+
+
+def _replica_pods(site: SiteSpec) -> dict[str, str]:
+    """Every replica pod of the site, whatever its pool."""
+    return {"denv/site": site.name, "denv/role": "replica"}
 
 
 def _gateway_tls_secret(stack: str, site: SiteSpec) -> Manifest:

@@ -9,12 +9,14 @@ import pytest
 from denv_agent import agentcheck
 from denv_agent.config import Kubernetes
 from denv_agent.config import parse as parse_agent_config
+from denv_agent.http_api import MAX_HOLD_S
 
 from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.catalog import load_catalog
 from denv_iac.ingress import AGENT_PORT
 from denv_iac.kube_manifests import (
+    AGENT_PODS_PORT,
     AGENT_RUN_DIR,
     AGENT_UNKNOWN,
     GATEWAY_PORT_BASE,
@@ -245,6 +247,64 @@ def test_a_stopping_pod_is_given_its_drain_bound_and_the_servers_stop() -> None:
 
 
 @pytest.mark.parametrize(
+    ("drain_timeout_s", "agent_inter_ms", "settle"),
+    [
+        (120, 200, "1.4"),  # the defaults: two agent checks and a second for the relay
+        (300, 2000, "5.0"),  # slow agent checks: a longer settle
+        (2, 2000, "2.0"),  # never past the drain bound
+        (86400, 200, "1.4"),  # the longest bound a recipe may set: the agent still holds it
+    ],
+)
+def test_a_stopping_pod_drains_and_waits_within_its_grace_period(
+    drain_timeout_s: int, agent_inter_ms: int, settle: str
+) -> None:
+    balancer = {"sites": ["edge"], "timers": {"agent_inter_ms": agent_inter_ms}}
+    stack = read_stack(
+        "prod",
+        {
+            "denv:sites": [_site(), EDGE],
+            "denv:recipes": [{**VOICE, "drain_timeout_s": drain_timeout_s}],
+            "denv:balancer": balancer,
+        },
+    )
+    manifests = site_manifests(stack, stack.site("k8s"), place_replicas(stack).replicas)
+    pod = _pool(manifests, "voice").stateful_set["spec"]["template"]["spec"]
+    server = _server(_pool(manifests, "voice").stateful_set)
+    python, flag, script, url, port, wait, settle_s, hold = server["lifecycle"]["preStop"]["exec"][
+        "command"
+    ]
+    assert (python, flag, port) == ("python3", "-c", "8000")
+    assert "/drain?hold_s=" in script and "/proc/net/tcp" in script
+    assert (wait, settle_s) == (str(drain_timeout_s), settle)
+    # The kubelet kills the pod at its grace period: the hook's wait fits in it, with the
+    # server's own stop after it, and the agent's drain lasts no longer than the pod.
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace == drain_timeout_s + SERVER_STOP_S == int(hold) <= MAX_HOLD_S
+    assert float(settle_s) <= int(wait) <= grace - SERVER_STOP_S
+    # Both hooks ask the agent of the pod's own node, by the pod's name.
+    ready = server["readinessProbe"]
+    assert ready["exec"]["command"][3] == url
+    assert ready["timeoutSeconds"] >= 5  # python3's start-up and one agent answer
+    assert {"name": "DENV_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in (
+        server["env"]
+    )
+    local = manifests.agent_local_service
+    assert url == f"http://{local['metadata']['name']}.denv.svc.cluster.local:{AGENT_PODS_PORT}"
+    assert local["spec"]["internalTrafficPolicy"] == "Local"
+    assert local["spec"]["selector"] == manifests.agent["spec"]["selector"]["matchLabels"]
+    (agent,) = manifests.agent["spec"]["template"]["spec"]["containers"]
+    (service_port,) = local["spec"]["ports"]
+    assert {"name": service_port["targetPort"], "containerPort": AGENT_PODS_PORT}.items() <= (
+        next(p for p in agent["ports"] if p["name"] == "pods").items()
+    )
+    text = manifests.agent_config["data"]["agent.toml"]
+    config = parse_agent_config(
+        text.replace("control_token_file", "control_token", 1), base=Path("/")
+    )
+    assert config.listen.pods == ("0.0.0.0", AGENT_PODS_PORT)
+
+
+@pytest.mark.parametrize(
     "recipe, resource, replicas, least",
     [(VOICE, "nvidia.com/gpu", 3, 2), (SIDE, "nvidia.com/mig-1g.10gb", 3, 2)],
 )
@@ -261,10 +321,15 @@ def test_stateful_set_per_pool(
     assert server["startupProbe"]["periodSeconds"] == 10
     assert server["startupProbe"]["failureThreshold"] == 90
     assert server["startupProbe"]["httpGet"]["path"] == "/health"
-    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    # Ready means warm, which the node's agent judges (test_a_replica_pod_is_ready_when_warm...).
+    assert server["readinessProbe"]["exec"]["command"][:2] == ["python3", "-c"]
     assert {m["mountPath"] for m in server["volumeMounts"]} == set(RecipeSpec.cache_dirs)
-    env = {e["name"]: e["value"] for e in server["env"]}
-    assert env == {"HF_HOME": "/var/cache/denv/hf", "VLLM_CACHE_ROOT": "/var/cache/denv/compile"}
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert env == {
+        "HF_HOME": "/var/cache/denv/hf",
+        "VLLM_CACHE_ROOT": "/var/cache/denv/compile",
+        "DENV_POD": None,  # the pod's name, from the downward API
+    }
     (claim,) = spec["volumeClaimTemplates"]
     assert claim["spec"]["resources"]["requests"]["storage"] == "300Gi"
     pod = spec["template"]["spec"]
@@ -299,7 +364,10 @@ def test_one_agent_per_gpu_node_sees_every_gpu_through_the_nvidia_runtime_class(
     socket_dir = mounts["/var/lib/kubelet/pod-resources"]
     assert socket_dir["readOnly"] is True
     assert volumes[socket_dir["name"]]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
-    assert agent["ports"] == [{"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"}]
+    assert agent["ports"] == [
+        {"name": "agent", "containerPort": AGENT_PORT, "protocol": "TCP"},
+        {"name": "pods", "containerPort": AGENT_PODS_PORT, "protocol": "TCP"},
+    ]
     # On the nodes the replicas may land on, and only there.
     replica_pod = _pool(manifests, "v").stateful_set["spec"]["template"]["spec"]
     assert pod["affinity"] == replica_pod["affinity"]
@@ -359,9 +427,16 @@ def test_replica_ports_take_traffic_only_from_gateway_and_agent_pods_agents_from
     assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100]
     spec = manifests.agent_network_policy["spec"]
     assert spec["podSelector"]["matchLabels"].items() <= agent_pods.items()
-    ((source,),) = [rule["from"] for rule in spec["ingress"]]
-    assert source["podSelector"]["matchLabels"] == gateway
-    assert [p["port"] for rule in spec["ingress"] for p in rule["ports"]] == [AGENT_PORT]
+    # Agent checks from the gateway alone; the pod endpoints from the site's replica pods alone.
+    sources = [
+        ([source["podSelector"]["matchLabels"] for source in rule["from"]], rule["ports"])
+        for rule in spec["ingress"]
+    ]
+    replica_pods = {"denv/role": "replica", "denv/site": "k8s"}
+    assert sources == [
+        ([gateway], [{"protocol": "TCP", "port": AGENT_PORT}]),
+        ([replica_pods], [{"protocol": "TCP", "port": AGENT_PODS_PORT}]),
+    ]
 
 
 def test_each_node_service_relays_its_replicas_ports_to_their_own_listeners() -> None:
@@ -406,6 +481,13 @@ def test_raising_min_warm_keeps_every_existing_route() -> None:
             "sites: k8s.max_nodes: 1000 nodes of 8 GPUs need gateway ports up to 73999; keep "
             "max_nodes x gpus_per_node at most 6942",
         ),
+        (
+            _site(),
+            [{**VOICE, "env": {"DENV_POD": "x"}}],
+            "recipes[0].env.DENV_POD: the pod's own name on a kubernetes site (k8s), which its "
+            "hooks read: remove it from env",
+        ),
+        (_site(), [{**VOICE, "env": {"DENV_POD": "x"}, "sites": ["edge"]}], None),
     ],
 )
 def test_site_problems(site: dict[str, Any], recipes: list[Any], problem: str | None) -> None:

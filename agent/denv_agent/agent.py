@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from denv_agent.agentcheck import AgentCheckServer
-from denv_agent.config import AgentConfig
+from denv_agent.config import AgentConfig, Replica
 from denv_agent.gpu_monitor import GpuMonitor
 from denv_agent.healthz import document
-from denv_agent.http_api import ControlError, ControlHandler, HttpApi
+from denv_agent.http_api import ControlError, ControlHandler, HttpApi, PodAnswer, PodApi
 from denv_agent.kubelet import KubeletPodResources
 from denv_agent.metrics import Metrics
 from denv_agent.nvml_api import Nvml
 from denv_agent.nvml_double import FakeNvml
 from denv_agent.pod_resources import Assigned, PodMonitor, PodResourcesSource
-from denv_agent.replica_health import ReplicaMonitor
+from denv_agent.replica_health import ReplicaMonitor, ReplicaReading
 from denv_agent.state import Drains, DrainStore
-from denv_agent.verdict import Snapshot, compose
+from denv_agent.verdict import Snapshot, compose, not_warm
 
 log = logging.getLogger("denv_agent")
 
@@ -57,11 +59,14 @@ class Agent:
         )
         self._publish_lock = threading.Lock()
         self._control_lock = threading.Lock()
+        # Replicas whose pods are stopping -> when their drain ends at the latest (monotonic).
+        self._stopping: dict[str, float] = {}
         self.snapshot: Snapshot = compose(
             config, self.gpus.view(), self.replicas.view(), self.drains, self._pod_view()
         )
         self.agent_check: AgentCheckServer | None = None
         self.http: HttpApi | None = None
+        self.pod_api: PodApi | None = None
 
     def start(self) -> None:
         """Bind both ports (raising OSError if one is taken), then start polling."""
@@ -79,11 +84,17 @@ class Agent:
                 self.metrics.render,
                 self._control_routes(),
             )
+            if config.listen.pods is not None:
+                self.pod_api = PodApi(config.listen.pods, self.pod_ready, self.stop_pod)
         except OSError:
             self.agent_check.stop()
+            if self.http:
+                self.http.stop()
             raise
         self.agent_check.start()
         self.http.start()
+        if self.pod_api:
+            self.pod_api.start()
         self.gpus.start()
         if self.pods:
             self.pods.start()
@@ -94,6 +105,8 @@ class Agent:
             self.agent_check.stop()
         if self.http:
             self.http.stop()
+        if self.pod_api:
+            self.pod_api.stop()
         self.replicas.stop()
         if self.pods:
             self.pods.stop()
@@ -103,9 +116,10 @@ class Agent:
         """Recompute every verdict from the monitors' latest readings and swap the snapshot."""
         with self._publish_lock:
             old = self.snapshot
-            new = compose(
-                self.config, self.gpus.view(), self.replicas.view(), self.drains, self._pod_view()
-            )
+            readings = self.replicas.view()
+            self._end_stopped(readings)
+            drains = replace(self.drains, stopping=frozenset(self._stopping))
+            new = compose(self.config, self.gpus.view(), readings, drains, self._pod_view())
             self.snapshot = new
         for rid, verdict in new.verdicts.items():
             before = old.verdicts.get(rid)
@@ -114,6 +128,47 @@ class Agent:
                 verdict.weight_pct,
             ):
                 log.info("%s: %s", rid, verdict.reply)
+
+    def _end_stopped(self, readings: Mapping[str, ReplicaReading]) -> None:
+        """A stopping pod's drain ends once its server stopped (its health check failed
+        `fail_after` times: the pod that replaces it starts cold, and its own checks decide),
+        or at the drain's end, when the kubelet has killed it anyway."""
+        now = time.monotonic()
+        fail_after = self.config.thresholds.fail_after
+        for rid, until in list(self._stopping.items()):
+            reading = readings.get(rid)
+            if now >= until or (reading is not None and reading.failures >= fail_after):
+                del self._stopping[rid]
+                log.info("%s: its pod stopped; the stopping drain ended", rid)
+
+    def _pod_replica(self, pod: str) -> Replica | None:
+        """The replica of `pod`, when the pod runs on this node now."""
+        replica = next((r for r in self.config.replicas if r.pod == pod and pod), None)
+        if replica is None or replica.id not in self.snapshot.verdicts:
+            return None
+        return replica
+
+    def pod_ready(self, pod: str) -> PodAnswer:
+        """A replica pod's readiness: warm (200) or not yet (503), 404 when not on this node."""
+        replica = self._pod_replica(pod)
+        if replica is None:
+            return 404, {"error": f"pod {pod} runs no replica on node {self.config.node}"}
+        snap = self.snapshot
+        verdict = snap.verdicts[replica.id]
+        why = not_warm(verdict, snap.replicas.get(replica.id, ReplicaReading()), replica)
+        doc = {"replica": replica.id, "ready": why is None, "verdict": verdict.reply}
+        return (200, doc) if why is None else (503, doc | {"reason": why})
+
+    def stop_pod(self, pod: str, hold_s: float) -> PodAnswer:
+        """Drain a replica whose pod is stopping (its preStop asks), for at most `hold_s`."""
+        replica = self._pod_replica(pod)
+        if replica is None:
+            return 404, {"error": f"pod {pod} runs no replica on node {self.config.node}"}
+        with self._publish_lock:
+            self._stopping[replica.id] = time.monotonic() + hold_s
+        log.info("%s: pod %s stopping, drained for at most %.0f s", replica.id, pod, hold_s)
+        self.publish()
+        return 200, {"replica": replica.id, "verdict": self.snapshot.verdicts[replica.id].reply}
 
     def _pod_view(self) -> Mapping[str, Assigned] | None:
         return self.pods.view() if self.pods else None

@@ -34,6 +34,9 @@ class Listen:
     agent_check: Address = ("0.0.0.0", 9300)
     # Local by default: the control endpoint lives here and operators reach it over SSH.
     http: Address = ("127.0.0.1", 9301)
+    # On Kubernetes, where each replica pod asks its node's agent: a pod's readiness (warm or
+    # not) and its drain before it stops (see pod_api). No listener when unset.
+    pods: Address | None = None
 
 
 @dataclass(frozen=True)
@@ -282,10 +285,15 @@ def _control_token(top: _Table, base: Path) -> str:
 
 
 def _address(table: _Table, key: str, default: Address) -> Address:
+    found = _maybe_address(table, key, default)
+    return default if found is None else found
+
+
+def _maybe_address(table: _Table, key: str, like: Address) -> Address | None:
     value = table.get(key)
     if value is None:
-        return default
-    example = f'"{default[0]}:{default[1]}"'
+        return None
+    example = f'"{like[0]}:{like[1]}"'
     if isinstance(value, str):
         host, sep, port = value.rpartition(":")
         host = host.strip("[]")
@@ -298,6 +306,7 @@ def _listen(table: _Table) -> Listen:
     listen = Listen(
         agent_check=_address(table, "agent_check", Listen.agent_check),
         http=_address(table, "http", Listen.http),
+        pods=_maybe_address(table, "pods", ("0.0.0.0", 9302)),
     )
     table.done()
     return listen

@@ -108,7 +108,11 @@ def document(node: str, snap: Snapshot, *, simulated: bool) -> dict[str, Any]:
             "gpu_count": nvml.gpu_count,
         },
         "reasons": list(snap.node_reasons),
-        "drains": {"node": snap.drains.node, "replicas": sorted(snap.drains.replicas)},
+        "drains": {
+            "node": snap.drains.node,
+            "replicas": sorted(snap.drains.replicas),
+            "stopping": sorted(snap.drains.stopping),
+        },
         "gpus": [_gpu(i, snap.gpus.readings.get(i), snap, now) for i in indexes],
         "replicas": replicas,
         "snapshot_age_s": _age(snap.taken_at, now),

@@ -18,9 +18,17 @@ class Drains:
     # Set when the state file exists but cannot be read: the node stays drained until an
     # operator undrains it, since the lost file may have held a drain.
     unreadable: str | None = None
+    # Replicas whose pods are stopping (Kubernetes' preStop asked): kept in memory only, since
+    # each ends by itself when its server stops (Agent.stop_pod).
+    stopping: frozenset[str] = field(default_factory=frozenset)
 
     def drained(self, replica_id: str) -> bool:
-        return self.node or self.unreadable is not None or replica_id in self.replicas
+        return (
+            self.node
+            or self.unreadable is not None
+            or replica_id in self.replicas
+            or replica_id in self.stopping
+        )
 
 
 class DrainStore:

@@ -101,6 +101,8 @@ def compose(
         found += replica_conditions(replicas.get(replica.id, ReplicaReading()), replica, thresholds)
         if replica.id in drains.replicas:
             found.append(conditions.drain("operator"))
+        if replica.id in drains.stopping:
+            found.append(conditions.drain("pod stopping"))
         verdicts[replica.id] = decide(found, gpu)
     return Snapshot(
         verdicts=verdicts,
@@ -111,6 +113,19 @@ def compose(
         node_reasons=tuple(c.reason for c in node),
         gpu_reasons={i: tuple(dict.fromkeys(c.reason for c in f)) for i, f in per_gpu.items()},
     )
+
+
+def not_warm(verdict: Verdict, reading: ReplicaReading, replica: Replica) -> str | None:
+    """Why a replica whose pod is on this node is not warm yet, or None when it is: it answers
+    its health check and is not down, and where it has a first-token probe, a probe has streamed
+    a first token. A drained replica is still warm: its pod stays ready."""
+    if verdict.state == "down":
+        return verdict.reasons[0] if verdict.reasons else "down"
+    if not reading.ever_ok:
+        return "health never answered"
+    if replica.probe is not None and reading.ttft_ms is None:
+        return "no first token from the probe yet"
+    return None
 
 
 def _node_conditions(gpus: GpuView, drains: Drains) -> list[Condition]:

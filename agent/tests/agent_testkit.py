@@ -10,13 +10,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from denv_agent.agent import Agent
 from denv_agent.config import AgentConfig, parse, to_toml
+from denv_agent.http_api import JsonHandler
 from denv_agent.nvml_double import FakeNvml
+from denv_agent.pod_resources import (
+    ContainerDevices,
+    ContainerResources,
+    PodResources,
+    PodResourcesSource,
+)
 
 TOKEN = "test-control-token-0123456789"
 
@@ -47,7 +54,7 @@ class ReplicaServer:
         self.released = threading.Event()
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_GET(self) -> None:
                 mode = owner.health
                 if mode == "hang":
@@ -76,13 +83,6 @@ class ReplicaServer:
                         self.wfile.write(f"data: {json.dumps(token)}\n\n".encode())
                         self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
-
-            def _send(self, status: int, body: bytes, content_type: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -154,14 +154,67 @@ def replica(n: int, health_url: str, **extra: object) -> dict[str, object]:
 
 
 @contextmanager
-def running(config: AgentConfig, nvml: FakeNvml, *, simulate: bool = False) -> Iterator[Agent]:
-    agent = Agent(config, nvml, simulator=nvml if simulate else None)
+def running(
+    config: AgentConfig,
+    nvml: FakeNvml,
+    *,
+    simulate: bool = False,
+    pod_source: PodResourcesSource | None = None,
+) -> Iterator[Agent]:
+    agent = Agent(config, nvml, simulator=nvml if simulate else None, pod_source=pod_source)
     agent.start()
     try:
         yield agent
     finally:
         nvml.close()
         agent.stop()
+
+
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"  # FakeNvml's first GPU
+
+
+class PodTable:
+    """The kubelet's pod list of one node: each named pod's server container holds one GPU."""
+
+    def __init__(self, pods: Mapping[str, str], namespace: str = "denv") -> None:
+        self.pods = dict(pods)  # pod -> GPU UUID
+        self.namespace = namespace
+
+    def list(self) -> tuple[PodResources, ...]:
+        return tuple(
+            PodResources(
+                pod,
+                self.namespace,
+                (ContainerResources("server", (ContainerDevices("nvidia.com/gpu", (gpu,)),)),),
+            )
+            for pod, gpu in self.pods.items()
+        )
+
+
+@contextmanager
+def kube_agent(
+    tmp_path: Path, replicas: list[dict[str, object]], pods: Mapping[str, str]
+) -> Iterator[Agent]:
+    """A Kubernetes node's agent serving its pod endpoints on 127.0.0.1; `pods` are this node's
+    (pod -> GPU UUID), other replicas' pods are elsewhere."""
+    config = make_config(
+        tmp_path,
+        replicas,
+        listen={"agent_check": "127.0.0.1:0", "http": "127.0.0.1:0", "pods": "127.0.0.1:0"},
+        kubernetes={
+            "namespace": "denv",
+            "container": "server",
+            "pod_resources_socket": str(tmp_path / "kubelet.sock"),
+        },
+    )
+    with running(config, FakeNvml(1), pod_source=PodTable(pods)) as agent:
+        yield agent
+
+
+def pods_url(agent: Agent) -> str:
+    assert agent.pod_api is not None
+    host, port = agent.pod_api.address
+    return f"http://{host}:{port}"
 
 
 def ask(address: tuple[str, int], payload: bytes, *, half_close: bool = False) -> bytes:
@@ -199,9 +252,15 @@ def wait_for(
 
 def http_get(agent: Agent, path: str) -> tuple[int, bytes]:
     assert agent.http is not None
-    host, port = agent.http.address
+    return http_call(agent.http.address, "GET", path)
+
+
+def http_call(address: tuple[str, int], method: str, path: str) -> tuple[int, bytes]:
+    """One request without a body: its status and body, errors included."""
+    host, port = address
+    request = urllib.request.Request(f"http://{host}:{port}{path}", method=method)
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()

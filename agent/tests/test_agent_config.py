@@ -53,6 +53,7 @@ def test_defaults_fill_every_optional_table(tmp_path: Path) -> None:
     config = parse(text, base=tmp_path)
     assert config.state_file == tmp_path / "state.json"
     assert config.listen.http == ("127.0.0.1", 9301)
+    assert config.listen.pods is None  # no pod endpoints off Kubernetes
     assert config.intervals.gpu_poll_s == 1.0
     assert config.thresholds.fail_after == 3
     assert config.xids.classify(79) is XidClass.NODE_FATAL
@@ -86,6 +87,10 @@ def test_missing_health_url_names_the_field_and_the_fix(tmp_path: Path) -> None:
         ({"control_token": "short"}, "agent config: control_token: too short (5 characters)"),
         ({"control_token_file": "t"}, "agent config: control_token: set twice"),
         ({"listen": {"http": "nowhere"}}, "agent config: listen.http: 'nowhere' is not host:port"),
+        (
+            {"listen": {"pods": 9302}},
+            'agent config: listen.pods: 9302 is not host:port; write pods = "0.0.0.0:9302"',
+        ),
         (
             {"intervals": {"health_s": 0}},
             "agent config: intervals.health_s: 0 is not a number over 0",

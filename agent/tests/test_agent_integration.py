@@ -219,7 +219,7 @@ def test_drain_survives_a_restart(config: AgentConfig) -> None:
         assert reply(agent, R0) == "drain #operator\n"
         control.drain(http_url(agent), TOKEN)
         assert _replies(agent) == ("drain #operator\n", "drain #operator\n")
-        assert agent.healthz()["drains"] == {"node": True, "replicas": [R0]}
+        assert agent.healthz()["drains"] == {"node": True, "replicas": [R0], "stopping": []}
     with running(config, FakeNvml(2)) as agent:
         wait_for(lambda: reply(agent, R1), "drain #operator\n")
         control.undrain(http_url(agent), TOKEN)

@@ -14,6 +14,7 @@ from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.ingress import AGENT_PORT
+from denv_iac.kube_manifests import AGENT_PODS_PORT
 from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
@@ -142,6 +143,7 @@ def test_site_registers_its_objects_through_the_kubeconfig_provider(preview: boo
         ("PodDisruptionBudget", "voice"),
         ("Secret", "denv-gateway-tls"),
         ("Service", "denv-agent"),
+        ("Service", "denv-agent-local"),
         ("Service", "denv-gateway-node-0"),
         ("Service", "denv-gateway-node-1"),
         ("Service", "denv-gateway-node-2"),
@@ -268,10 +270,17 @@ def test_replica_and_agent_ports_open_only_to_gateway_pods_and_the_gateway_to_ba
     assert sorted(p["port"] for p in rule["ports"]) == [8000, 8100]
     agents = _manifest(run.named(f"{SITE}-networkpolicy-denv-agents-from-gateway").inputs)
     assert agents["spec"]["podSelector"]["matchLabels"].items() <= agent_pods.items()
-    (rule,) = agents["spec"]["ingress"]
-    (source,) = rule["from"]
+    # Agent checks from the gateway; the pod endpoints (readiness, preStop drain) from the
+    # site's replica pods, which ask their own node's agent.
+    checks, hooks = agents["spec"]["ingress"]
+    (source,) = checks["from"]
     assert source["podSelector"]["matchLabels"] == sources[0]
-    assert [p["port"] for p in rule["ports"]] == [AGENT_PORT]
+    assert [p["port"] for p in checks["ports"]] == [AGENT_PORT]
+    (source,) = hooks["from"]
+    assert all(
+        source["podSelector"]["matchLabels"].items() <= p["labels"].items() for p in replica_pods
+    )
+    assert [p["port"] for p in hooks["ports"]] == [AGENT_PODS_PORT]
     # SSH does not exist here: no object opens or forwards port 22
     assert 22 not in {port for r in _kube(run) for port in _ports(_manifest(r.inputs))}
     hosts = [f"{address}/32" for address in run.outputs["balancer_addresses"]]
