@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from denv_iac.balancer.runtime import server_stats
+from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.runner import LocalCluster, RunState
 from denv_iac.ops.demo import replica_fault
 from denv_iac.spec.reader import read_stack
