@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 from denv_agent.control import clear_faults, drain, inject_fault, undrain
 
-from denv_iac.balancer.runtime import server_stats
+from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
 from denv_iac.local.runner import (
     AGENT_MARK,

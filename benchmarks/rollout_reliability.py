@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.reliability import at_full_strength
 from denv_iac.balancer.haproxy import TWIN_SUFFIXES
-from denv_iac.balancer.runtime import stats_command
+from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import RollReport, ready_servers, roll, server_rows
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.ops.loadgen import CONNECT_TIMEOUT_S, Connection, Endpoint, RealtimeSession, run_load

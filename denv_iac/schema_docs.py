@@ -1,18 +1,16 @@
 """docs/reference.md from the components' Pulumi schema: every input and output, as a table.
 
 The schema is what other languages see, so documenting from it keeps the reference true to the
-multi-language package: `python -m denv_iac.schema_docs components/schema.json`.
+multi-language package: `python -m denv_iac.cli.schema_docs components/schema.json` (which
+reads the file; this module is pure).
 """
 
-import json
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 HEADER = (
     "# Component reference\n\n"
-    "Generated from `components/schema.json` by `python -m denv_iac.schema_docs "
+    "Generated from `components/schema.json` by `python -m denv_iac.cli.schema_docs "
     "components/schema.json > docs/reference.md`; do not edit by hand. How the components fit "
     "together: [components.md](components.md); the keys inside `sites`, `recipes` and "
     "`balancer`: [stacks.md](stacks.md).\n"
@@ -65,20 +63,3 @@ def render_reference(schema: Mapping[str, Any]) -> str:
         lines += ["### Inputs", "", *_table(resource.get("inputProperties", {}), required)]
         lines += ["### Outputs", "", *_table(resource.get("properties", {}), None)]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m denv_iac.schema_docs SCHEMA.json", file=sys.stderr)
-        return 2
-    try:
-        schema = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        print(f"error: {argv[0]}: {error}", file=sys.stderr)
-        return 2
-    sys.stdout.write(render_reference(schema))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

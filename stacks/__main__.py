@@ -11,7 +11,7 @@ from denv_iac.components.secrets import (
     with_secret_recipes,
     with_secret_sites,
 )
-from denv_iac.spec.stackfile import declared_recipes, load_lock
+from denv_iac.stacks_dir import declared_recipes, load_lock
 
 config = pulumi.Config("denv")
 stack = pulumi.get_stack()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from denv_iac.balancer.runtime import server_stats
+from denv_iac.haproxy.runtime import server_stats
 
 
 def wait_for(what: str, check: Callable[[], bool], within_s: float) -> float:

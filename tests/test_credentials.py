@@ -28,8 +28,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from denv_iac.balancer.runtime import stats_command
 from denv_iac.cli import main
+from denv_iac.haproxy.runtime import stats_command
 from denv_iac.lambda_api import API_URL as LAMBDA_URL
 from denv_iac.lambda_api import LambdaApiError, LambdaClient
 from denv_iac.local.rollout import ready_servers, roll_once, server_rows

@@ -11,9 +11,9 @@ from denv_agent.config import Kubernetes
 from denv_agent.config import parse as parse_agent_config
 from denv_agent.http_api import MAX_HOLD_S
 
-from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.catalog import load_catalog
+from denv_iac.haproxy import check_haproxy_config
 from denv_iac.ingress import AGENT_PORT
 from denv_iac.kube_manifests import (
     AGENT_PODS_PORT,

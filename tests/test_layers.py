@@ -1,6 +1,7 @@
 """The layout's promise: each layer imports only from the layers below it (README, Layout)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.robot_firewall",
         ),
     ),
-    ("machines", ("denv_iac.node", "denv_iac.local", "denv_iac.lambda_api", "denv_iac.robot_api")),
+    (
+        "machines",
+        (
+            "denv_iac.node",
+            "denv_iac.local",
+            "denv_iac.haproxy",
+            "denv_iac.stacks_dir",
+            "denv_iac.lambda_api",
+            "denv_iac.robot_api",
+        ),
+    ),
     ("wiring", ("denv_iac.components",)),
     ("ops", ("denv_iac.ops",)),
     ("cli", ("denv_iac.cli", "denv_iac.__main__")),
@@ -46,6 +57,74 @@ NOT_IN_CORE = (
     "rich",
     "matplotlib",
 )
+# Nor the standard library's doors to the world: processes, signals, sockets, files and folders,
+# threads and event loops, the clock, randomness, the interpreter's streams. `posixpath` does path
+# arithmetic on strings; `pathlib` is allowed for the same (its I/O methods are refused below).
+IO_MODULES = (
+    "os",
+    "sys",
+    "subprocess",
+    "signal",
+    "socket",
+    "socketserver",
+    "ssl",
+    "select",
+    "selectors",
+    "http",
+    "urllib",
+    "ftplib",
+    "smtplib",
+    "shutil",
+    "tempfile",
+    "glob",
+    "fileinput",
+    "mmap",
+    "asyncio",
+    "threading",
+    "multiprocessing",
+    "concurrent",
+    "time",
+    "random",
+    "secrets",
+)
+# Methods that touch the file system (pathlib's, and a file's open), and the builtins that do I/O.
+IO_METHODS = frozenset(
+    {
+        "open",
+        "read_text",
+        "write_text",
+        "read_bytes",
+        "write_bytes",
+        "mkdir",
+        "touch",
+        "unlink",
+        "rmdir",
+        "rename",
+        "symlink_to",
+        "hardlink_to",
+        "chmod",
+        "glob",
+        "rglob",
+        "iterdir",
+        "exists",
+        "is_file",
+        "is_dir",
+        "is_symlink",
+        "stat",
+        "lstat",
+        "resolve",
+        "samefile",
+        "expanduser",
+        "cwd",
+        "home",
+    }
+)
+IO_BUILTINS = frozenset(("open", "print", "input", "breakpoint"))
+# The one read the core may make: the package's own data (denv_iac/data/), through
+# importlib.resources. It is shipped inside the package, read-only, the same bytes for every
+# caller, and depends on no working directory, user file, clock or network: a constant kept in
+# a JSON file rather than in a module.
+OWN_DATA = "denv_iac"
 
 
 def _module(path: Path) -> str:
@@ -60,15 +139,21 @@ def _layer(module: str) -> int | None:
     return None
 
 
+def _imports_of(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not node.module or node.level != 0:
+        return []
+    if node.module == "denv_iac":
+        return [node.module, *(f"denv_iac.{alias.name}" for alias in node.names)]
+    return [node.module]
+
+
 def _imports(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append(node.module)
-            if node.module == "denv_iac":
-                found += [f"denv_iac.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found += _imports_of(node)
     return found
 
 
@@ -95,3 +180,117 @@ def test_imports_go_down_the_layers_only(path: Path) -> None:
         elif own == 0 and name.split(".")[0] in NOT_IN_CORE:
             upward.append(name)
     assert upward == [], f"{module} ({LAYERS[own][0]}) imports from above: {upward}"
+
+
+def _reads_own_data(call: ast.AST) -> bool:
+    """Whether a call chain starts at `resources.files("denv_iac")`: the package's own data."""
+    while isinstance(call, ast.Call | ast.Attribute):
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "files"
+            and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "resources"
+        ):
+            return [ast.dump(a) for a in call.args] == [ast.dump(ast.Constant(OWN_DATA))]
+        call = call.func if isinstance(call, ast.Call) else call.value
+    return False
+
+
+def io_in(source: str) -> list[str]:
+    """The I/O a module's source does: imports of IO_MODULES, file-system calls, I/O builtins."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            for name in _imports_of(node):
+                if name.split(".")[0] in IO_MODULES:
+                    found.append(f"line {line}: import {name}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in IO_BUILTINS:
+                found.append(f"line {line}: {func.id}()")
+            elif (
+                isinstance(func, ast.Attribute)
+                and func.attr in IO_METHODS
+                and not _reads_own_data(func.value)
+            ):
+                found.append(f"line {line}: .{func.attr}()")
+    return found
+
+
+CORE = [p for p in MODULES if _layer(_module(p)) == 0]
+
+
+@pytest.mark.parametrize("path", CORE, ids=_module)
+def test_the_core_does_no_io(path: Path) -> None:
+    found = io_in(path.read_text())
+    assert found == [], f"{_module(path)} (core) does I/O: {found}; move it to the machines layer"
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("import subprocess", ["line 1: import subprocess"]),
+        ("from socket import socket", ["line 1: import socket"]),
+        ("import os.path", ["line 1: import os.path"]),
+        (
+            "from concurrent.futures import ThreadPoolExecutor",
+            ["line 1: import concurrent.futures"],
+        ),
+        ("from pathlib import Path\nPath('x').write_text('y')", ["line 2: .write_text()"]),
+        ("def f(p):\n    return p.read_bytes()", ["line 2: .read_bytes()"]),
+        ("print('x')", ["line 1: print()"]),
+        ("from pathlib import Path\nPath.cwd() / 'stacks'", ["line 2: .cwd()"]),
+        ("resources.files('other').joinpath('x').read_text()", ["line 1: .read_text()"]),
+        # Allowed: path arithmetic, pure parsing, the package's own data.
+        ("from pathlib import Path\nPath('a') / 'b'", []),
+        ("import posixpath\nposixpath.join('a', 'b')", []),
+        ("import io, csv\ncsv.reader(io.StringIO('a,b'))", []),
+        ("resources.files('denv_iac').joinpath('data/catalog.json').read_text()", []),
+    ],
+)
+def test_the_io_check_sees_io(source: str, found: list[str]) -> None:
+    assert io_in(source) == found
+
+
+README = PACKAGE.parent / "README.md"
+# The README's names for the layers of LAYERS, in the same order.
+README_LAYERS = ("pure core", "machines", "Pulumi wiring", "operating tools", "command")
+
+
+def _layout_rows() -> list[tuple[str, list[str]]]:
+    """(layer, package paths) of each row of the README's Layout table; a blank layer is the
+    previous row's."""
+    section = README.read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows, layer = [], ""
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("layer", "---"):
+            continue
+        layer = cells[0] or layer
+        rows.append((layer, re.findall(r"`(denv_iac/[^`]*)`", cells[1])))
+    return rows
+
+
+def test_the_readme_layout_table_matches_the_tree() -> None:
+    named: dict[str, str] = {}
+    for layer, paths in _layout_rows():
+        for path in paths:
+            assert (PACKAGE.parent / path).exists(), f"README Layout names {path}: not in the tree"
+            if not path.startswith("denv_iac/data/"):
+                named[_module(PACKAGE.parent / path.rstrip("/"))] = layer
+    assert len(README_LAYERS) == len(LAYERS)
+    expected = {
+        prefix: README_LAYERS[index]
+        for index, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+    }
+    assert named == expected
+    top = {
+        _module(p)
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()
+    }
+    assert top == set(expected), "every module and package at the top of denv_iac/ has a row"

@@ -1,6 +1,6 @@
-"""The one endpoint: HAProxy config rendered from placed pools, and its check."""
+"""The one endpoint: HAProxy config rendered from placed pools (checked and run by
+denv_iac/haproxy/)."""
 
-from denv_iac.balancer.check import HaproxyConfigCheckError, check_haproxy_config
 from denv_iac.balancer.haproxy import render_haproxy_config
 from denv_iac.balancer.model import (
     BalancerPool,
@@ -18,9 +18,7 @@ __all__ = [
     "BalancerServer",
     "BalancerSettings",
     "BalancerTier",
-    "HaproxyConfigCheckError",
     "KeyScope",
     "RenderedConfig",
-    "check_haproxy_config",
     "render_haproxy_config",
 ]

@@ -148,7 +148,7 @@ def plan(
     from denv_iac.plan import make_plan
     from denv_iac.spec.exposure import stack_warnings
     from denv_iac.spec.reader import StackError
-    from denv_iac.spec.stackfile import (
+    from denv_iac.stacks_dir import (
         check_lock_writable,
         find_stacks_dir,
         load_lock,

@@ -7,7 +7,7 @@ import click
 from denv_iac.cli.console import fail
 from denv_iac.ops.alerts import alert_rules
 from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import find_stacks_dir, load_stack
+from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
 
 @click.command()

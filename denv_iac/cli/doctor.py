@@ -165,7 +165,7 @@ def doctor(stack_name: str | None) -> None:
     needed: set[str] = set()
     if stack_name is not None:
         from denv_iac.spec.reader import StackError
-        from denv_iac.spec.stackfile import find_stacks_dir, load_stack
+        from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
         try:
             stack = load_stack(find_stacks_dir(), stack_name)

@@ -25,7 +25,7 @@ from denv_iac.local.runner import (
 )
 from denv_iac.ops.demo import run_demo
 from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import find_stacks_dir, load_stack
+from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
 STACK = click.option(
     "--stack",

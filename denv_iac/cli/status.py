@@ -14,9 +14,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from denv_iac.balancer.runtime import server_rows, stats_rows
 from denv_iac.balancer.saturation import PoolSaturation, pool_saturation
+from denv_iac.balancer.stats import server_rows
 from denv_iac.cli.console import fail, wide_console
+from denv_iac.haproxy.runtime import stats_rows
 from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, read_state, run_dir
 from denv_iac.ops.status import (
     AgentEndpoint,
@@ -33,7 +34,7 @@ from denv_iac.ops.status import (
 )
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import find_stacks_dir, load_stack
+from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
 DEFAULT_STACK = "local"
 EXAMPLE = "http://203.0.113.5:8405"

@@ -29,7 +29,7 @@ from pathlib import Path
 from denv_agent.control import ControlFailed, drain, undrain
 
 from denv_iac.balancer.haproxy import TWIN_SUFFIXES
-from denv_iac.balancer.runtime import stats_command
+from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.replica_sim import ReplicaSimConfig
 from denv_iac.local.runner import LocalCluster, ReplicaState, write_private
 from denv_iac.placement import place_replicas

@@ -26,10 +26,11 @@ from pathlib import Path
 
 from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
 from denv_iac.balancer import BalancerSettings, render_haproxy_config
-from denv_iac.balancer.files import relocate_maps, write_config
-from denv_iac.balancer.runtime import HaproxyProcess
+from denv_iac.balancer.files import relocate_maps
 from denv_iac.dataplane import balancer_pools
 from denv_iac.endpoint import balancer_settings
+from denv_iac.haproxy.files import write_config
+from denv_iac.haproxy.runtime import HaproxyProcess
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.placement import PlacedReplica, place_replicas
 from denv_iac.spec.model import RecipeSpec, StackSpec

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 
 from denv_iac.balancer.haproxy import STATS_PATH
-from denv_iac.balancer.runtime import parse_stats_rows
 from denv_iac.balancer.saturation import PoolSaturation
+from denv_iac.balancer.stats import parse_stats_rows
 from denv_iac.spec.model import StackSpec
 
 AGENT_TIMEOUT_S = 1.0

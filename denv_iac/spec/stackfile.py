@@ -1,4 +1,7 @@
-"""Finding and reading `stacks/Pulumi.<stack>.yaml` and its placement lock."""
+"""The formats of `stacks/Pulumi.<stack>.yaml` and its placement lock: names, paths, parsing.
+
+Pure: denv_iac/stacks_dir.py finds, reads and writes the files.
+"""
 
 import json
 import re
@@ -8,23 +11,7 @@ from typing import Any
 
 import yaml
 
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import StackError, read_stack
-
-
-def find_stacks_dir(start: Path | None = None) -> Path:
-    """The `stacks/` folder of the project containing `start` (default: the working directory)."""
-    here = (start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / "Pulumi.yaml").is_file() and (folder / "stacks").is_dir():
-            return folder / "stacks"
-    raise StackError(
-        [
-            "stacks: no Pulumi.yaml with a stacks/ folder here or above; run from the project or "
-            "pass --stacks-dir"
-        ]
-    )
-
+from denv_iac.spec.reader import StackError
 
 # Pulumi's own rule for stack names; no '/' and no leading '.', so a name never leaves its folder.
 STACK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -48,33 +35,6 @@ def stack_path(stacks_dir: Path, name: str) -> Path:
 
 def lock_path(stacks_dir: Path, name: str) -> Path:
     return stacks_dir / f"Pulumi.{check_stack_name(name)}.placement.json"
-
-
-def available_stacks(stacks_dir: Path) -> list[str]:
-    names = (
-        p.name.removeprefix("Pulumi.").removesuffix(".yaml")
-        for p in stacks_dir.glob("Pulumi.*.yaml")
-    )
-    return sorted(names)
-
-
-def load_stack_config(stacks_dir: Path, name: str) -> dict[str, Any]:
-    path = stack_path(stacks_dir, name)
-    if not path.is_file():
-        known = ", ".join(available_stacks(stacks_dir)) or "none"
-        raise StackError([f"--stack: no {path.name} in {stacks_dir.name}/; stacks here: {known}"])
-    try:
-        document = parse_yaml(path.read_bytes(), path.name)
-    except OSError as error:
-        raise StackError([f"{path.name}: cannot read it ({error.strerror})"]) from None
-    if document is None:
-        document = {}
-    if not isinstance(document, dict):
-        raise StackError([f"{path.name}: expected a mapping with a config: key"])
-    config = document.get("config", {})
-    if not isinstance(config, dict):
-        raise StackError([f"{path.name}: config: must be a mapping of keys to values"])
-    return config
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -139,66 +99,31 @@ def parse_yaml(data: bytes, name: str) -> Any:
         raise StackError([f"{name}: nested too deeply; flatten the YAML"]) from None
 
 
-def load_stack(stacks_dir: Path, name: str) -> StackSpec:
-    return read_stack(name, load_stack_config(stacks_dir, name))
+def stack_config(document: Any, file_name: str) -> dict[str, Any]:
+    """The `config:` mapping of a parsed stack file; StackError when the file has another shape."""
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise StackError([f"{file_name}: expected a mapping with a config: key"])
+    config = document.get("config", {})
+    if not isinstance(config, dict):
+        raise StackError([f"{file_name}: config: must be a mapping of keys to values"])
+    return config
 
 
-def declared_recipes(stacks_dir: Path, name: str) -> Any:
-    """`denv:recipes` as the stack file writes it, `secure:` markers kept; None without one.
-
-    A program is handed its config decrypted; only the file still says which values were secure.
-    """
-    if not stack_path(stacks_dir, name).is_file():
-        return None
+def parse_lock(text: str, file_name: str) -> list[str]:
+    """Replica ids of a placement lock's text; StackError when it is not a lock."""
     try:
-        return load_stack_config(stacks_dir, name).get("denv:recipes")
-    except StackError:
-        return None
-
-
-def load_lock(stacks_dir: Path, name: str) -> list[str]:
-    """Replica ids of the last locked placement; pinned so that edits never move them."""
-    path = lock_path(stacks_dir, name)
-    if not path.is_file():
-        return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        ids = data["replicas"]
+        ids = json.loads(text)["replicas"]
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise TypeError
     except (ValueError, KeyError, TypeError):
         raise StackError(
-            [f"{path.name}: not a placement lock; delete it and run `denv plan --lock` again"]
+            [f"{file_name}: not a placement lock; delete it and run `denv plan --lock` again"]
         ) from None
     return ids
 
 
-def check_lock_writable(stacks_dir: Path, name: str) -> None:
-    """StackError when `--lock` could not write the lock: something not a file is in its place.
-
-    Checked before the plan, so that a refused lock leaves nothing written."""
-    path = lock_path(stacks_dir, name)
-    if path.exists() and not path.is_file():
-        raise StackError(
-            [
-                f"--lock: {path.name} in {stacks_dir.name}/ is not a file; move it away so the "
-                "placement lock can be written there"
-            ]
-        )
-
-
-def write_lock(stacks_dir: Path, name: str, replica_ids: list[str]) -> Path:
-    path = lock_path(stacks_dir, name)
-    check_lock_writable(stacks_dir, name)
-    try:
-        path.write_text(
-            json.dumps({"replicas": sorted(replica_ids)}, indent=2) + "\n", encoding="utf-8"
-        )
-    except OSError as error:
-        raise StackError(
-            [
-                f"--lock: cannot write {path.name} ({error.strerror}); make {stacks_dir.name}/ "
-                "writable"
-            ]
-        ) from None
-    return path
+def render_lock(replica_ids: list[str]) -> str:
+    """A placement lock's text: the replica ids, sorted, so that the file diffs cleanly."""
+    return json.dumps({"replicas": sorted(replica_ids)}, indent=2) + "\n"

@@ -13,9 +13,9 @@ from denv_iac.balancer import (
     BalancerServer,
     BalancerSettings,
     BalancerTier,
-    check_haproxy_config,
     render_haproxy_config,
 )
+from denv_iac.haproxy import check_haproxy_config
 from tests.gateway_pki import write_pki
 
 CA, CLIENT = "/etc/haproxy/denv/gateway-ca.pem", "/etc/haproxy/denv/gateway-client.pem"

@@ -14,10 +14,9 @@ from denv_iac.balancer import (
     BalancerServer,
     BalancerSettings,
     BalancerTier,
-    HaproxyConfigCheckError,
-    check_haproxy_config,
     render_haproxy_config,
 )
+from denv_iac.haproxy import HaproxyConfigCheckError, check_haproxy_config
 
 from .sample_pools import LLM, MAP_DIR, POOLS, SCOPED_SETTINGS, SETTINGS, VOICE
 

@@ -10,9 +10,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from denv_iac.balancer import check_haproxy_config
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
+from denv_iac.haproxy import check_haproxy_config
 from denv_iac.ingress import AGENT_PORT
 from denv_iac.kube_manifests import AGENT_PODS_PORT
 from denv_iac.spec.reader import StackError

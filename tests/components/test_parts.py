@@ -11,7 +11,7 @@ from denv_iac.components.pool import ReplicaEndpointArgs
 from denv_iac.placement import PlacedNode, place_replicas
 from denv_iac.spec.model import BalancerSpec, SiteSpec
 from denv_iac.spec.reader import HETZNER_LOCATIONS
-from denv_iac.spec.stackfile import load_stack
+from denv_iac.stacks_dir import load_stack
 from tests.components import stacks
 from tests.components.harness import Run, run_program
 from tests.components.test_stack_program import PROGRAM

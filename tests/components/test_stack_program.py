@@ -9,7 +9,7 @@ from typing import Any
 import pulumi
 import pytest
 
-from denv_iac.spec.stackfile import load_stack_config
+from denv_iac.stacks_dir import load_stack_config
 from tests.components import stacks
 from tests.components.harness import plain_strings, run_program
 

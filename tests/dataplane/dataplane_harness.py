@@ -31,8 +31,8 @@ from denv_iac.balancer import (
     BalancerTier,
     render_haproxy_config,
 )
-from denv_iac.balancer.files import write_config
-from denv_iac.balancer.runtime import HaproxyProcess, server_stats
+from denv_iac.haproxy.files import write_config
+from denv_iac.haproxy.runtime import HaproxyProcess, server_stats
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, MAX_CONCURRENCY, STALL_TIMEOUT_MS
 

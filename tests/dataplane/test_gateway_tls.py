@@ -30,8 +30,8 @@ from denv_iac.balancer import (
     BalancerTier,
     render_haproxy_config,
 )
-from denv_iac.balancer.files import write_config
-from denv_iac.balancer.runtime import HaproxyProcess, stats_command
+from denv_iac.haproxy.files import write_config
+from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
 from denv_iac.kube_manifests import GATEWAY_HEALTH_PORT, GatewayRoute, gateway_haproxy_config
 from denv_iac.local.replica_sim import ReplicaProcess
 from denv_iac.spec.gateway_link import gateway_tls_name

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from denv_iac.balancer.runtime import stats_command
+from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import (
     RollStopped,
     ready_servers,

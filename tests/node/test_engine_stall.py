@@ -23,10 +23,11 @@ import httpx
 import pytest
 
 from denv_iac.balancer import render_haproxy_config
-from denv_iac.balancer.files import relocate_maps, write_config
-from denv_iac.balancer.runtime import HaproxyProcess
+from denv_iac.balancer.files import relocate_maps
 from denv_iac.dataplane import balancer_pools
 from denv_iac.endpoint import balancer_settings
+from denv_iac.haproxy.files import write_config
+from denv_iac.haproxy.runtime import HaproxyProcess
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.local.runner import free_port, wait_for_port
 from denv_iac.node import agent

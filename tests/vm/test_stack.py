@@ -42,7 +42,7 @@ import pytest
 
 from denv_iac.balancer import RenderedConfig, render_haproxy_config
 from denv_iac.balancer.model import CONFIG_DIR
-from denv_iac.balancer.runtime import parse_stats_csv
+from denv_iac.balancer.stats import parse_stats_csv
 from denv_iac.dataplane import balancer_pools
 from denv_iac.endpoint import balancer_settings, endpoint_url
 from denv_iac.node.from_stack import node_deploy_specs

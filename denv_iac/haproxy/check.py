@@ -6,8 +6,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from denv_iac.balancer.files import relocate_maps, write_config
+from denv_iac.balancer.files import relocate_maps
 from denv_iac.balancer.model import RenderedConfig
+from denv_iac.haproxy.files import write_config
 
 # Warnings about the machine the check runs on, not about the config: the server-state file is
 # saved (`show servers state`) before each reload, so before the first one it is absent; replica

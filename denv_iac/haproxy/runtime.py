@@ -1,4 +1,4 @@
-"""Run a rendered config with the installed HAProxy and read its state from the stats socket.
+"""Run a written config with the installed HAProxy and read its state from the stats socket.
 
 The local runner, the data-plane tests and the benchmarks start HAProxy this way: master-worker
 (`-W`, so a reload keeps established streams), in the foreground, in its own process group so
@@ -7,17 +7,14 @@ that stopping it stops its workers too.
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from denv_iac.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.balancer.stats import parse_stats_csv, parse_stats_rows
 
 
 class HaproxyStartError(RuntimeError):
@@ -124,33 +121,3 @@ def server_stats(socket_path: Path) -> dict[str, dict[str, str]]:
 def stats_rows(socket_path: Path) -> list[dict[str, str]]:
     """Every `show stat` row: frontends, backends and servers."""
     return parse_stats_rows(stats_command(socket_path, "show stat"))
-
-
-def parse_stats_rows(text: str) -> list[dict[str, str]]:
-    """Every row of HAProxy's stats CSV (`show stat`, or the stats page's `;csv`).
-
-    KeyError when the text is not that CSV (no `svname` column).
-    """
-    reader = csv.DictReader(io.StringIO(text.removeprefix("# ")))
-    if "svname" not in (reader.fieldnames or ()):
-        raise KeyError("svname")
-    return list(reader)
-
-
-def server_rows(rows: Iterable[Mapping[str, str]]) -> dict[str, dict[str, str]]:
-    """The server rows of `rows` by name. The rows of a tier's twins (`<tier>.realtime`,
-    `<tier>.speech`) are left out: they track the tier's servers, state and all."""
-    return {
-        row["svname"]: dict(row)
-        for row in rows
-        if row["svname"] not in ("FRONTEND", "BACKEND")
-        and not row["pxname"].endswith(TWIN_SUFFIXES)
-    }
-
-
-def parse_stats_csv(text: str) -> dict[str, dict[str, str]]:
-    """Server rows of HAProxy's stats CSV (`show stat`, or the stats page's `;csv`) by name.
-
-    KeyError when the text is not that CSV (no `svname` column).
-    """
-    return server_rows(parse_stats_rows(text))
