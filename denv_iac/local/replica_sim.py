@@ -92,6 +92,7 @@ _METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The speech formats served, by either speech engine: what each says it is (`wav` is also the
 # answer when none is named). OpenAI's mp3, opus, aac and flac get a 400 naming these.
 SPEECH_FORMATS = ("pcm", "wav")
+_SPEECH_PIECE_BYTES = 4096
 
 
 class FaultMode(enum.StrEnum):
@@ -576,7 +577,8 @@ class ReplicaSim:
         )
         assert engine.stdout is not None
         try:
-            while piece := await engine.stdout.read(65536):
+            # Small pieces: each goes out as soon as it is made (and, for pcm, resampled).
+            while piece := await engine.stdout.read(_SPEECH_PIECE_BYTES):
                 if to_pcm is not None:
                     piece = to_pcm.feed(piece)
                 if piece:

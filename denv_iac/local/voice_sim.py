@@ -242,12 +242,14 @@ class WavToPcm:
         whole = len(data) // 2 * 2
         self._odd = data[whole:]
         samples = self._tail + list(struct.unpack(f"<{whole // 2}h", data[:whole]))
-        out: list[int] = []
-        pos = self._pos
-        while pos + 1 < len(samples):
-            i = int(pos)
-            out.append(round(samples[i] + (samples[i + 1] - samples[i]) * (pos - i)))
-            pos += self._step
+        step, first = self._step, self._pos
+        count = max(0, math.ceil((len(samples) - 1 - first) / step))
+        places = [first + k * step for k in range(count)]
+        out = [
+            round(samples[i] + (samples[i + 1] - samples[i]) * (place - i))
+            for place, i in zip(places, map(int, places), strict=True)
+        ]
+        pos = first + count * step
         passed = min(int(pos), len(samples))
         self._tail, self._pos = samples[passed:], pos - passed
         return struct.pack(f"<{len(out)}h", *out)
