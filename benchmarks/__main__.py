@@ -12,6 +12,7 @@ MODULES = (
     "agent_bench",
     "dataplane_bench",
     "voice_bench",
+    "voice_to_voice",
     "overlay_bench",
     "overload_bench",
 )

@@ -4,6 +4,7 @@ direct path, the transcription upload, the transcript answer, and the client's W
 import asyncio
 import io
 import socket
+import struct
 import wave
 
 import pytest
@@ -193,3 +194,31 @@ def test_a_close_from_the_peer_is_answered_and_ends_the_session() -> None:
     message, answers = asyncio.run(asyncio.wait_for(main(), 5))
     assert message[0] is Opcode.CLOSE and Close.parse(message[1]).code == 1000
     assert [f.opcode for f in answers] == [Opcode.CLOSE]
+
+
+def _wav_stream(rate: int, samples: list[int]) -> bytes:
+    """A streamed WAV as espeak-ng writes one: sizes unknown, PCM16 mono at `rate`."""
+    fmt = struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+    head = b"RIFF" + b"\xff" * 4 + b"WAVEfmt " + fmt + b"data" + b"\xff" * 4
+    return head + struct.pack(f"<{len(samples)}h", *samples)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 44, 1001, 1 << 20])
+def test_wav_to_pcm_resamples_to_24_khz_whatever_the_pieces(piece: int) -> None:
+    """One second at 22.05 kHz is one second at 24 kHz; a ramp stays a ramp (linear
+    interpolation); the header and odd bytes may be split anywhere."""
+    ramp = list(range(22_050))
+    stream = _wav_stream(22_050, ramp)
+    convert = voice_sim.WavToPcm()
+    pcm = b"".join(convert.feed(stream[at : at + piece]) for at in range(0, len(stream), piece))
+    out = struct.unpack(f"<{len(pcm) // 2}h", pcm)
+    assert abs(len(out) - 24_000) <= 1
+    step = 22_050 / 24_000
+    assert all(abs(value - k * step) <= 1 for k, value in enumerate(out))
+
+
+def test_wav_to_pcm_refuses_what_is_not_pcm16_mono() -> None:
+    stereo = bytearray(_wav_stream(22_050, [0] * 10))
+    stereo[22:24] = struct.pack("<H", 2)
+    with pytest.raises(ValueError, match="PCM16 mono"):
+        voice_sim.WavToPcm().feed(bytes(stereo))

@@ -46,10 +46,17 @@ _ERROR_RATE = (
     '{"error":{"type":"requests","code":"rate_limit_exceeded","message":"this key sent more than'
     ' %[var(txn.key_rate)] requests in the last second; retry after Retry-After seconds"}}'
 )
-_ERROR_UNKNOWN_POOL = (
-    '{"error":{"type":"invalid_request_error","code":"model_not_found",'
-    '"message":"unknown pool: set the model field or the X-Denv-Pool header to a served pool"}}'
-)
+
+
+def _error_unknown_pool(served: Iterable[str]) -> str:
+    """The 404 of a pool not served (to the key that asks): it names those that are."""
+    return (
+        '{"error":{"type":"invalid_request_error","code":"model_not_found",'
+        '"message":"unknown pool: set the model field or the X-Denv-Pool header to a served pool:'
+        f' {", ".join(sorted(served))}"}}}}'
+    )
+
+
 _ERROR_BODY_TOO_LARGE = (
     '{"error":{"type":"invalid_request_error","code":"body_too_large_to_route",'
     '"message":"the model field is not within the first 64 KiB of the body:'
@@ -481,8 +488,6 @@ def _endpoint_frontend(
         "http-request return status 400 content-type application/json"
         f" string '{_ERROR_NO_MODEL_PART}' if !routed METH_POST multipart"
         ' !{ req.body -m sub name=\\"model\\" }',
-        "http-request return status 404 content-type application/json"
-        f" string '{_ERROR_UNKNOWN_POOL}' unless routed",
     ]
     if _pool_scopes(settings):
         lines += [
@@ -492,12 +497,14 @@ def _endpoint_frontend(
             "# upgrade).",
             *(
                 "http-request return status 404 content-type application/json"
-                f" string '{_ERROR_UNKNOWN_POOL}' if {_scope_acl(scope)}"
+                f" string '{_error_unknown_pool(scope)}' if {_scope_acl(scope)}"
                 f" !{{ var(txn.pool) -m str {' '.join(scope)} }}"
                 for scope in _pool_scopes(settings)
             ),
         ]
     lines += [
+        "http-request return status 404 content-type application/json"
+        f" string '{_error_unknown_pool(pool.name for pool in pools)}' unless routed",
         "",
         "# After a reload the old worker still answers the requests already on its keep-alive",
         "# connections, and in a stopping process nbsrv() is 0 for every backend: those go to",

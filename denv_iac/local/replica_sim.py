@@ -89,6 +89,10 @@ _REASONS = {
     503: "Service Unavailable",
 }
 _METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The speech formats served, by either speech engine: what each says it is (`wav` is also the
+# answer when none is named). OpenAI's mp3, opus, aac and flac get a 400 naming these.
+SPEECH_FORMATS = ("pcm", "wav")
+_SPEECH_PIECE_BYTES = 4096
 
 
 class FaultMode(enum.StrEnum):
@@ -260,7 +264,8 @@ class ReplicaSim:
         except (ConnectionError, _ConnectionAborted):
             return
         except _BadRequest as error:
-            await _respond_json(writer, error.status, {"error": str(error)}, self.config, False)
+            body = _openai_error(str(error), error.status)
+            await _respond_json(writer, error.status, body, self.config, False)
         finally:
             pending.cancel()
             if pending.done() and not pending.cancelled():
@@ -324,9 +329,11 @@ class ReplicaSim:
             await self._realtime(request, reader, writer)
             return False
         elif path in _ROUTES:
-            await self._respond(writer, 405, {"error": "method not allowed"}, request)
+            message = f"method {request.method} is not allowed on {path}"
+            await self._respond(writer, 405, _openai_error(message, 405), request)
         else:
-            await self._respond(writer, 404, {"error": f"no route {path}"}, request)
+            message = f"no route {request.method} {path}"
+            await self._respond(writer, 404, _openai_error(message, 404), request)
         return request.keep_alive
 
     @property
@@ -341,7 +348,7 @@ class ReplicaSim:
         sent = request.headers.get("authorization", "").encode()
         expected = control_headers(self.config.control_token)["Authorization"].encode()
         if not self.config.control_token or not hmac.compare_digest(sent, expected):
-            error = {"error": "send Authorization: Bearer <the replica's control token>"}
+            error = _openai_error("send Authorization: Bearer <the replica's control token>", 401)
             await self._respond(writer, 401, error, request)
             return
         try:
@@ -350,7 +357,8 @@ class ReplicaSim:
             k = int(body.get("k", 0))
         except (ValueError, KeyError, TypeError):
             modes = ", ".join(mode.value for mode in FaultMode)
-            await self._respond(writer, 400, {"error": f"send mode: one of {modes}"}, request)
+            error = _openai_error(f"send mode: one of {modes}", 400, "mode")
+            await self._respond(writer, 400, error, request)
             return
         if mode is not FaultMode.EXIT:
             await self._set_fault(mode, k)
@@ -383,7 +391,9 @@ class ReplicaSim:
             limit = body.get("max_completion_tokens") or body.get("max_tokens")
             tokens = int(limit or self.config.tokens)
         except (ValueError, TypeError) as error:
-            await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
+            await self._respond(
+                writer, 400, _openai_error(f"invalid request body: {error}", 400), request
+            )
             return
         self._count(request.headers.get("x-request-id") or body.get("user"))
         await self._hang_if_asked()
@@ -497,16 +507,21 @@ class ReplicaSim:
             if not isinstance(body, dict) or not str(body.get("input", "")):
                 raise ValueError("send a JSON object with input")
         except (ValueError, TypeError) as error:
-            await self._respond(writer, 400, {"error": f"invalid request body: {error}"}, request)
-            return
-        pcm = body.get("response_format") == "pcm"
-        espeak = self.config.speech_engine == "espeak-ng"
-        if espeak and body.get("response_format") not in (None, "wav"):
-            message = (
-                "this replica's speech is espeak-ng's WAV (22.05 kHz): send response_format=wav"
+            await self._respond(
+                writer, 400, _openai_error(f"invalid request body: {error}", 400), request
             )
-            await self._respond(writer, 400, {"error": message}, request)
             return
+        response_format = str(body.get("response_format") or "wav")
+        if response_format not in SPEECH_FORMATS:
+            served = ", ".join(SPEECH_FORMATS)
+            message = (
+                f"response_format {response_format!r} is not served here: send one of {served}"
+            )
+            refusal = _openai_error(message, 400, "response_format", "unsupported_response_format")
+            await self._respond(writer, 400, refusal, request)
+            return
+        pcm = response_format == "pcm"
+        espeak = self.config.speech_engine == "espeak-ng"
         self._count(request.headers.get("x-request-id"))
         await self._hang_if_asked()
         sequence = await self._admit(self.speech_engine, 0, request, writer)
@@ -520,7 +535,7 @@ class ReplicaSim:
             try:
                 if espeak:
                     await sequence.started()
-                    await self._espeak(writer, str(body["input"]))
+                    await self._espeak(writer, str(body["input"]), pcm)
                 else:
                     await self._tone(sequence, pcm, writer)
             except (EngineLost, _RequestFailed):
@@ -547,8 +562,10 @@ class ReplicaSim:
             await writer.drain()
 
     @staticmethod
-    async def _espeak(writer: asyncio.StreamWriter, text: str) -> None:
-        """Real speech: espeak-ng's WAV, each piece sent as soon as espeak-ng writes it."""
+    async def _espeak(writer: asyncio.StreamWriter, text: str, pcm: bool) -> None:
+        """Real speech: espeak-ng's WAV (or, for `pcm`, its samples at 24 kHz), each piece sent
+        as soon as espeak-ng writes it."""
+        to_pcm = voice_sim.WavToPcm() if pcm else None
         # The text goes after `--` as one argument: never read as an option, no shell.
         engine = await asyncio.create_subprocess_exec(
             "espeak-ng",
@@ -560,8 +577,12 @@ class ReplicaSim:
         )
         assert engine.stdout is not None
         try:
-            while piece := await engine.stdout.read(65536):
-                writer.write(_chunk(piece))
+            # Small pieces: each goes out as soon as it is made (and, for pcm, resampled).
+            while piece := await engine.stdout.read(_SPEECH_PIECE_BYTES):
+                if to_pcm is not None:
+                    piece = to_pcm.feed(piece)
+                if piece:
+                    writer.write(_chunk(piece))
                 await writer.drain()
         finally:
             if engine.returncode is None:
@@ -576,7 +597,9 @@ class ReplicaSim:
                 request.headers.get("content-type", ""), request.body
             )
         except ValueError as error:
-            await self._respond(writer, 400, {"error": f"invalid upload: {error}"}, request)
+            await self._respond(
+                writer, 400, _openai_error(f"invalid upload: {error}", 400), request
+            )
             return
         self._count(request.headers.get("x-request-id"))
         await self._hang_if_asked()
@@ -607,7 +630,9 @@ class ReplicaSim:
             request.headers, {SELF_HEADER: self.config.replica_id}
         )
         if handshake is None:
-            await self._respond(writer, 400, {"error": "send a WebSocket upgrade"}, request)
+            await self._respond(
+                writer, 400, _openai_error("send a WebSocket upgrade", 400), request
+            )
             return
         self.stats.realtime_sessions += 1
         self._count(request.headers.get("x-request-id"))
@@ -876,10 +901,18 @@ async def _respond_bytes(
     await writer.drain()
 
 
-def _openai_error(message: str, status: int) -> dict[str, Any]:
-    """OpenAI's error shape, as vLLM and SGLang answer it (and send it as a stream's event)."""
-    kind = "ServiceUnavailableError" if status == 503 else "InternalServerError"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _openai_error(
+    message: str, status: int, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape, as vLLM and SGLang answer it (and send it as a stream's event):
+    a client's mistake is an `invalid_request_error` naming the `param` at fault; the engine's
+    own failures keep vLLM's types and its numeric code."""
+    if status >= 500 and status != 501:
+        kind = "ServiceUnavailableError" if status == 503 else "InternalServerError"
+        code = status if code is None else code
+    else:
+        kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:

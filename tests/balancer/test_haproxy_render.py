@@ -482,7 +482,7 @@ def _refused_outside(scope: str, pools: str) -> str:
     return (
         'string \'{"error":{"type":"invalid_request_error","code":"model_not_found"'
         f',"message":"unknown pool: set the model field or the X-Denv-Pool header to a served'
-        f" pool\"}}}}' if {{ var(txn.key_scope) -m str {scope} }}"
+        f" pool: {pools.replace(' ', ', ')}\"}}}}' if {{ var(txn.key_scope) -m str {scope} }}"
         f" !{{ var(txn.pool) -m str {pools} }}"
     )
 
@@ -573,9 +573,13 @@ def test_key_scopes_shape_the_maps_and_rules(
     assert order == sorted(order)
     for rule in ("api:models { var(txn.key_scope)", "!{ var(txn.pool) -m str", "track-sc0"):
         assert rule not in frontend or order[0] < frontend.index(rule) < order[-1]
-    assert frontend.count("!{ var(txn.pool) -m str") == 0 or frontend.index(
-        "!{ var(txn.pool) -m str"
-    ) > frontend.index("unless routed")
+    # The scope's 404 follows the pool's choice and comes before the one for a request naming
+    # no served pool, so that a scoped key's 404 names the pools of its scope alone.
+    assert frontend.count("!{ var(txn.pool) -m str") == 0 or (
+        frontend.rindex("set-var(txn.pool)")
+        < frontend.index("!{ var(txn.pool) -m str")
+        < frontend.index("unless routed")
+    )
 
 
 def test_map_files() -> None:

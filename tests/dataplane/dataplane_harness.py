@@ -359,10 +359,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def session_replica(plane: Dataplane, session: dict[str, str]) -> SimulatedReplica:
-    """The replica that serves the conversation `session` (an X-Denv-Session header)."""
+def session_replica(
+    plane: Dataplane, session: dict[str, str], model: str = "voice"
+) -> SimulatedReplica:
+    """The replica of `model`'s pool that serves the conversation `session` (an
+    X-Denv-Session header)."""
     with plane.client() as client:
-        outcome = stream_chat(client, {"model": "voice", "max_tokens": 1}, session)
+        outcome = stream_chat(client, {"model": model, "max_tokens": 1}, session)
     assert outcome.replica is not None
     return plane.replicas[outcome.replica]
 

@@ -40,6 +40,7 @@ def test_unroutable_requests_get_json_404(
     response = post(dataplane, body, headers)
     assert response.status_code == status
     assert response.json()["error"]["code"] == "model_not_found"
+    assert response.json()["error"]["message"].endswith("to a served pool: llm, voice")
     assert "x-denv-replica" not in response.headers
 
 

@@ -49,7 +49,36 @@ def test_speech_is_espeak_ng_s_wav_streamed_through_the_balancer(sdk: openai.Ope
     assert max(abs(s) for s in samples) > 3000  # a voice, not silence
 
 
-def test_a_format_other_than_wav_is_refused_in_one_line(sdk: openai.OpenAI) -> None:
+def test_pcm_is_espeak_ng_s_speech_at_24_khz(sdk: openai.OpenAI) -> None:
+    """`pcm` is OpenAI's raw 24 kHz PCM16: espeak-ng's 22.05 kHz samples, resampled, the same
+    length of speech as its WAV."""
+    text = "The balancer carries real speech."
+    wav_answer = sdk.audio.speech.create(
+        model="voice", voice="alloy", input=text, response_format="wav"
+    )
+    pcm_answer = sdk.audio.speech.create(
+        model="voice", voice="alloy", input=text, response_format="pcm"
+    )
+    assert pcm_answer.response.headers["content-type"] == "audio/pcm"
+    pcm, wav_samples = pcm_answer.content, (len(wav_answer.content) - 44) // 2
+    assert not pcm.startswith(b"RIFF") and len(pcm) % 2 == 0
+    assert abs(len(pcm) // 2 / 24_000 - wav_samples / 22_050) < 0.001  # seconds of speech
+    samples = struct.unpack(f"<{len(pcm) // 2}h", pcm)
+    assert max(abs(s) for s in samples) > 3000
+
+
+@pytest.mark.parametrize("response_format", ["mp3", "opus", "aac", "flac"])
+def test_a_format_not_served_is_refused_in_openai_s_error_shape(
+    sdk: openai.OpenAI, response_format: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
-        sdk.audio.speech.create(model="voice", voice="alloy", input="hi", response_format="pcm")
-    assert "send response_format=wav" in refused.value.response.json()["error"]
+        sdk.audio.speech.create(
+            model="voice",
+            voice="alloy",
+            input="hi",
+            response_format=response_format,  # type: ignore[arg-type]
+        )
+    error = refused.value.response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
+    assert error["code"] == "unsupported_response_format"
+    assert "send one of pcm, wav" in error["message"]

@@ -73,6 +73,7 @@ def test_a_key_scoped_to_side_is_served_there_and_refused_voice_before_any_repli
         served = _call(client, path, "side", SIDE_KEY)
         refused = [_call(client, path, model, SIDE_KEY) for model in ("voice", "tts-voice")]
         unknown = _call(client, path, "no-such-pool", SIDE_KEY)
+        unknown_to_all = _call(client, path, "no-such-pool", FULL_KEY)
         # A key of every pool reaches voice on the same path.
         other = _call(client, path, "voice", FULL_KEY)
     assert served.status_code == 200, served.text
@@ -84,6 +85,9 @@ def test_a_key_scoped_to_side_is_served_there_and_refused_voice_before_any_repli
         # Word for word the answer for a pool that does not exist: nothing to tell them apart.
         assert response.content == unknown.content
         assert response.json()["error"]["code"] == "model_not_found"
+    # The 404 names the pools served, to each key those it may use.
+    assert unknown.json()["error"]["message"].endswith("to a served pool: side")
+    assert unknown_to_all.json()["error"]["message"].endswith("to a served pool: side, voice")
     assert other.status_code == 200, other.text
     assert other.headers["x-denv-replica"] == REPLICAS["voice"]
     assert _requests(plane, "voice") == 1  # the full key's request alone

@@ -324,7 +324,7 @@ def test_the_fault_route_obeys_only_its_token(authorization: str) -> None:
                 sim, "POST", "/control/fault", {"mode": mode}, authorization or "Authorization:\r\n"
             )
             status, _, payload = await read_json(reader)
-            assert status == 401 and "control token" in payload["error"]  # type: ignore[index]
+            assert status == 401 and "control token" in payload["error"]["message"]  # type: ignore[index]
             writer.close()
         assert sim.fault.value == "none"
         reader, writer = await request(sim, "GET", "/health")
@@ -383,3 +383,38 @@ def test_a_realtime_message_fragmented_around_a_ping_is_answered_whole() -> None
         writer.close()
 
     run_with_sim(scenario, ttft_ms=1, itl_ms=1, tokens=3)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "param"),
+    [
+        ("GET", "/v1/embeddings", None, 404, None),
+        ("GET", "/v1/chat/completions", None, 405, None),
+        ("POST", "/v1/chat/completions", [1, 2], 400, None),
+        ("POST", "/v1/audio/speech", {"input": ""}, 400, None),
+        (
+            "POST",
+            "/v1/audio/speech",
+            {"input": "hi", "response_format": "mp3"},
+            400,
+            "response_format",
+        ),
+        ("POST", "/v1/audio/transcriptions", {"not": "a form"}, 400, None),
+        ("GET", "/v1/realtime", None, 400, None),
+        ("POST", "/control/fault", {"mode": "unknown"}, 400, "mode"),
+    ],
+)
+def test_every_error_is_in_openai_s_shape(
+    method: str, path: str, body: object, status: int, param: str | None
+) -> None:
+    async def scenario(sim: ReplicaSim) -> None:
+        reader, writer = await request(sim, method, path, body)
+        answered, _, payload = await read_json(reader)
+        writer.close()
+        assert answered == status
+        assert isinstance(payload, dict) and set(payload) == {"error"}
+        error = payload["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+
+    run_with_sim(scenario)
