@@ -41,7 +41,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "status": (
         "denv_iac.cli.status:status",
-        "Per pool, site and replica: state, weight, reason, active streams, last probe TTFT.",
+        "Per pool, site and replica: state, weight, reason, active streams, last probe TTFT;"
+        " per pool, its slots in use, queued, spilled and shed requests.",
     ),
 }
 PACKAGES = ("denv-iac", "denv-agent")
