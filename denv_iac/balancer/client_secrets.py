@@ -36,6 +36,11 @@ KEY_MAP_ENTRY = "key"
 
 def key_map(key: str) -> str:
     """The key file HAProxy reads: one map entry holding the key's bytes, base64."""
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(
+            f"balancer.client_secret_key: shorter than {MIN_KEY_CHARS} characters; set 32 or"
+            " more random ones (e.g. from `openssl rand -base64 32`)"
+        )
     return f"{KEY_MAP_ENTRY} {base64.b64encode(key.encode()).decode()}\n"
 
 
