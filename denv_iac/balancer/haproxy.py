@@ -598,7 +598,7 @@ _MINT = "METH_POST api:client_secrets"
 def _client_secret_check(key_file: str) -> list[str]:
     """A realtime session without an API key may offer a client secret as a subprotocol: its
     signature and expiry are checked here (a 401 when wrong), its pool once the pool is known."""
-    offered = "req.fhdr(Sec-WebSocket-Protocol),regsub('" + _CLIENT_SECRET_OFFERED + "','{}')"
+    offered = "var(txn.ek_source),regsub('" + _CLIENT_SECRET_OFFERED + "','{}')"
     parts = {"ek_claim": r"\1", "ek_exp": r"\2", "ek_mac": r"\3", "ek_signed": r"\1.\2"}
     extract = {name: _config_word(offered.replace("{}", group)) for name, group in parts.items()}
     return [
@@ -606,9 +606,16 @@ def _client_secret_check(key_file: str) -> list[str]:
         f"# subprotocols {ek.REALTIME_SUBPROTOCOL} and {ek.SUBPROTOCOL_KEY_PREFIX}"
         f"{ek.SECRET_PREFIX}<pool>.<expires_at>.<mac>, the mac an",
         "# HMAC-SHA256 of <pool>.<expires_at> under the key in the key file (never in this file).",
+        "# A client that can send a header (a native app, the OpenAI SDKs) may instead send the",
+        "# secret as its bearer token, on this path alone.",
         f"acl ek:realtime path {REALTIME_PATH}",
-        "acl ek:offered req.fhdr(Sec-WebSocket-Protocol)"
-        f" -m reg {_config_word(_CLIENT_SECRET_OFFERED)}",
+        "http-request set-var(txn.ek_source) req.fhdr(Sec-WebSocket-Protocol)"
+        " if METH_GET ek:realtime",
+        "http-request set-var(txn.ek_bearer) http_auth_bearer"
+        f" if METH_GET ek:realtime {{ http_auth_bearer -m beg {ek.SECRET_PREFIX} }}",
+        f"http-request set-var(txn.ek_source) str({ek.SUBPROTOCOL_KEY_PREFIX})"
+        ",concat(,txn.ek_bearer,) if { var(txn.ek_bearer) -m found }",
+        f"acl ek:offered var(txn.ek_source) -m reg {_config_word(_CLIENT_SECRET_OFFERED)}",
         f"http-request set-var(txn.ek_key) str({ek.KEY_MAP_ENTRY}),map({key_file})"
         f" if {_EK_SESSION} || {_MINT}",
         *(

@@ -76,6 +76,23 @@ def _audio_bytes(plane: Dataplane, model: str, offered: list[str]) -> tuple[int,
                 return audio, ws.subprotocol
 
 
+def test_a_client_that_can_send_headers_may_send_the_secret_as_its_bearer_token(
+    plane: Dataplane,
+) -> None:
+    """A native app or the OpenAI SDK given the secret as its key: `Authorization: Bearer ek_`,
+    on the realtime path alone (the chat path refuses it: see below)."""
+    secret = _secret(plane, "voice")
+    bearer = {"Authorization": f"Bearer {secret}"}
+    offered = [Subprotocol("realtime")]
+    with connect(_url(plane, "voice"), additional_headers=bearer, subprotocols=offered) as ws:
+        assert json.loads(ws.recv(timeout=5))["type"] == "session.created"
+    expired = {"Authorization": f"Bearer {client_secret(SIGNING_KEY, 'voice', 1)}"}
+    with pytest.raises(InvalidStatus) as refused:
+        connect(_url(plane, "voice"), additional_headers=expired, open_timeout=5)
+    assert refused.value.response.status_code == 401
+    assert _sessions(plane, "voice") == 1
+
+
 def _refused(plane: Dataplane, model: str, offered: list[str]) -> httpx.Response:
     """The answer to a session that must be refused before the upgrade, as an httpx answer."""
     with (
