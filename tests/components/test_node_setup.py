@@ -20,7 +20,7 @@ from paramiko import AuthenticationException, SSHException
 from paramiko.ssh_exception import NoValidConnectionsError
 
 from denv_iac.balancer import RenderedConfig
-from denv_iac.balancer.model import TLS_CERT_PATH
+from denv_iac.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
 from denv_iac.components.aws import ebs_device
 from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import DeployRunner, NodeSetup, NodeSetupProvider
@@ -237,6 +237,23 @@ def test_each_balancer_host_gets_the_tls_certificate_as_a_secret_input_of_its_de
             assert inputs["tls_certificate"]["value"] == stacks.TLS_CERTIFICATE
     # The config reads it where the deploy installs it.
     assert f"ssl crt {TLS_CERT_PATH}" in run.outputs["haproxy_config"]
+
+
+def test_each_balancer_host_gets_the_client_secret_key_as_a_secret_input_of_its_deploy() -> None:
+    signing_key = "CLIENT-SECRET-SIGNING-KEY-MATERIAL-0123456789"
+    args = stacks.multicloud()
+    args["balancer"]["client_secret_key"] = {"secure": signing_key}
+    run = run_program(lambda: cluster_outputs(args), preview=False)
+    balancers = [r.inputs for r in run.of_type(DEPLOYMENT) if r.name.startswith("prod-balancer-")]
+    assert len(balancers) == 2
+    for inputs in balancers:
+        assert shown(inputs)["client_secret_key"] == "[secret]"
+        assert not any(signing_key in s for s in plain_strings(inputs))
+        assert inputs["client_secret_key"][SECRET_SIG] == SECRET_MARK
+        assert inputs["client_secret_key"]["value"] == signing_key
+    # The config reads it where the deploy installs it, and never holds it.
+    assert f"map({CLIENT_SECRET_KEY_PATH})" in run.outputs["haproxy_config"]
+    assert signing_key not in run.outputs["haproxy_config"]
 
 
 def test_the_provider_hands_the_certificate_to_the_deploy_and_a_new_one_reruns_it() -> None:
