@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
@@ -91,6 +92,36 @@ def test_a_client_that_can_send_headers_may_send_the_secret_as_its_bearer_token(
         connect(_url(plane, "voice"), additional_headers=expired, open_timeout=5)
     assert refused.value.response.status_code == 401
     assert _sessions(plane, "voice") == 1
+
+
+def test_the_openai_sdk_mints_with_the_key_and_connects_with_the_secret(plane: Dataplane) -> None:
+    """The SDK's own calls: `client.realtime.client_secrets.create` on the app's server, then a
+    realtime client given the secret as its API key (it sends it as the bearer token)."""
+
+    def client(key: str) -> openai.OpenAI:
+        ws_url = plane.url.replace("http://", "ws://") + "/v1"
+        return openai.OpenAI(base_url=f"{plane.url}/v1", api_key=key, websocket_base_url=ws_url)
+
+    minted = client(FULL_KEY).realtime.client_secrets.create(
+        session={"type": "realtime", "model": "voice"},
+        expires_after={"anchor": "created_at", "seconds": 30},
+    )
+    assert minted.value.startswith("ek_voice.")
+    assert abs(minted.expires_at - (time.time() + 30)) <= 2
+    with client(minted.value).realtime.connect(model="voice") as connection:
+        assert connection.recv().type == "session.created"
+        connection.response.create()
+        audio = 0
+        for event in connection:
+            if event.type == "response.output_audio.delta":
+                audio += len(event.delta)
+            if event.type == "response.done":
+                break
+    assert audio > 0
+    with pytest.raises(openai.AuthenticationError):
+        client(minted.value).with_options(max_retries=0).chat.completions.create(
+            model="voice", messages=[]
+        )
 
 
 def _refused(plane: Dataplane, model: str, offered: list[str]) -> httpx.Response:
