@@ -7,6 +7,7 @@ offline checks and the local runner (which changes only where it listens and kee
 from dataclasses import asdict
 
 from denv_iac.balancer.model import (
+    CLIENT_SECRET_KEY_PATH,
     GATEWAY_CA_PATH,
     GATEWAY_CLIENT_PATH,
     TLS_CERT_PATH,
@@ -28,6 +29,7 @@ def balancer_settings(stack: StackSpec) -> BalancerSettings:
         port=spec.port,
         **asdict(spec.timers),  # BalancerSettings names each timer as the stack does
         tls_cert_path=TLS_CERT_PATH if spec.tls_certificate else None,
+        client_secret_key_file=CLIENT_SECRET_KEY_PATH if spec.client_secret_key else None,
         api_key_digests=spec.api_key_digests,
         key_scopes=spec.key_scopes,
         prometheus_port=spec.prometheus_port,

@@ -338,6 +338,21 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         "'pulumi config set --secret' (see docs/stacks.md)",
     ),
     (
+        "client secret key plaintext",
+        lambda c: c["denv:balancer"].update(client_secret_key="a-key"),
+        "balancer.client_secret_key: must be a Pulumi secret, never plain text; set 32 or more "
+        "random characters with 'pulumi config set --secret' (e.g. from `openssl rand -base64 "
+        "32`; see docs/balancer.md)",
+    ),
+    (
+        "client secret key without api keys",
+        lambda c: c["denv:balancer"].update(
+            client_secret_key={"secure": "ciphertext"}, api_key_digests=[]
+        ),
+        "balancer.client_secret_key: client secrets are minted with an API key and none is "
+        "listed; add api_key_digests (see `denv key digest`) or remove client_secret_key",
+    ),
+    (
         "dns typo",
         lambda c: c["denv:balancer"].update(dns={"zone": "Z1", "name": "a.example"}),
         "balancer.dns.zone_id: missing; add zone_id: Z0123456789ABC",

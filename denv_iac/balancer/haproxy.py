@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from denv_iac.balancer import client_secrets as ek
 from denv_iac.balancer.model import (
     BalancerPool,
     BalancerServer,
@@ -41,6 +42,30 @@ _BUFSIZE = 65536
 _ERROR_UNAUTHORIZED = (
     '{"error":{"type":"authentication_error","code":"invalid_api_key",'
     '"message":"missing or unknown API key: send Authorization: Bearer <key>"}}'
+)
+_ERROR_CLIENT_SECRET = (
+    '{"error":{"type":"authentication_error","code":"invalid_api_key",'
+    '"message":"the client secret is malformed, tampered, expired or for another pool:'
+    f' mint a new one at POST {ek.CLIENT_SECRETS_PATH}"}}}}'
+)
+_ERROR_CLIENT_SECRET_TTL = (
+    '{"error":{"type":"invalid_request_error","code":"invalid_value",'
+    f'"message":"expires_after.seconds must be a whole number from {ek.MIN_TTL_S}'
+    f' to {ek.MAX_TTL_S}"}}}}'
+)
+# The minted secret, shaped as OpenAI's answer (lf-string: the pool is validated JSON-safe).
+_CLIENT_SECRET_ANSWER = (
+    f'{{"value":"{ek.SECRET_PREFIX}%[var(txn.ek_signed)].%[var(txn.ek_want)]",'
+    '"expires_at":%[var(txn.ek_exp)],'
+    f'"session":{{"type":"{ek.REALTIME_SUBPROTOCOL}","model":"%[var(txn.ek_pool)]"}}}}'
+)
+# A client secret among the offered subprotocols: pool, expiry and signature, one group each.
+# No comma in it (converter arguments split there): \x2c is one.
+_CLIENT_SECRET_OFFERED = (
+    r"^(?:.*[\s\x2c])?"
+    + ek.SUBPROTOCOL_KEY_PREFIX.replace(".", r"\.")
+    + ek.SECRET_PREFIX
+    + r"([A-Za-z0-9._-]+)\.([0-9]+)\.([0-9a-f]{64})(?:[\s\x2c].*)?$"
 )
 _ERROR_RATE = (
     '{"error":{"type":"requests","code":"rate_limit_exceeded","message":"this key sent more than'
@@ -395,6 +420,7 @@ def _endpoint_frontend(
     pools: Sequence[BalancerPool], settings: BalancerSettings, maps: _MapPaths
 ) -> str:
     bind = f"bind {_host_port(settings.bind_address, settings.port)}"
+    minting = settings.client_secret_key_file is not None
     if settings.tls_cert_path is not None:
         bind += f" ssl crt {settings.tls_cert_path}"
     lines = [
@@ -431,15 +457,20 @@ def _endpoint_frontend(
         "# The API surface: anything else is answered here, never forwarded to a replica.",
         *(f"acl api:{method} path {' '.join(paths)}" for method, paths in API_ROUTES),
         f"acl api:models path {MODELS_PATH}",
+        *([f"acl api:client_secrets path {ek.CLIENT_SECRETS_PATH}"] if minting else []),
         "http-request return status 404 content-type application/json"
         f" string '{_ERROR_NO_SUCH_ENDPOINT}' unless "
         + " || ".join(
-            [*(f"METH_{method} api:{method}" for method, _ in API_ROUTES), "METH_GET api:models"]
+            [
+                *(f"METH_{method} api:{method}" for method, _ in API_ROUTES),
+                "METH_GET api:models",
+                *([_MINT] if minting else []),
+            ]
         ),
     ]
     multipart_model = f"req.body,regsub('{_MULTIPART_MODEL}','\\1'),map({maps.pools})"
     if settings.api_key_digests:
-        lines += ["", *_key_check(settings, maps)]
+        lines += ["", *_key_check(settings, maps, [pool.name for pool in pools])]
     lines += [
         "",
         "# The served models are the pools, as OpenAI's model list; a key limited to some pools",
@@ -473,6 +504,16 @@ def _endpoint_frontend(
         " if !pool_header METH_POST multipart",
         f"http-request set-var(txn.pool) url_param(model),map({maps.pools})"
         " if !pool_header METH_GET",
+        *(
+            [
+                "# A session opened with a client secret is for the secret's pool alone.",
+                "http-request return status 401 content-type application/json"
+                f" string '{_ERROR_CLIENT_SECRET}' if {{ var(txn.ek_session) -m found }}"
+                " !{ var(txn.pool),strcmp(txn.ek_session) eq 0 }",
+            ]
+            if minting
+            else []
+        ),
         "acl routed var(txn.pool) -m found",
         "# Not routed: say why. Only the first tune.bufsize bytes of a body are buffered; when the",
         "# model field lies past them, only the header can name the pool.",
@@ -495,12 +536,7 @@ def _endpoint_frontend(
             "# exist, as OpenAI answers a model a key may not use: a key learns nothing of pools",
             "# outside its scope, and nothing reaches a replica (a realtime session: before the",
             "# upgrade).",
-            *(
-                "http-request return status 404 content-type application/json"
-                f" string '{_error_unknown_pool(scope)}' if {_scope_acl(scope)}"
-                f" !{{ var(txn.pool) -m str {' '.join(scope)} }}"
-                for scope in _pool_scopes(settings)
-            ),
+            *_scope_refusals(settings, "txn.pool"),
         ]
     lines += [
         "http-request return status 404 content-type application/json"
@@ -523,19 +559,28 @@ def _endpoint_frontend(
     )
 
 
-def _key_check(settings: BalancerSettings, maps: _MapPaths) -> list[str]:
-    """The API key: listed, or a 401; then its rate, when it has one."""
+def _key_check(settings: BalancerSettings, maps: _MapPaths, served: Sequence[str]) -> list[str]:
+    """The API key: listed, or a 401 (a realtime session may instead offer a client secret);
+    then its rate, when it has one; then client secrets minted for it (of the `served`
+    pools)."""
+    key_file = settings.client_secret_key_file
     lines = [
         "# API keys are stored as SHA-256 digests; the bearer token's digest must be listed. Its",
         "# value is the key's scope: the pools it may use, joined by commas, or"
         f" {ALL_POOLS} for all.",
         "http-request set-var(txn.key) http_auth_bearer,sha2(256),hex,lower",
         f"http-request set-var(txn.key_scope) var(txn.key),map({maps.api_keys})",
+        *(_client_secret_check(key_file) if key_file is not None else []),
         "http-request return status 401 content-type application/json"
         f" string '{_ERROR_UNAUTHORIZED}' hdr WWW-Authenticate Bearer"
-        " unless { var(txn.key_scope) -m found }",
-        "# The endpoint key is ours: replicas never see it.",
+        " unless { var(txn.key_scope) -m found }"
+        + (" || { var(txn.ek_session) -m found }" if key_file is not None else ""),
+        "# The endpoint key is ours: replicas never see it, nor a key or secret offered as a",
+        f"# WebSocket subprotocol ({ek.SUBPROTOCOL_KEY_PREFIX}<key>): they are offered"
+        f" {ek.REALTIME_SUBPROTOCOL} alone.",
         "http-request del-header Authorization",
+        f"http-request set-header Sec-WebSocket-Protocol {ek.REALTIME_SUBPROTOCOL}"
+        f" if {{ req.fhdr(Sec-WebSocket-Protocol) -m sub -i {ek.SUBPROTOCOL_KEY_PREFIX} }}",
     ]
     if _key_rates(settings):
         lines += [
@@ -548,7 +593,95 @@ def _key_check(settings: BalancerSettings, maps: _MapPaths) -> list[str]:
             f" lf-string '{_ERROR_RATE}' {_RETRY_AFTER} if {{ var(txn.key_rate) -m found }}"
             " { sc_http_req_rate(0),sub(txn.key_rate) gt 0 }",
         ]
+    if key_file is not None:
+        lines += _client_secret_mint(settings, maps, served)
     return lines
+
+
+# A session offered a client secret and no API key; and a request to mint one.
+_EK_SESSION = "METH_GET ek:realtime ek:offered !{ var(txn.key_scope) -m found }"
+_MINT = "METH_POST api:client_secrets"
+
+
+def _client_secret_check(key_file: str) -> list[str]:
+    """A realtime session without an API key may offer a client secret as a subprotocol: its
+    signature and expiry are checked here (a 401 when wrong), its pool once the pool is known."""
+    offered = "var(txn.ek_source),regsub('" + _CLIENT_SECRET_OFFERED + "','{}')"
+    parts = {"ek_claim": r"\1", "ek_exp": r"\2", "ek_mac": r"\3", "ek_signed": r"\1.\2"}
+    extract = {name: _config_word(offered.replace("{}", group)) for name, group in parts.items()}
+    return [
+        "# Client secrets (docs/balancer.md): a browser opens a realtime session offering the",
+        f"# subprotocols {ek.REALTIME_SUBPROTOCOL} and {ek.SUBPROTOCOL_KEY_PREFIX}"
+        f"{ek.SECRET_PREFIX}<pool>.<expires_at>.<mac>, the mac an",
+        "# HMAC-SHA256 of <pool>.<expires_at> under the key in the key file (never in this file).",
+        "# A client that can send a header (a native app, the OpenAI SDKs) may instead send the",
+        "# secret as its bearer token, on this path alone.",
+        f"acl ek:realtime path {REALTIME_PATH}",
+        "http-request set-var(txn.ek_source) req.fhdr(Sec-WebSocket-Protocol)"
+        " if METH_GET ek:realtime",
+        "http-request set-var(txn.ek_bearer) http_auth_bearer"
+        f" if METH_GET ek:realtime {{ http_auth_bearer -m beg {ek.SECRET_PREFIX} }}",
+        f"http-request set-var(txn.ek_source) str({ek.SUBPROTOCOL_KEY_PREFIX})"
+        ",concat(,txn.ek_bearer,) if { var(txn.ek_bearer) -m found }",
+        f"acl ek:offered var(txn.ek_source) -m reg {_config_word(_CLIENT_SECRET_OFFERED)}",
+        f"http-request set-var(txn.ek_key) str({ek.KEY_MAP_ENTRY}),map({key_file})"
+        f" if {_EK_SESSION} || {_MINT}",
+        *(
+            f"http-request set-var(txn.{name}) {word} if {_EK_SESSION}"
+            for name, word in extract.items()
+        ),
+        "http-request set-var(txn.ek_want)"
+        f" var(txn.ek_signed),hmac(sha256,txn.ek_key),hex,lower if {_EK_SESSION}",
+        f"http-request set-var(txn.ek_left) date,neg,add(txn.ek_exp) if {_EK_SESSION}",
+        "http-request return status 401 content-type application/json"
+        f" string '{_ERROR_CLIENT_SECRET}' if {_EK_SESSION}"
+        " !{ var(txn.ek_want),secure_memcmp(txn.ek_mac) }"
+        f" || {_EK_SESSION} !{{ var(txn.ek_left) -m int gt 0 }}",
+        f"http-request set-var(txn.ek_session) var(txn.ek_claim) if {_EK_SESSION}",
+    ]
+
+
+def _client_secret_mint(
+    settings: BalancerSettings, maps: _MapPaths, served: Sequence[str]
+) -> list[str]:
+    """`POST /v1/realtime/client_secrets` with an API key: a secret for the pool of
+    `session.model`, if the key's scope has it, valid for `expires_after.seconds`. A key
+    limited to some pools is refused first, so its 404 names only those."""
+    ttl = f"^[0-9]{{1,{len(str(ek.MAX_TTL_S))}}}$"
+    session_pool = f"req.body,json_query('$.session.model'),map({maps.pools})"
+    ttl_given = "req.body,json_query('$.expires_after.seconds')"
+    return [
+        f"# {ek.CLIENT_SECRETS_PATH}: a client secret for a pool of the key's scope, as OpenAI's",
+        f"# answer; it expires after expires_after.seconds ({ek.MIN_TTL_S}-{ek.MAX_TTL_S},"
+        f" default {ek.DEFAULT_TTL_S}).",
+        f"http-request set-var(txn.ek_pool) {_config_word(session_pool)} if {_MINT}",
+        *_scope_refusals(settings, "txn.ek_pool", _MINT),
+        "http-request return status 404 content-type application/json"
+        f" string '{_error_unknown_pool(served)}' if {_MINT} !{{ var(txn.ek_pool) -m found }}",
+        f"http-request set-var(txn.ek_ttl) int({ek.DEFAULT_TTL_S}) if {_MINT}",
+        f"http-request set-var(txn.ek_ttl) {_config_word(ttl_given)} if {_MINT}",
+        "http-request return status 400 content-type application/json"
+        f" string '{_ERROR_CLIENT_SECRET_TTL}'"
+        f" if {_MINT} !{{ var(txn.ek_ttl) -m reg {_config_word(ttl)} }}"
+        f" || {_MINT} !{{ var(txn.ek_ttl) -m int {ek.MIN_TTL_S}:{ek.MAX_TTL_S} }}",
+        f"http-request set-var(txn.ek_exp) date,add(txn.ek_ttl) if {_MINT}",
+        f"http-request set-var(txn.ek_signed) var(txn.ek_pool),concat(.,txn.ek_exp,) if {_MINT}",
+        "http-request set-var(txn.ek_want)"
+        f" var(txn.ek_signed),hmac(sha256,txn.ek_key),hex,lower if {_MINT}",
+        "http-request return status 200 content-type application/json"
+        f" lf-string '{_CLIENT_SECRET_ANSWER}' hdr Cache-Control no-store if {_MINT}",
+    ]
+
+
+def _scope_refusals(settings: BalancerSettings, pool_var: str, condition: str = "") -> list[str]:
+    """A key limited to some pools is answered for another as for a pool that does not exist."""
+    prefix = f"{condition} " if condition else ""
+    return [
+        "http-request return status 404 content-type application/json"
+        f" string '{_error_unknown_pool(scope)}' if {prefix}{_scope_acl(scope)}"
+        f" !{{ var({pool_var}) -m str {' '.join(scope)} }}"
+        for scope in _pool_scopes(settings)
+    ]
 
 
 def _scope_of(scope: KeyScope) -> str:

@@ -24,6 +24,8 @@ TLS_CERT_PATH = f"{CONFIG_DIR}/tls.pem"  # certificate and key in one PEM, as `s
 # signed by, and the balancer's client certificate and key in one PEM.
 GATEWAY_CA_PATH = f"{CONFIG_DIR}/gateway-ca.pem"
 GATEWAY_CLIENT_PATH = f"{CONFIG_DIR}/gateway-client.pem"
+# The key that signs realtime client secrets, as a map file (see balancer.client_secrets).
+CLIENT_SECRET_KEY_PATH = f"{CONFIG_DIR}/client-secret.map"
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,9 @@ class BalancerSettings:
     key_scopes: tuple[KeyScope, ...] = ()
     stats_socket: str = STATS_SOCKET
     prometheus_port: int | None = 8405
+    # The map file holding the key that signs realtime client secrets (client_secrets.key_map);
+    # None: no client secrets. Like the certificate, a file of the host, never rendered here.
+    client_secret_key_file: str | None = None
     # Where the metrics and stats page listen; None: bind_address, as the endpoint.
     prometheus_address: str | None = None
     # The stack's `timers` (see BalancerTimers for why each default).

@@ -138,10 +138,17 @@ def _check_settings(settings: BalancerSettings) -> None:
         "state_file",
         "gateway_ca_file",
         "gateway_client_cert",
+        "client_secret_key_file",
     ):
         value = getattr(settings, name)
         if value is not None:
             _check_file_path(f"settings.{name}", value)
+    if settings.client_secret_key_file is not None and not settings.api_key_digests:
+        raise BalancerConfigError(
+            "settings.client_secret_key_file",
+            "client secrets are minted for a key, and no API key is listed",
+            "list api_key_digests, or leave client secrets off",
+        )
     for i, digest in enumerate(settings.api_key_digests):
         if not _SHA256_HEX.fullmatch(digest):
             raise BalancerConfigError(

@@ -45,6 +45,9 @@ class GlobalBalancerArgs(TypedDict):
     # The gateway CA and the balancer's client certificate and key (a secret), installed where
     # the config reads them; given when Kubernetes gateways are reached over mutual TLS.
     gateway_tls: NotRequired[pulumi.Input[GatewayTlsFiles]]
+    # The key that signs realtime client secrets (a secret), installed where the config reads
+    # it; given when the balancer has a client_secret_key.
+    client_secret_key: NotRequired[pulumi.Input[str]]
 
 
 class GlobalBalancer(pulumi.ComponentResource):
@@ -102,6 +105,8 @@ class GlobalBalancer(pulumi.ComponentResource):
                 setup["tls_certificate"] = args["tls_certificate"]
             if "gateway_tls" in args:
                 setup["gateway_tls"] = args["gateway_tls"]
+            if "client_secret_key" in args:
+                setup["client_secret_key"] = args["client_secret_key"]
             if "overlay" in access:
                 setup["overlay_config"] = access["overlay"]["overlay_config"]
                 setup["overlay_private_key"] = access["overlay"]["overlay_private_key"]

@@ -195,6 +195,8 @@ class Cluster(pulumi.ComponentResource):
         }
         if ("balancer", "tls_certificate") in secrets:
             balancer_args["tls_certificate"] = secrets[("balancer", "tls_certificate")]
+        if ("balancer", "client_secret_key") in secrets:
+            balancer_args["client_secret_key"] = secrets[("balancer", "client_secret_key")]
         if self._gateway_tls is not None:
             balancer_args["gateway_tls"] = pulumi.Output.all(
                 self._gateway_tls.ca_certificate, self._gateway_tls.client_pem

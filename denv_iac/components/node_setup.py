@@ -50,6 +50,7 @@ UPDATE_ON = (
     "balancer_firewall",
     "tls_certificate",
     "gateway_tls",
+    "client_secret_key",
     "overlay_config",
     "overlay_private_key",
     "overlay_senders",
@@ -72,13 +73,21 @@ def deploy_balancer(
     access: BalancerAccess,
     certificate: str | None,
     gateway: GatewayCredentials | None,
+    client_secret_key: str | None,
     overlay_config: str | None,
     keys: SshKeys | None,
 ) -> list[Step]:
     """The balancer host's deploy, with its overlay config (private key filled in) if any, and
     the SSH login's keys to keep."""
     return prepare_balancer(
-        target, rendered, access, certificate, gateway, overlay_config=overlay_config, keys=keys
+        target,
+        rendered,
+        access,
+        certificate,
+        gateway,
+        overlay_config=overlay_config,
+        keys=keys,
+        client_secret_key=client_secret_key,
     )
 
 
@@ -110,6 +119,7 @@ class DeployRunner:
             BalancerAccess,
             str | None,
             GatewayCredentials | None,
+            str | None,
             str | None,
             SshKeys | None,
         ],
@@ -234,6 +244,7 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
             _balancer_access(props),
             props.get("tls_certificate") or None,
             _gateway_credentials(props),
+            props.get("client_secret_key") or None,
             _overlay_config(props),
             keys,
         )
@@ -350,6 +361,8 @@ class NodeSetupArgs(TypedDict):
     # A balancer host that reaches Kubernetes gateways: the stack's gateway CA and its client
     # certificate and key, kept a secret end to end.
     gateway_tls: NotRequired[pulumi.Input[GatewayTlsFiles]]
+    # A balancer host with realtime client secrets: the key that signs them, a secret end to end.
+    client_secret_key: NotRequired[pulumi.Input[str]]
     # A recipe's `secure:` env values, by replica id then variable: kept secrets end to end.
     secret_env: NotRequired[Mapping[str, Mapping[str, pulumi.Input[str]]]]
     # A machine on the overlay: its wg-quick config, the private key a placeholder (plain), and
@@ -414,6 +427,8 @@ class NodeSetup(pulumi.ComponentResource):
                 props["tls_certificate"] = pulumi.Output.secret(args["tls_certificate"])
             if "gateway_tls" in args:
                 props["gateway_tls"] = pulumi.Output.secret(args["gateway_tls"])
+            if "client_secret_key" in args:
+                props["client_secret_key"] = pulumi.Output.secret(args["client_secret_key"])
         if ("overlay_config" in args) != ("overlay_private_key" in args):
             raise ValueError(f"NodeSetup {name}: give overlay_config with overlay_private_key")
         if "overlay_config" in args:
@@ -439,6 +454,7 @@ class NodeSetup(pulumi.ComponentResource):
                     "secret_env",
                     "tls_certificate",
                     "gateway_tls",
+                    "client_secret_key",
                     "overlay_private_key",
                 ],
             ),

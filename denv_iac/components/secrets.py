@@ -15,7 +15,7 @@ from denv_iac.spec.fields import is_empty_secret
 from denv_iac.spec.reader import ROBOT_FIELDS
 
 SITE_SECRET_FIELDS = ("ssh_private_key", "api_key", "kubeconfig", *ROBOT_FIELDS)
-BALANCER_SECRET_FIELDS = ("tls_certificate",)
+BALANCER_SECRET_FIELDS = ("tls_certificate", "client_secret_key")
 _SEAL = "sealed"
 
 # (site name, "balancer" or recipe_owner(recipe), field) -> the secret's value

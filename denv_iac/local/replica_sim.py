@@ -162,6 +162,8 @@ class _Stats:
     realtime_sessions: int = 0
     realtime_turns_completed: int = 0
     realtime_turns_aborted: int = 0
+    # The subprotocols the last realtime session offered, as they reached the replica.
+    realtime_subprotocols: str = ""
     by_request_id: Counter[str] = field(default_factory=Counter)
 
 
@@ -379,6 +381,7 @@ class ReplicaSim:
             "realtime_sessions": self.stats.realtime_sessions,
             "realtime_turns_completed": self.stats.realtime_turns_completed,
             "realtime_turns_aborted": self.stats.realtime_turns_aborted,
+            "realtime_subprotocols": self.stats.realtime_subprotocols,
             "by_request_id": dict(sorted(self.stats.by_request_id.items())),
         }
 
@@ -635,6 +638,7 @@ class ReplicaSim:
             )
             return
         self.stats.realtime_sessions += 1
+        self.stats.realtime_subprotocols = request.headers.get("sec-websocket-protocol", "")
         self._count(request.headers.get("x-request-id"))
         await self._hang_if_asked()
         writer.write(handshake)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
 from denv_iac.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.balancer.client_secrets import key_map
 from denv_iac.balancer.files import relocate_maps
 from denv_iac.dataplane import balancer_pools
 from denv_iac.endpoint import balancer_settings
@@ -465,8 +466,13 @@ class LocalCluster:
         prometheus = free_port()
         # The stack's settings, timers included, as `denv plan` shows them; only where HAProxy
         # listens and keeps its files is local (plain HTTP: no certificate is installed here).
+        # Realtime client secrets, when the stack has them, are signed with a key of this run.
+        stack_settings = balancer_settings(self.stack)
         settings = dataclasses.replace(
-            balancer_settings(self.stack),
+            stack_settings,
+            client_secret_key_file=(
+                None if stack_settings.client_secret_key_file is None else self._client_secret_key()
+            ),
             bind_address=self.balancer.address,
             port=self.port,
             tls_cert_path=None,
@@ -502,6 +508,14 @@ class LocalCluster:
         """Where HAProxy sends the replica's requests and agent checks: where it listens,
         unless something stands in between."""
         return replica.address
+
+    def _client_secret_key(self) -> str:
+        """A key of this run that signs realtime client secrets, readable by its owner alone."""
+        path = self.directory / "client-secret.map"
+        path.unlink(missing_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(key_map(secrets.token_urlsafe(32)))
+        return str(path)
 
     def _write_balancer_config(self) -> Path:
         maps = str(self.directory / "haproxy")

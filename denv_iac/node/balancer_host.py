@@ -6,8 +6,10 @@ import posixpath
 import re
 from dataclasses import dataclass
 
+from denv_iac.balancer.client_secrets import key_map
 from denv_iac.balancer.files import CONFIG_FILE_NAME, relocate_maps
 from denv_iac.balancer.model import (
+    CLIENT_SECRET_KEY_PATH,
     GATEWAY_CA_PATH,
     GATEWAY_CLIENT_PATH,
     STATS_SOCKET,
@@ -65,16 +67,24 @@ def _certificate_file(path: str, pem: str) -> FileContent:
 
 
 def fact_query(rendered: RenderedConfig) -> FactQuery:
-    paths = [*_live_files(rendered), TLS_CERT_PATH, GATEWAY_CA_PATH, GATEWAY_CLIENT_PATH]
+    paths = [
+        *_live_files(rendered),
+        TLS_CERT_PATH,
+        GATEWAY_CA_PATH,
+        GATEWAY_CLIENT_PATH,
+        CLIENT_SECRET_KEY_PATH,
+    ]
     paths.append(DROP_IN.path)
     return FactQuery(files=tuple(sorted(paths)), units=(UNIT,))
 
 
 def _private_files(
-    certificate: str | None, gateway: GatewayCredentials | None
+    certificate: str | None, gateway: GatewayCredentials | None, client_secret_key: str | None
 ) -> dict[str, tuple[str, str]]:
-    """Live path -> (what it is, PEM) of each file HAProxy reads keys or CAs from."""
+    """Live path -> (what it is, content) of each file HAProxy reads keys or CAs from."""
     files = {}
+    if client_secret_key is not None:
+        files[CLIENT_SECRET_KEY_PATH] = ("client secret key", key_map(client_secret_key))
     if certificate is not None:
         files[TLS_CERT_PATH] = ("TLS certificate", certificate)
     if gateway is not None:
@@ -88,6 +98,7 @@ def plan_balancer(
     rendered: RenderedConfig,
     certificate: str | None = None,
     gateway: GatewayCredentials | None = None,
+    client_secret_key: str | None = None,
 ) -> list[Step]:
     """Steps that put `rendered` live; [] when the node serves exactly it already.
 
@@ -95,6 +106,8 @@ def plan_balancer(
     TLS_CERT_PATH, where the config's `ssl crt` reads it, and is never shown in a step.
     `gateway` (the gateway CA, and the client certificate and key, a secret) lands the same way
     at GATEWAY_CA_PATH and GATEWAY_CLIENT_PATH, where the gateways' server lines read them.
+    `client_secret_key` (a secret) lands the same way at CLIENT_SECRET_KEY_PATH, as the map
+    file the config reads to sign and check realtime client secrets.
     The new files are staged and checked with `haproxy -c` first: a config HAProxy rejects
     never replaces the live one, and the running HAProxy keeps serving the old one. HAProxy
     is restarted when its unit changed or it may serve another config (the package's own, just
@@ -105,7 +118,7 @@ def plan_balancer(
         commands = (APT_UPDATE, apt_install("haproxy"))
         steps.append(Step("balancer", "install haproxy", commands))
     live = {path: text_file(path, text) for path, text in _live_files(rendered).items()}
-    private = _private_files(certificate, gateway)
+    private = _private_files(certificate, gateway, client_secret_key)
     for path, (_, pem) in private.items():
         live[path] = _certificate_file(path, pem)
     files_live = all(facts.files.get(path) == file.sha256 for path, file in live.items())
@@ -157,7 +170,10 @@ def _put_live(rendered: RenderedConfig, private: dict[str, tuple[str, str]]) -> 
     for live_path, (what, pem) in private.items():
         # `haproxy -c` loads certificates and CAs too: the staged config reads the staged ones.
         staged_path = f"{STAGING}/{posixpath.basename(live_path)}"
-        staged_config = re.sub(f"(?<= ){re.escape(live_path)}(?=\\s)", staged_path, staged_config)
+        # A path is a word of its own (`ssl crt PATH`) or a map's argument (`map(PATH)`).
+        staged_config = re.sub(
+            f"(?<=[ (]){re.escape(live_path)}(?=[\\s)])", staged_path, staged_config
+        )
         steps.append(
             Step("balancer", f"stage the {what}", file=_certificate_file(staged_path, pem))
         )
@@ -195,13 +211,16 @@ def plan_host(
     gateway: GatewayCredentials | None = None,
     overlay_config: str | None = None,
     keys: SshKeys | None = None,
+    client_secret_key: str | None = None,
 ) -> list[Step]:
     """A balancer host's steps: the SSH login's keys (`keys`, when given), its firewall, then
     its overlay interface (when it is on the overlay), then HAProxy, which reaches the nodes
     through that interface."""
     steps = ssh_keys.plan(facts, keys) + firewall.plan_balancer_host(facts, access)
     steps += overlay.plan(facts, overlay_config)
-    return with_package_index(steps) + plan_balancer(facts, rendered, certificate, gateway)
+    return with_package_index(steps) + plan_balancer(
+        facts, rendered, certificate, gateway, client_secret_key
+    )
 
 
 def prepare_balancer(
@@ -214,15 +233,19 @@ def prepare_balancer(
     progress: Progress = quiet_progress,
     overlay_config: str | None = None,
     keys: SshKeys | None = None,
+    client_secret_key: str | None = None,
 ) -> list[Step]:
     """Converge a balancer host to `rendered` (and its TLS `certificate`, a secret PEM, and the
     `gateway` credentials) behind its firewall; returns the steps planned (run unless `dry`).
     The firewall comes first: the stats port never listens unguarded. `overlay_config`: the
-    host's WireGuard config, its private key filled in (a secret), when it is on the overlay."""
+    host's WireGuard config, its private key filled in (a secret), when it is on the overlay.
+    `client_secret_key`: the key that signs realtime client secrets (a secret), when on."""
     with connect(target) as session:
         query = fact_query(rendered) | firewall.balancer_fact_query() | overlay.fact_query()
         facts = session.facts(query | ssh_keys.fact_query(keys))
-        steps = plan_host(facts, rendered, access, certificate, gateway, overlay_config, keys)
+        steps = plan_host(
+            facts, rendered, access, certificate, gateway, overlay_config, keys, client_secret_key
+        )
         if not dry:
             session.apply(steps, progress)
         return steps

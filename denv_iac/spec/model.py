@@ -260,6 +260,8 @@ class BalancerSpec:
     # The keys above that are limited to some pools or to a rate; any other key uses every pool.
     key_scopes: tuple[KeyScope, ...] = ()
     tls_certificate: Secret | None = None
+    # Signs the short-lived realtime client secrets the endpoint mints for browsers and apps.
+    client_secret_key: Secret | None = None
     prometheus_port: int = 8405
     dns: DnsSpec | None = None
     overlay: OverlaySpec = OverlaySpec()

@@ -55,6 +55,10 @@ from denv_iac.spec.values import (
 CONFIG_KEYS = ("denv:sites", "denv:recipes", "denv:balancer")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
 SSH_KEY_HOW = "set it with 'pulumi config set --secret' (see docs/stacks.md)"
+_CLIENT_SECRET_HOW = (
+    "set 32 or more random characters with 'pulumi config set --secret'"
+    " (e.g. from `openssl rand -base64 32`; see docs/balancer.md)"
+)
 ROBOT_FIELDS = ("robot_user", "robot_password")
 # How each provider writes its region names, so that a typo fails here, not in the provider's API.
 REGION_FORMATS = {
@@ -447,11 +451,18 @@ def _read_balancer(f: Fields) -> BalancerSpec:
         api_key_digests=digests,
         key_scopes=key_scopes,
         tls_certificate=f.secret("tls_certificate", required=False, how=SSH_KEY_HOW),
+        client_secret_key=f.secret("client_secret_key", required=False, how=_CLIENT_SECRET_HOW),
         prometheus_port=f.integer("prometheus_port", 8405, 1, 65535),
         dns=dns,
         overlay=overlay,
         timers=timers,
     )
+    if balancer.client_secret_key is not None and not balancer.api_key_digests:
+        f.problem(
+            "client_secret_key",
+            "client secrets are minted with an API key and none is listed;"
+            " add api_key_digests (see `denv key digest`) or remove client_secret_key",
+        )
     if balancer.port == balancer.prometheus_port:
         f.problem("prometheus_port", f"{balancer.port} is also the endpoint port; pick another")
     f.finish()

@@ -20,7 +20,7 @@ from paramiko import AuthenticationException, SSHException
 from paramiko.ssh_exception import NoValidConnectionsError
 
 from denv_iac.balancer import RenderedConfig
-from denv_iac.balancer.model import TLS_CERT_PATH
+from denv_iac.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
 from denv_iac.components.aws import ebs_device
 from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import DeployRunner, NodeSetup, NodeSetupProvider
@@ -205,7 +205,7 @@ def test_a_balancer_host_gets_its_rendered_config_through_sudo() -> None:
     assert result.id == "balancer.203.0.113.9"
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     # A stack from before the balancer host's firewall: no admins, so nothing is guarded.
-    assert recorder.extras == [(BalancerAccess((), 0), None, None, None, BALANCER_KEYS)]
+    assert recorder.extras == [(BalancerAccess((), 0), None, None, None, None, BALANCER_KEYS)]
 
 
 def test_a_balancer_host_gets_its_sites_admin_cidrs_and_stats_port_for_its_firewall() -> None:
@@ -213,7 +213,7 @@ def test_a_balancer_host_gets_its_sites_admin_cidrs_and_stats_port_for_its_firew
     given = {"admin_cidrs": ["198.51.100.0/24"], "stats_port": 8405.0}  # as the engine hands it
     NodeSetupProvider(recorder.runner()).create({**BALANCER, "balancer_firewall": given})
     access = BalancerAccess(("198.51.100.0/24",), 8405)
-    assert recorder.extras == [(access, None, None, None, BALANCER_KEYS)]
+    assert recorder.extras == [(access, None, None, None, None, BALANCER_KEYS)]
 
 
 @pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
@@ -239,18 +239,47 @@ def test_each_balancer_host_gets_the_tls_certificate_as_a_secret_input_of_its_de
     assert f"ssl crt {TLS_CERT_PATH}" in run.outputs["haproxy_config"]
 
 
+def test_each_balancer_host_gets_the_client_secret_key_as_a_secret_input_of_its_deploy() -> None:
+    signing_key = "CLIENT-SECRET-SIGNING-KEY-MATERIAL-0123456789"
+    args = stacks.multicloud()
+    args["balancer"]["client_secret_key"] = {"secure": signing_key}
+    run = run_program(lambda: cluster_outputs(args), preview=False)
+    balancers = [r.inputs for r in run.of_type(DEPLOYMENT) if r.name.startswith("prod-balancer-")]
+    assert len(balancers) == 2
+    for inputs in balancers:
+        assert shown(inputs)["client_secret_key"] == "[secret]"
+        assert not any(signing_key in s for s in plain_strings(inputs))
+        assert inputs["client_secret_key"][SECRET_SIG] == SECRET_MARK
+        assert inputs["client_secret_key"]["value"] == signing_key
+    # The config reads it where the deploy installs it, and never holds it.
+    assert f"map({CLIENT_SECRET_KEY_PATH})" in run.outputs["haproxy_config"]
+    assert signing_key not in run.outputs["haproxy_config"]
+
+
 def test_the_provider_hands_the_certificate_to_the_deploy_and_a_new_one_reruns_it() -> None:
     recorder = Recorder(steps=1)
     provider = NodeSetupProvider(recorder.runner())
     with_tls = {**BALANCER, "tls_certificate": stacks.TLS_CERTIFICATE}
     result = provider.create(dict(with_tls))
     assert recorder.extras == [
-        (BalancerAccess((), 0), stacks.TLS_CERTIFICATE, None, None, BALANCER_KEYS)
+        (BalancerAccess((), 0), stacks.TLS_CERTIFICATE, None, None, None, BALANCER_KEYS)
     ]
     assert result.outs is not None and result.outs["applied"] == ["balancer: step 0"]
     renewed = {**with_tls, "tls_certificate": stacks.TLS_CERTIFICATE + "\nrenewed"}
     assert provider.diff("balancer.203.0.113.9", with_tls, renewed).changes
     assert not provider.diff("balancer.203.0.113.9", with_tls, dict(with_tls)).changes
+
+
+def test_the_provider_hands_the_client_secret_key_to_the_deploy_and_a_new_one_reruns_it() -> None:
+    recorder = Recorder(steps=1)
+    provider = NodeSetupProvider(recorder.runner())
+    with_key = {**BALANCER, "client_secret_key": "SIGNING-KEY-" * 4}
+    provider.create(dict(with_key))
+    access = BalancerAccess((), 0)
+    assert recorder.extras == [(access, None, None, "SIGNING-KEY-" * 4, None, BALANCER_KEYS)]
+    rotated = {**BALANCER, "client_secret_key": "ROTATED-KEY-" * 4}
+    assert provider.diff("balancer.203.0.113.9", with_key, rotated).changes
+    assert not provider.diff("balancer.203.0.113.9", with_key, dict(with_key)).changes
 
 
 def test_the_provider_hands_the_gateway_credentials_to_the_deploy_and_new_ones_rerun_it() -> None:
@@ -260,7 +289,7 @@ def test_the_provider_hands_the_gateway_credentials_to_the_deploy_and_new_ones_r
     with_gateway = {**BALANCER, "gateway_tls": files}
     provider.create(dict(with_gateway))
     gateway = GatewayCredentials("CA-CERTIFICATE", files["client"])
-    assert recorder.extras == [(BalancerAccess((), 0), None, gateway, None, BALANCER_KEYS)]
+    assert recorder.extras == [(BalancerAccess((), 0), None, gateway, None, None, BALANCER_KEYS)]
     # The key never shows in what a log of the call would print.
     assert "CLIENT" not in repr(recorder.extras)
     renewed = {**BALANCER, "gateway_tls": {**files, "client": "RENEWED"}}

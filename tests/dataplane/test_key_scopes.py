@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterator
 
@@ -13,21 +12,12 @@ from websockets.sync.client import connect
 
 from denv_iac.balancer import KeyScope
 
-from .dataplane_harness import Dataplane, PoolLayout
+from .dataplane_harness import Dataplane
+from .scoped_keys import FULL_KEY, POOLS, REPLICAS, SIDE_KEY
+from .scoped_keys import digest as _digest
 
-FULL_KEY = "sk-denv-every-pool"
-SIDE_KEY = "sk-denv-side-only"  # may use the side pool alone
 RATED_KEY = "sk-denv-two-a-second"  # every pool, at most 2 requests a second
 WAV = b"RIFF\x24\x08\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00" + bytes(2000)
-POOLS = (
-    PoolLayout("voice", ((10, ("home",)),), models=("tts-voice",)),
-    PoolLayout("side", ((10, ("elsewhere",)),), session_affinity=False),
-)
-REPLICAS = {"voice": "voice.home.n0.0", "side": "side.elsewhere.n1.0"}
-
-
-def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @pytest.fixture

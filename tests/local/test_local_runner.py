@@ -1,5 +1,6 @@
 """The local runner brings up a real data plane for a local stack and leaves nothing behind."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,7 +14,10 @@ import httpx
 import pytest
 import yaml
 from click.testing import CliRunner
+from websockets.sync.client import connect
+from websockets.typing import Subprotocol
 
+from denv_iac.balancer.client_secrets import subprotocols
 from denv_iac.cli import main
 from denv_iac.local import runner
 from denv_iac.local.runner import (
@@ -147,6 +151,40 @@ def test_local_up_runs_with_the_stacks_balancer_timers(tmp_path: Path) -> None:
         assert "timeout check 1500ms" in config
         assert "default-server check inter 3000ms fastinter 750ms" in config
         assert "agent-inter 2500ms" in config
+    finally:
+        running.down()
+
+
+def test_local_up_mints_and_opens_realtime_client_secrets_with_a_key_of_its_run(
+    tmp_path: Path,
+) -> None:
+    key = "sk-local-test"
+    balancer = {
+        "sites": ["local"],
+        "api_key_digests": [hashlib.sha256(key.encode()).hexdigest()],
+        "client_secret_key": {"secure": "ciphertext-that-local-runs-never-read"},
+    }
+    running = LocalCluster(
+        read_stack("t", {**CONFIG, "denv:balancer": balancer}),
+        tmp_path / "run",
+        free_endpoint_port(),
+    )
+    running.up()
+    try:
+        key_file = Path(str(running.balancer_settings.client_secret_key_file))
+        assert key_file.parent == running.directory and key_file.stat().st_mode & 0o077 == 0
+        url = f"http://127.0.0.1:{running.port}"
+        minted = httpx.post(
+            f"{url}/v1/realtime/client_secrets",
+            json={"session": {"model": "voice"}},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=5,
+        )
+        assert minted.status_code == 200, minted.text
+        offered = [Subprotocol(p) for p in subprotocols(minted.json()["value"])]
+        realtime = url.replace("http://", "ws://") + "/v1/realtime?model=voice"
+        with connect(realtime, subprotocols=offered, open_timeout=5) as ws:
+            assert json.loads(ws.recv(timeout=5))["type"] == "session.created"
     finally:
         running.down()
 

@@ -18,7 +18,8 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.balancer.model import TLS_CERT_PATH
+from denv_iac.balancer.client_secrets import key_map
+from denv_iac.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
 from denv_iac.node import plan_balancer
 from denv_iac.node.balancer_host import (
     CONFIG,
@@ -245,3 +246,36 @@ def test_a_host_on_the_overlay_brings_it_up_behind_its_firewall_before_haproxy()
     # Off the overlay: no interface, no refresh of its own, HAProxy as before.
     off = plan_host(facts, RENDERED, BalancerAccess((), 8405))
     assert "overlay" not in {s.area for s in off} and off == plan_balancer(facts, RENDERED)
+
+
+def test_the_client_secret_key_lands_0600_and_the_staged_config_checks_the_staged_copy() -> None:
+    signing_key = "client-secret-signing-key-0123456789-abcdef"
+    settings = dataclasses.replace(SETTINGS, client_secret_key_file=CLIENT_SECRET_KEY_PATH)
+    rendered = render_haproxy_config([POOL], settings, "/etc/haproxy/maps")
+    steps = plan_balancer(NodeFacts(systemd=True), rendered, client_secret_key=signing_key)
+    (staged,) = [s for s in steps if s.title == "stage the client secret key"]
+    assert staged.file is not None and staged.file.mode == "0600"
+    assert staged.file.content == key_map(signing_key).encode()
+    staged_cfg = next(s for s in steps if s.title == "stage haproxy.cfg").file
+    assert staged_cfg is not None
+    assert f"map({staged.file.path})".encode() in staged_cfg.content
+    assert f"map({CLIENT_SECRET_KEY_PATH})".encode() not in staged_cfg.content
+    check = next(s for s in steps if "haproxy -c" in s.title)
+    install = f"install -D -m 0600 -o root -g root {staged.file.path} {CLIENT_SECRET_KEY_PATH}"
+    assert install in check.commands
+    shown = "\n".join([repr(steps), *(line for s in steps for line in s.describe())])
+    assert signing_key not in shown and key_map(signing_key).split()[1] not in shown
+    # Put live, nothing is staged again.
+    live = {**_hashes(rendered), CLIENT_SECRET_KEY_PATH: _sha(key_map(signing_key))}
+    facts = NodeFacts(systemd=True, packages=INSTALLED, files=live, active_units=ACTIVE)
+    assert plan_balancer(facts, rendered, client_secret_key=signing_key) == []
+    assert CLIENT_SECRET_KEY_PATH in fact_query(rendered).files
+
+
+def test_a_short_client_secret_key_is_refused_in_one_line_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^balancer\.client_secret_key: shorter than 32"):
+        key_map("short")
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
