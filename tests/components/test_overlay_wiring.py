@@ -87,7 +87,7 @@ def test_a_balancer_host_gets_its_config_and_its_wireguard_guard() -> None:
         "overlay_port": 51820.0,  # as the engine hands it
     }
     NodeSetupProvider(recorder.runner()).create(on)
-    ((access, _, _, config, _),) = recorder.extras
+    ((access, _, _, _, config, _),) = recorder.extras
     assert access == BalancerAccess((), 0, 51820, ("198.18.0.1", "198.18.0.2"))
     assert config == CONFIG.replace(PRIVATE_KEY_PLACEHOLDER, PRIVATE)
 
