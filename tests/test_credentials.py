@@ -367,3 +367,22 @@ def test_a_local_roll_keeps_the_control_token_to_agents_and_replicas(
     tap.assert_only(KEY, set())
     assert {c.port for c in tap.carrying(token)} == agents  # the roll drove every agent
     assert any(c.port in {r.port for r in after} for c in tap.connections)  # warmed directly
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is not installed")
+def test_local_demo_sends_the_key_to_the_endpoint_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tap: Wiretap
+) -> None:
+    """`local demo` on a stack with an API key: its chat and realtime traffic carries the key
+    (DENV_API_KEY) to the endpoint and nowhere else; its faults reach replicas and agents
+    with the stack's control token alone."""
+    config = _local_config(tokens=8, spare=1)
+    port = _free_port()
+    config["denv:balancer"]["port"] = port
+    _project(tmp_path, config, monkeypatch)
+    output = denv("local", "demo", "--stack", "t", "--duration", "9")
+    assert "requests" in output, output
+    endpoint_calls = [c for c in tap.connections if c.port == port and c.sent]
+    assert endpoint_calls
+    assert all(KEY.encode() in c.sent for c in endpoint_calls)
+    tap.assert_only(KEY, {port})
