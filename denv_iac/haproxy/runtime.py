@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 from denv_iac.balancer.stats import parse_stats_csv, parse_stats_rows
+from denv_iac.local.child import ChildProcess
 
 
 class HaproxyStartError(RuntimeError):
     """HAProxy exited or never opened its stats socket; the message holds its log tail."""
 
 
-class HaproxyProcess:
+class HaproxyProcess(ChildProcess):
     """One HAProxy master process (and its workers) serving one config file."""
 
     def __init__(
@@ -38,15 +39,6 @@ class HaproxyProcess:
         self.haproxy_bin = haproxy_bin
         self.command_prefix = command_prefix  # e.g. `ip netns exec NAME`: where it runs
         self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the master runs: it exits when its workers die (master-worker mode)."""
-        return self._process is not None and self._process.poll() is None
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Start and wait until the worker answers on the stats socket."""

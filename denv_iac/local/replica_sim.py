@@ -46,6 +46,7 @@ from websockets.frames import Opcode
 from websockets.protocol import Side
 
 from denv_iac.local import voice_sim
+from denv_iac.local.child import ChildProcess
 from denv_iac.local.engine_sim import (
     Capacity,
     Engine,
@@ -963,7 +964,7 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-class ReplicaProcess:
+class ReplicaProcess(ChildProcess):
     """A simulated replica in its own process, as the local runner and the tests start it."""
 
     def __init__(
@@ -977,14 +978,6 @@ class ReplicaProcess:
         self.command_prefix = command_prefix  # e.g. `ip netns exec NAME`: where it runs
         self.port = config.port
         self._process: subprocess.Popen[str] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def spawn(self) -> None:
         """Start the process; wait_ready() then gives its port. Split so that many replicas
