@@ -21,12 +21,13 @@ kubelet's pod-resources API which GPU or MIG device each replica pod was given. 
 that asks for no GPU sees none: since GPU Operator 25.10, CDI is on and `nvidia` is no longer
 the default runtime, so without the runtime class NVML fails. Every agent of the site has the
 same config, naming all the site's replicas by pod; it answers for the replicas whose pods run
-on its node and says AGENT_UNKNOWN for the others. Agent checks all arrive at the gateway on
-AGENT_PORT; it routes each by the replica id it carries to a backend holding every node's
-agent, where a check sending that id marks down each agent that does not know the replica, so
-the balancer's check is relayed to the agent of the replica's node. The global balancer keeps
-its per-replica health checks, agent verdicts and session affinity exactly as on machines; the
-gateway is only a relay. The price is one cloud load balancer per planning node.
+on its node and says AGENT_UNKNOWN (denv_iac.balancer.gateway) for the others. Agent checks all
+arrive at the gateway on AGENT_PORT; it routes each by the replica id it carries to a backend
+holding every node's agent, where a check sending that id marks down each agent that does not
+know the replica, so the balancer's check is relayed to the agent of the replica's node. The
+global balancer keeps its per-replica health checks, agent verdicts and session affinity
+exactly as on machines; the gateway is only a relay, its haproxy.cfg rendered by
+`denv_iac.balancer.gateway`. The price is one cloud load balancer per planning node.
 
 A replica pod rolls as a replica on a machine does. Its readiness means warm, and its preStop
 drains it and waits for its calls to end; both ask the agent of the pod's own node, through a
@@ -44,7 +45,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
-from denv_iac.balancer.model import BalancerSettings
+from denv_iac.balancer.gateway import (
+    GATEWAY_HEALTH_PORT,
+    GatewayRoute,
+    GatewaySite,
+    GatewayTls,
+    render_gateway_config,
+)
 from denv_iac.placement import PlacedReplica
 from denv_iac.spec.gateway_link import gateway_tls_on
 from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
@@ -56,7 +63,6 @@ GATEWAY_NAME = "denv-gateway"
 GATEWAY_IMAGE = "haproxy:2.8"  # the official image; it reads /usr/local/etc/haproxy/haproxy.cfg
 GATEWAY_CONFIG_DIR = "/usr/local/etc/haproxy"
 GATEWAY_REPLICAS = 2
-GATEWAY_HEALTH_PORT = 8404
 GATEWAY_PORT_BASE = 10000
 # Mutual TLS on the gateway's listeners (spec.gateway_link): the Secret holding its certificate
 # and key (GATEWAY_TLS_PEM) and the stack's CA that signed the balancer's client certificate
@@ -75,8 +81,6 @@ AGENT_IMAGE = "denv/denv-agent:0.1.0"  # built from agent/; the version the node
 AGENT_NAME = "denv-agent"
 AGENT_CONFIG_DIR = "/etc/denv/agent"
 AGENT_RUN_DIR = "/run/denv"
-# What an agent answers for a replica whose pod is not on its node (denv_agent.agentcheck).
-AGENT_UNKNOWN = "down #unknown replica"
 # The GPU operator's runtime class: the one that gives a container the GPUs it names in
 # NVIDIA_VISIBLE_DEVICES without asking for them as a resource.
 NVIDIA_RUNTIME_CLASS = "nvidia"
@@ -96,8 +100,6 @@ POD_NAME_ENV = "DENV_POD"
 READY_PERIOD_S = 10
 READY_TIMEOUT_S = 5
 READY_FAILURES = 3
-# How often the gateway asks every agent which of them knows a replica.
-AGENT_FIND_INTERVAL_S = 2
 CACHE_VOLUME = "cache"
 STARTUP_PERIOD_S = 10
 # What GPU feature discovery labels nodes with (`nvidia.com/gpu.product`): the driver's product
@@ -123,18 +125,6 @@ GPU_PRODUCTS = {
     "RTX-PRO-4000-SFF-BLACKWELL": ("NVIDIA-RTX-PRO-4000-Blackwell-SFF-Edition",),
     "RTX-PRO-6000-BLACKWELL-MAXQ": ("NVIDIA-RTX-PRO-6000-Blackwell-Max-Q-Workstation-Edition",),
 }
-
-
-@dataclass(frozen=True)
-class GatewayRoute:
-    """One replica as the gateway relays it: the port the balancer calls, and the pod behind it."""
-
-    replica_id: str
-    node: str
-    service_port: int  # replica_port: what the global balancer calls on the node's address
-    listen_port: int  # the gateway pods' listener for it
-    pod_host: str  # the pod's stable DNS name
-    pod_port: int
 
 
 @dataclass(frozen=True)
@@ -284,7 +274,7 @@ def site_manifests(
             routes.append(route)
             agent_replicas.append(_agent_replica(route, pod, recipe))
     tls = gateway_tls_on(stack)
-    haproxy_cfg = gateway_haproxy_config(site, routes, tls)
+    haproxy_cfg = render_gateway_config(gateway_site(site, tls), routes)
     agent_toml = _agent_toml(site, agent_replicas)
     nodes = sorted({route.node for route in routes})
     return SiteManifests(
@@ -350,84 +340,13 @@ def termination_grace_s(recipe: RecipeSpec) -> int:
     return recipe.drain_timeout_s + SERVER_STOP_S
 
 
-def gateway_bind(port: int, tls: bool) -> str:
-    """A listener the balancer calls: with `tls`, only TLS 1.3 with a client certificate of the
-    stack's CA (`verify required`), so plaintext and unknown clients never reach a replica."""
-    bind = f"bind :{port}"
-    if not tls:
-        return bind
-    return (
-        f"{bind} ssl crt {GATEWAY_TLS_DIR}/{GATEWAY_TLS_PEM} ca-file {GATEWAY_TLS_DIR}/"
-        f"{GATEWAY_TLS_CA} verify required ssl-min-ver TLSv1.3"
+def gateway_site(site: SiteSpec, tls: bool) -> GatewaySite:
+    """What the gateway's config needs of the site: its agents, and the TLS files the Secret
+    mounts (`tls`) or none."""
+    files = GatewayTls(
+        f"{GATEWAY_TLS_DIR}/{GATEWAY_TLS_PEM}", f"{GATEWAY_TLS_DIR}/{GATEWAY_TLS_CA}"
     )
-
-
-def gateway_haproxy_config(site: SiteSpec, routes: Sequence[GatewayRoute], tls: bool) -> str:
-    """The gateway's haproxy.cfg: TCP relays, agent checks routed by the replica id they carry.
-
-    With `tls`, both the replicas' listeners and the agent-check frontend take TLS only; the
-    relays inside the cluster are plain, guarded by the NetworkPolicies."""
-    idle = f"{BalancerSettings().stream_idle_timeout_s}s"
-    lines = [
-        f"# HAProxy configuration of the denv gateway of site {site.name}, rendered by denv-iac.",
-        "# Change the stack and render again; edits here are overwritten.",
-        "global",
-        "    log stdout format raw local0",
-        "",
-        "defaults",
-        "    mode tcp",
-        "    log global",
-        "    # In-cluster hops are sub-millisecond: a pod that does not answer fast is gone, and",
-        "    # closing at once lets the global balancer retry elsewhere before any byte is sent.",
-        "    timeout connect 500ms",
-        "    # Inactivity timers, as the global balancer's: a stream lives while tokens flow.",
-        f"    timeout client {idle}",
-        f"    timeout server {idle}",
-        "    # Pods get new addresses when rescheduled, and may not exist yet: resolve them in",
-        "    # the cluster's DNS at run time, and start without them.",
-        "    default-server resolvers cluster init-addr last,libc,none",
-        "",
-        "resolvers cluster",
-        "    parse-resolv-conf",
-        "    hold valid 5s",
-        "",
-        "frontend denv.health",
-        "    mode http",
-        f"    bind :{GATEWAY_HEALTH_PORT}",
-        "    timeout http-request 5s",
-        "    monitor-uri /healthz",
-        "",
-        "frontend denv.agent",
-        f"    {gateway_bind(AGENT_PORT, tls)}",
-        "    # agent-send carries the replica id (and a newline): route on it, whole (after TLS).",
-        "    tcp-request inspect-delay 1s",
-        "    tcp-request content accept if { req.len gt 0 }",
-    ]
-    ordered = sorted(routes, key=lambda r: r.replica_id)
-    lines += [
-        f'    use_backend agent.{r.replica_id} if {{ req.payload(0,0) -m str "{r.replica_id}\\n" '
-        f'"{r.replica_id}" }}'
-        for r in ordered
-    ]
-    agents = f"{agent_host(site)}:{AGENT_PORT}"
-    for route in ordered:
-        lines += [
-            "",
-            f"backend agent.{route.replica_id}",
-            "    # Every node's agent; only the one on the replica's node knows it and passes.",
-            "    option tcp-check",
-            f'    tcp-check send "{route.replica_id}\\n"',
-            f'    tcp-check expect ! string "{AGENT_UNKNOWN}"',
-            # The resolver fills the slots with the agents' addresses at run time.
-            f"    server-template agent 1-{max_agents(site)} {agents} init-addr none check "
-            f"inter {AGENT_FIND_INTERVAL_S}s rise 1 fall 1",
-            "",
-            f"# replica {route.replica_id}: node {route.node} port {route.service_port}",
-            f"listen replica.{route.replica_id}",
-            f"    {gateway_bind(route.listen_port, tls)}",
-            f"    server replica {route.pod_host}:{route.pod_port} check inter 1s",
-        ]
-    return "\n".join(lines) + "\n"
+    return GatewaySite(site.name, agent_host(site), max_agents(site), files if tls else None)
 
 
 def _node_stride(site: SiteSpec) -> int:

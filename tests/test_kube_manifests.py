@@ -11,6 +11,7 @@ from denv_agent.config import Kubernetes
 from denv_agent.config import parse as parse_agent_config
 from denv_agent.http_api import MAX_HOLD_S
 
+from denv_iac.balancer.gateway import AGENT_UNKNOWN
 from denv_iac.balancer.model import RenderedConfig
 from denv_iac.catalog import load_catalog
 from denv_iac.haproxy import check_haproxy_config
@@ -18,7 +19,6 @@ from denv_iac.ingress import AGENT_PORT
 from denv_iac.kube_manifests import (
     AGENT_PODS_PORT,
     AGENT_RUN_DIR,
-    AGENT_UNKNOWN,
     GATEWAY_PORT_BASE,
     GATEWAY_TLS_CA,
     GATEWAY_TLS_DIR,

@@ -6,7 +6,6 @@ carries meaning (tiers, rule order) and sorted everywhere else (pools, servers, 
 
 from __future__ import annotations
 
-import ipaddress
 import posixpath
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,6 +18,14 @@ from denv_iac.balancer.model import (
     BalancerSettings,
     BalancerTier,
     RenderedConfig,
+)
+from denv_iac.balancer.sections import (
+    LOG_STDOUT,
+    TLS_MIN_VERSION,
+    agent_send,
+    header,
+    host_port,
+    section,
 )
 from denv_iac.balancer.validation import BalancerConfigError, validate_balancer_inputs
 from denv_iac.spec.model import KeyScope
@@ -228,7 +235,6 @@ _ERROR_NO_REPLICA = (
 # tier, so one hot conversation cannot pile requests onto one replica while others idle.
 HASH_BALANCE_FACTOR = 150
 
-_INDENT = "    "
 _MAX_SERVER_ID = 2**31 - 1
 _MAX_PORT = 65535
 # Where the agent relays listen: this host only.
@@ -312,23 +318,14 @@ class _MapPaths:
         self.key_rates = posixpath.join(map_dir, KEY_RATES_MAP)
 
 
-def _section(title: str, comments: Iterable[str], lines: Iterable[str]) -> str:
-    body = [f"# {comment}" for comment in comments]
-    body.append(title)
-    body.extend(f"{_INDENT}{line}" if line else "" for line in lines)
-    return "\n".join(body) + "\n"
-
-
 def _header() -> str:
-    return (
-        "# HAProxy configuration of the denv endpoint, rendered by denv-iac.\n"
-        "# Change the pools or balancer settings and render again; edits here are overwritten.\n"
-    )
+    comments = header("endpoint", "the pools or balancer settings")
+    return "".join(f"# {comment}\n" for comment in comments)
 
 
 def _global_section(settings: BalancerSettings) -> str:
     lines = [
-        "log stdout format raw local0",
+        LOG_STDOUT,
         f"stats socket {settings.stats_socket} mode 600 level admin expose-fd listeners",
     ]
     if settings.state_file is not None:
@@ -338,7 +335,7 @@ def _global_section(settings: BalancerSettings) -> str:
         "# After a reload the old worker serves its open sessions until they end, or this long.",
         f"hard-stop-after {_HARD_STOP_AFTER}",
     ]
-    return _section("global", [], lines)
+    return section("global", [], lines)
 
 
 def _defaults_section(settings: BalancerSettings) -> str:
@@ -377,7 +374,7 @@ def _defaults_section(settings: BalancerSettings) -> str:
     ]
     if settings.state_file is not None:
         lines.append("load-server-state-from-file global")
-    return _section("defaults", [], lines)
+    return section("defaults", [], lines)
 
 
 def _haproxy_error(status: int, body: str) -> str:
@@ -389,14 +386,14 @@ def _haproxy_error(status: int, body: str) -> str:
 def _prometheus_frontend(settings: BalancerSettings) -> str:
     assert settings.prometheus_port is not None
     address = settings.prometheus_address or settings.bind_address
-    return _section(
+    return section(
         f"frontend {PROMETHEUS_FRONTEND}",
         [
             "Prometheus metrics of every frontend, backend and server, on their own port,",
             "and the stats page (`/stats;csv` is `show stat`) for `denv status --endpoint`.",
         ],
         [
-            f"bind {_host_port(address, settings.prometheus_port)}",
+            f"bind {host_port(address, settings.prometheus_port)}",
             "no log",
             "http-request use-service prometheus-exporter if { path /metrics }",
             "# Read-only: without `stats admin` nobody can change a server from here.",
@@ -419,7 +416,7 @@ def _header_pieces() -> list[str]:
 def _endpoint_frontend(
     pools: Sequence[BalancerPool], settings: BalancerSettings, maps: _MapPaths
 ) -> str:
-    bind = f"bind {_host_port(settings.bind_address, settings.port)}"
+    bind = f"bind {host_port(settings.bind_address, settings.port)}"
     minting = settings.client_secret_key_file is not None
     if settings.tls_cert_path is not None:
         bind += f" ssl crt {settings.tls_cert_path}"
@@ -552,7 +549,7 @@ def _endpoint_frontend(
     ]
     for pool in pools:
         lines += ["", *_pool_routing(pool)]
-    return _section(
+    return section(
         f"frontend {ENDPOINT_FRONTEND}",
         ["The endpoint: authenticate, pick the pool, then the most preferred tier with a replica."],
         lines,
@@ -847,7 +844,7 @@ def _tier_backend(
         lines += [f"# replica {server.replica_id} (site {server.site}, node {server.node})"]
         lines += [_server_line(server, server_id, settings, relays, pool.max_concurrency)]
     sites = ", ".join(sorted(tier.sites))
-    return _section(
+    return section(
         f"backend {tier_backend_name(pool, tier)}",
         [f"pool {pool.name}, tier {tier.priority}: sites {sites}"],
         lines,
@@ -889,11 +886,11 @@ def _twin_backend(
     ]
     for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
         lines.append(
-            f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
+            f"server {server.replica_id} {host_port(server.address, server.port)} id {server_id}"
             f"{_gateway_tls(server.gateway, settings)} track {tracked}/{server.replica_id}"
             + (f" maxconn {pool.max_concurrency}" if twin.bounded else "")
         )
-    return _section(
+    return section(
         f"backend {tracked}{twin.suffix}",
         [f"pool {pool.name}, tier {tier.priority}: {twin.what}"],
         lines,
@@ -1031,7 +1028,7 @@ def _server_line(
     max_concurrency: int,
 ) -> str:
     line = (
-        f"server {server.replica_id} {_host_port(server.address, server.port)} id {server_id}"
+        f"server {server.replica_id} {host_port(server.address, server.port)} id {server_id}"
         f" maxconn {max_concurrency}"
     )
     if server.gateway is None:
@@ -1041,7 +1038,7 @@ def _server_line(
         agent = f"agent-addr {_RELAY_ADDRESS} agent-port {relay}"
     return (
         f"{line}{_gateway_tls(server.gateway, settings)}"
-        f' {agent} agent-send "{server.replica_id}\\n"'
+        f" {agent} agent-send {agent_send(server.replica_id)}"
     )
 
 
@@ -1053,7 +1050,7 @@ def _gateway_tls(gateway: str | None, settings: BalancerSettings) -> str:
         return ""
     return (
         f" ssl verify required ca-file {settings.gateway_ca_file}"
-        f" crt {settings.gateway_client_cert} ssl-min-ver TLSv1.3"
+        f" crt {settings.gateway_client_cert} {TLS_MIN_VERSION}"
         f" sni str({gateway}) check-sni {gateway} verifyhost {gateway}"
     )
 
@@ -1105,7 +1102,7 @@ def _agent_relay_sections(
         return []
     check = f"{settings.check_timeout_ms}ms"
     sections = [
-        _section(
+        section(
             "defaults",
             ["Agent checks to Kubernetes gateways, relayed over TLS: plain TCP, check timers."],
             [
@@ -1119,12 +1116,12 @@ def _agent_relay_sections(
     ]
     for relay, port in sorted(relays.items(), key=lambda item: item[1]):
         sections.append(
-            _section(
+            section(
                 f"listen denv.agent-relay.{port}",
                 [f"agent checks to the gateway {relay.gateway} at {relay.address}"],
                 [
                     f"bind {_RELAY_ADDRESS}:{port}",
-                    f"server gateway {_host_port(relay.address, relay.port)}"
+                    f"server gateway {host_port(relay.address, relay.port)}"
                     f"{_gateway_tls(relay.gateway, settings)} init-addr last,libc,none",
                 ],
             )
@@ -1133,7 +1130,7 @@ def _agent_relay_sections(
 
 
 def _no_replica_backend() -> str:
-    return _section(
+    return section(
         f"backend {NO_REPLICA_BACKEND}",
         ["Every allowed tier of the pool is empty: answer at once rather than queue."],
         [
@@ -1162,16 +1159,8 @@ def _key_rates_map(settings: BalancerSettings) -> str:
 
 
 def _key_rates_backend() -> str:
-    return _section(
+    return section(
         f"backend {KEY_RATES_TABLE}",
         ["Requests of the last second of each key that has a rate, by the key's digest."],
         ["stick-table type string len 64 size 100k expire 10s store http_req_rate(1s)"],
     )
-
-
-def _host_port(address: str, port: int) -> str:
-    try:
-        is_v6 = ipaddress.ip_address(address).version == 6
-    except ValueError:
-        is_v6 = False
-    return f"[{address}]:{port}" if is_v6 else f"{address}:{port}"

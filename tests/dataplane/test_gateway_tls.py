@@ -30,9 +30,10 @@ from denv_iac.balancer import (
     BalancerTier,
     render_haproxy_config,
 )
+from denv_iac.balancer.gateway import GATEWAY_HEALTH_PORT, GatewayRoute, render_gateway_config
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
-from denv_iac.kube_manifests import GATEWAY_HEALTH_PORT, GatewayRoute, gateway_haproxy_config
+from denv_iac.kube_manifests import gateway_site
 from denv_iac.local.replica_sim import ReplicaProcess
 from denv_iac.spec.gateway_link import gateway_tls_name
 from denv_iac.spec.ports import AGENT_PORT
@@ -94,7 +95,7 @@ def _gateway_config(pki: GatewayPki, replica: int, listen: int, agent: int, agen
         },
     )
     route = GatewayRoute(REPLICA, "node-0", 8000, listen, "127.0.0.1", replica)
-    config = gateway_haproxy_config(stack.site("k8s"), [route], tls=True)
+    config = render_gateway_config(gateway_site(stack.site("k8s"), tls=True), [route])
     config = config.replace("bind :", "bind 127.0.0.1:")
     config = config.replace(f"bind 127.0.0.1:{AGENT_PORT} ", f"bind 127.0.0.1:{agent} ")
     config = config.replace(f":{GATEWAY_HEALTH_PORT}\n", f":{free_port()}\n")
