@@ -171,6 +171,7 @@ def test_stats_count_requests_by_request_id_header_or_user() -> None:
             "realtime_sessions": 0,
             "realtime_turns_completed": 0,
             "realtime_turns_aborted": 0,
+            "realtime_subprotocols": "",  # what the last realtime upgrade offered: none yet
             "by_request_id": {"caller-9": 1, "turn-1": 2},
         }
         writer.close()
