@@ -11,6 +11,7 @@ resources preview with the provider clients mocked, `denv key digest`) open no c
 provider clients send their token to their provider's API alone and follow no redirect.
 """
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -69,10 +70,13 @@ class Recorder:
                 try:
                     while b"\r\n\r\n" not in head and (chunk := connection.recv(65536)):
                         head += chunk
-                    connection.sendall(REFUSAL)
                 except OSError:
                     pass
+                # Kept before the answer goes: once the command has its answer, the test may
+                # read the heads.
                 self.heads.append(head)
+                with contextlib.suppress(OSError):
+                    connection.sendall(REFUSAL)
 
     def headers(self) -> list[dict[str, str]]:
         """Each request's headers, names lowercased."""
