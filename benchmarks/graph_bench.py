@@ -10,7 +10,7 @@ import time
 
 from benchmarks.placement_bench import synthetic_config
 from denv_iac.components.preview import preview_stack
-from denv_iac.spec.reader import read_stack
+from denv_iac.core.stack.reader import read_stack
 
 
 def time_graph(sites: int, replicas: int) -> tuple[float, int]:

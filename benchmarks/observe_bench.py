@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.overload import ENGINE, overload_stack, run_levels, run_zombie
-from denv_iac.balancer import render_haproxy_config
-from denv_iac.balancer.files import relocate_maps
+from denv_iac.core.balancer import render_haproxy_config
+from denv_iac.core.balancer.files import relocate_maps
 from denv_iac.haproxy.files import write_config
 from denv_iac.local.runner import LocalCluster
 

@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.reliability import at_full_strength, stats_of, wait_full_strength
+from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.ops.demo import replica_fault, seen_by_replicas
 from denv_iac.ops.loadgen import LoadReport, percentile, run_load
-from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
-from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "overload_reliability.json"
 LEVELS = (0.5, 0.9, 1.3, 2.0)

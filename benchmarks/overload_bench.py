@@ -43,9 +43,9 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
 from denv_iac.local.replica_sim import ReplicaSimConfig
 from denv_iac.ops.loadgen import StreamResult, percentile, run_load
-from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
 from tests.dataplane.dataplane_harness import Dataplane, PoolLayout
 from tests.dataplane.peer_router import PeerRouter
 

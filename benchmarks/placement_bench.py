@@ -4,9 +4,9 @@ import statistics
 import time
 from typing import Any
 
-from denv_iac.placement import place_replicas
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import read_stack
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.reader import read_stack
 
 NODES_PER_SITE = 5
 GPUS_PER_NODE = 8

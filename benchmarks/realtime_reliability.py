@@ -32,10 +32,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.reliability import STACK, at_full_strength
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.ops.demo import seen_by_replicas
 from denv_iac.ops.voice_failover import realtime_failover
-from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "realtime_reliability.json"
 POOL = "voice"

@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 from denv_agent.control import clear_faults, drain, inject_fault, undrain
 
+from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
 from denv_iac.local.runner import (
@@ -51,8 +53,6 @@ from denv_iac.ops.demo import (
     seen_by_replicas,
 )
 from denv_iac.ops.loadgen import LoadReport, StreamResult, run_load
-from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
-from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "reliability.json"
 CONCURRENCY = 64

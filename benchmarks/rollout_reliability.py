@@ -32,12 +32,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.reliability import at_full_strength
-from denv_iac.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import RollReport, ready_servers, roll, server_rows
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.ops.loadgen import CONNECT_TIMEOUT_S, Connection, Endpoint, RealtimeSession, run_load
-from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "rollout_reliability.json"
 POOL = "voice"

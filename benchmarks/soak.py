@@ -18,10 +18,10 @@ from pathlib import Path
 from denv_agent.control import clear_faults, inject_fault
 
 from benchmarks.reliability import STACK
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.ops.demo import kill_replica
 from denv_iac.ops.loadgen import run_load
-from denv_iac.spec.reader import read_stack
 
 RESULTS = Path(__file__).parent / "results" / "soak.json"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from denv_iac.robot_firewall import rule_problems
+from denv_iac.core.robot_firewall import rule_problems
 
 API_URL = "https://robot-ws.your-server.de"
 RULE_FIELDS = (

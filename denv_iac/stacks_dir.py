@@ -1,12 +1,12 @@
 """The project's `stacks/` folder: finding it, reading `Pulumi.<stack>.yaml` and its placement
-lock, writing the lock. The formats are the pure core's (denv_iac/spec/stackfile.py)."""
+lock, writing the lock. The formats are the pure core's (denv_iac/core/stack/stackfile.py)."""
 
 from pathlib import Path
 from typing import Any
 
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import StackError, read_stack
-from denv_iac.spec.stackfile import (
+from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.reader import StackError, read_stack
+from denv_iac.core.stack.stackfile import (
     lock_path,
     parse_lock,
     parse_yaml,

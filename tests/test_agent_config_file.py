@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from denv_agent.config import parse
 
-from denv_iac.agent_config import (
+from denv_iac.core.agent_config import (
     AgentConfig,
     AgentProbe,
     AgentReplica,

@@ -10,9 +10,9 @@ import yaml
 from click.testing import CliRunner
 
 from denv_iac.cli import main
+from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.ops.alerts import AGENT_JOB, BALANCER_JOB, alert_rules
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import read_stack
 from tests.stacks import local_site
 
 PROMTOOL = shutil.which("promtool")

@@ -14,8 +14,8 @@ import yaml
 from click.testing import CliRunner, Result
 
 from denv_iac.cli import main
-from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import check_stack_name
+from denv_iac.core.stack.reader import StackError
+from denv_iac.core.stack.stackfile import check_stack_name
 from tests.stacks import SECRET
 
 LOCAL_STACK = Path(__file__).resolve().parents[1] / "stacks" / "Pulumi.local.yaml"

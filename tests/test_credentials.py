@@ -30,6 +30,7 @@ import yaml
 from click.testing import CliRunner
 
 from denv_iac.cli import main
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.lambda_api import API_URL as LAMBDA_URL
 from denv_iac.lambda_api import LambdaApiError, LambdaClient
@@ -38,7 +39,6 @@ from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.loadgen import PROTOCOLS
 from denv_iac.robot_api import API_URL as ROBOT_URL
 from denv_iac.robot_api import RobotApiError, RobotClient
-from denv_iac.spec.reader import read_stack
 from tests.stacks import local_site
 
 KEY = "sk-endpoint-only-4f1c"

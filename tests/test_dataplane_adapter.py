@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
-from denv_iac.balancer import BalancerSettings, render_haproxy_config
-from denv_iac.dataplane import balancer_pools
+from denv_iac.core.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.core.dataplane import balancer_pools
+from denv_iac.core.placement import PlacedReplica, place_replicas
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy import check_haproxy_config
-from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.reader import read_stack
 from tests.stacks import local_site
 
 

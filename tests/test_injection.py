@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from denv_iac.kube_manifests import site_manifests
+from denv_iac.core.kube_manifests import site_manifests
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.node import agent, cache, firewall, replicas
 from denv_iac.node.deploy import Target, check_target
 from denv_iac.node.spec import (
@@ -23,8 +25,6 @@ from denv_iac.node.spec import (
     NodeSpecError,
     ReplicaSpec,
 )
-from denv_iac.placement import place_replicas
-from denv_iac.spec.reader import StackError, read_stack
 from tests.node.fixtures import node_facts
 from tests.stacks import valid_config
 

@@ -11,12 +11,11 @@ from denv_agent.config import Kubernetes
 from denv_agent.config import parse as parse_agent_config
 from denv_agent.http_api import MAX_HOLD_S
 
-from denv_iac.balancer.gateway import AGENT_UNKNOWN
-from denv_iac.balancer.model import RenderedConfig
-from denv_iac.catalog import load_catalog
-from denv_iac.haproxy import check_haproxy_config
-from denv_iac.ingress import AGENT_PORT
-from denv_iac.kube_manifests import (
+from denv_iac.core.balancer.gateway import AGENT_UNKNOWN
+from denv_iac.core.balancer.model import RenderedConfig
+from denv_iac.core.catalog import load_catalog
+from denv_iac.core.ingress import AGENT_PORT
+from denv_iac.core.kube_manifests import (
     AGENT_PODS_PORT,
     AGENT_RUN_DIR,
     GATEWAY_PORT_BASE,
@@ -33,10 +32,11 @@ from denv_iac.kube_manifests import (
     site_problems,
     startup_failure_threshold,
 )
-from denv_iac.placement import place_replicas
-from denv_iac.spec.exposure import stack_warnings
-from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec
-from denv_iac.spec.reader import StackError, read_stack
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.exposure import stack_warnings
+from denv_iac.core.stack.model import SERVER_STOP_S, RecipeSpec
+from denv_iac.core.stack.reader import StackError, read_stack
+from denv_iac.haproxy import check_haproxy_config
 from tests.gateway_pki import reading_tls_from, write_pki
 
 KUBERNETES_VERSION = "1.37.0"

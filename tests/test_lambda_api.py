@@ -20,7 +20,7 @@ from denv_iac.components.lambda_cloud import (
     firewall_rules,
     lambda_name,
 )
-from denv_iac.ingress import IngressRule
+from denv_iac.core.ingress import IngressRule
 from denv_iac.lambda_api import (
     API_URL,
     LAUNCH_INTERVAL_S,

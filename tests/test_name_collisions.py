@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from denv_iac.cli import main
-from denv_iac.plan import make_plan
-from denv_iac.spec.reader import StackError, read_stack
-from denv_iac.spec.stackfile import parse_yaml
+from denv_iac.core.plan import make_plan
+from denv_iac.core.stack.reader import StackError, read_stack
+from denv_iac.core.stack.stackfile import parse_yaml
 from tests.stacks import SECRET
 
 IMAGE = "vllm/vllm-openai:v0.11.0"

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from denv_iac.cli import main
-from denv_iac.plan import make_plan
-from denv_iac.spec.exposure import stack_warnings
-from denv_iac.spec.reader import StackError, read_stack
+from denv_iac.core.plan import make_plan
+from denv_iac.core.stack.exposure import stack_warnings
+from denv_iac.core.stack.reader import StackError, read_stack
 from tests.stacks import valid_config
 
 SCALARS = (

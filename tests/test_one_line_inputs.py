@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from denv_iac.core.stack.reader import StackError
+from denv_iac.core.stack.stackfile import check_stack_name
+from denv_iac.core.stack.values import is_host
 from denv_iac.node.spec import NodeSpecError, spec_from_json
-from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import check_stack_name
-from denv_iac.spec.values import is_host
 
 REPLICA = {"id": "voice.n1.0", "image": "ghcr.io/acme/voice:1.4", "port": 8000, "gpu": 0}
 

@@ -10,7 +10,7 @@ import yaml
 from click.testing import CliRunner, Result
 
 from denv_iac.cli import main
-from denv_iac.overlay import (
+from denv_iac.core.overlay import (
     ANYWHERE,
     CONFIG_PATH,
     NAT_KEEPALIVE_S,
@@ -23,9 +23,9 @@ from denv_iac.overlay import (
     wireguard_sources,
     with_private_key,
 )
-from denv_iac.plan import make_plan
-from denv_iac.spec.exposure import stack_warnings
-from denv_iac.spec.reader import StackError, read_stack
+from denv_iac.core.plan import make_plan
+from denv_iac.core.stack.exposure import stack_warnings
+from denv_iac.core.stack.reader import StackError, read_stack
 from tests.stacks import SECRET
 
 IMAGE = "vllm/vllm-openai:v0.11.0"

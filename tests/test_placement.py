@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from denv_iac.placement import Placement, PlacementError, place_replicas
-from denv_iac.spec.model import BalancerSpec, NodeSpec, RecipeSpec, SiteSpec, StackSpec
-from denv_iac.spec.reader import read_stack
+from denv_iac.core.placement import Placement, PlacementError, place_replicas
+from denv_iac.core.stack.model import BalancerSpec, NodeSpec, RecipeSpec, SiteSpec, StackSpec
+from denv_iac.core.stack.reader import read_stack
 from tests.stacks import local_site, valid_config
 
 GPUS = ("H100", "A100-40GB", "L40S")

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from denv_iac.catalog import load_catalog
 from denv_iac.cli import main
+from denv_iac.core.catalog import load_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 STACKS = ROOT / "stacks"

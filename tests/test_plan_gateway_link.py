@@ -6,8 +6,8 @@ import pytest
 from rich.console import Console
 
 from denv_iac.cli.plan_view import render_gateway_link
-from denv_iac.plan import make_plan
-from denv_iac.spec.reader import read_stack
+from denv_iac.core.plan import make_plan
+from denv_iac.core.stack.reader import read_stack
 from tests.test_kube_manifests import EDGE, VOICE, _site
 
 LOCAL = {"name": "box", "kind": "local", "nodes": [{"name": "n", "gpu": "L4", "gpus": 1}]}

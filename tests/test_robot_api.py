@@ -19,9 +19,8 @@ import httpx
 import pytest
 
 from denv_iac.components.hetzner_robot import PASSWORD, USER, RobotFirewallProvider
-from denv_iac.ingress import IngressRule, OverlayAccess, ssh_rules, wireguard_rules
-from denv_iac.robot_api import RULE_FIELDS, RobotApiError, RobotClient
-from denv_iac.robot_firewall import (
+from denv_iac.core.ingress import IngressRule, OverlayAccess, ssh_rules, wireguard_rules
+from denv_iac.core.robot_firewall import (
     OUTPUT_RULES,
     REPLY_RULES,
     RULE_NAME,
@@ -29,6 +28,7 @@ from denv_iac.robot_firewall import (
     robot_rules,
     rule_name,
 )
+from denv_iac.robot_api import RULE_FIELDS, RobotApiError, RobotClient
 
 LOGIN, SECRET = "#ws+denvTEST", "robot-password-material"
 BOX, NUMBER = "203.0.113.21", 2187654

@@ -6,16 +6,16 @@ from typing import Any
 
 import pytest
 
-from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.rollout import (
+from denv_iac.core.placement import PlacedReplica, place_replicas
+from denv_iac.core.rollout import (
     RolloutPlan,
     RolloutRefused,
     deploy_after,
     min_warm_problem,
     plan_rollout,
 )
-from denv_iac.spec.model import DRAIN_TIMEOUT_S
-from denv_iac.spec.reader import StackError, read_stack
+from denv_iac.core.stack.model import DRAIN_TIMEOUT_S
+from denv_iac.core.stack.reader import StackError, read_stack
 from tests.stacks import local_site
 
 BASE: dict[str, Any] = {

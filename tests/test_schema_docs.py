@@ -1,6 +1,6 @@
 """docs/reference.md is generated from the components' schema, and kept in step with it."""
 
-from denv_iac.schema_docs import render_reference, type_name
+from denv_iac.core.schema_docs import render_reference, type_name
 
 SCHEMA = {
     "resources": {

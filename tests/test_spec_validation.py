@@ -5,11 +5,11 @@ from typing import Any
 
 import pytest
 
-from denv_iac.balancer import BalancerPool, BalancerTier
-from denv_iac.balancer.haproxy import render_haproxy_config
-from denv_iac.endpoint import balancer_settings
-from denv_iac.spec.model import AGENT_INTER_MS, MAX_CONCURRENCY, Secret, SimulatedServer
-from denv_iac.spec.reader import StackError, read_stack
+from denv_iac.core.balancer import BalancerPool, BalancerTier
+from denv_iac.core.balancer.haproxy import render_haproxy_config
+from denv_iac.core.endpoint import balancer_settings
+from denv_iac.core.stack.model import AGENT_INTER_MS, MAX_CONCURRENCY, Secret, SimulatedServer
+from denv_iac.core.stack.reader import StackError, read_stack
 from tests.balancer.sample_pools import MAP_DIR, VOICE, server
 from tests.stacks import SECRET, valid_config
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import parse_lock, render_lock, stack_config
+from denv_iac.core.stack.reader import StackError
+from denv_iac.core.stack.stackfile import parse_lock, render_lock, stack_config
 
 LOCK = "Pulumi.s.placement.json"
 NOT_A_LOCK = f"{LOCK}: not a placement lock; delete it and run `denv plan --lock` again"

@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 from denv_agent.control import inject_fault
 
 from denv_iac.cli import main
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.runner import LocalCluster, RunState, free_port, ours, run_dir
 from denv_iac.ops.status import (
     AGENT_UNREACHABLE,
@@ -28,7 +29,6 @@ from denv_iac.ops.status import (
     replica_statuses,
     with_agent_health,
 )
-from denv_iac.spec.reader import read_stack
 from tests.stacks import local_site
 
 # Two nodes, one voice replica each, both needed: losing a node puts the pool below min_warm.

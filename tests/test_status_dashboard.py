@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.runner import LocalCluster, RunState, free_port
 from denv_iac.ops.alerts import alert_rules
-from denv_iac.spec.reader import read_stack
 from tests.test_status import CONFIG
 
 DASHBOARD = Path(__file__).parent.parent / "docs" / "dashboards" / "denv.json"

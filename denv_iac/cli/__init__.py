@@ -13,7 +13,7 @@ from denv_iac.cli.console import fail, output_file_problems, wide_console, write
 
 if TYPE_CHECKING:
     from denv_iac.components.preview import PreviewResource
-    from denv_iac.spec.model import StackSpec
+    from denv_iac.core.stack.model import StackSpec
 
 # Each command's module is imported only when that command runs: together they pull in
 # matplotlib, pyinfra, httpx and rich, seconds of start-up that `denv --help` must not pay.
@@ -146,9 +146,9 @@ def plan(
 ) -> None:
     """Show where every replica goes, the nodes to create and the warm cost, offline."""
     from denv_iac.cli.plan_view import render_plan, render_resources
-    from denv_iac.plan import make_plan
-    from denv_iac.spec.exposure import stack_warnings
-    from denv_iac.spec.reader import StackError
+    from denv_iac.core.plan import make_plan
+    from denv_iac.core.stack.exposure import stack_warnings
+    from denv_iac.core.stack.reader import StackError
     from denv_iac.stacks_dir import (
         check_lock_writable,
         find_stacks_dir,

@@ -5,8 +5,8 @@ from pathlib import Path
 import click
 
 from denv_iac.cli.console import fail
+from denv_iac.core.stack.reader import StackError
 from denv_iac.ops.alerts import alert_rules
-from denv_iac.spec.reader import StackError
 from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
 

@@ -164,7 +164,7 @@ def doctor(stack_name: str | None) -> None:
     """Check this machine for what a stack needs, and say what to install."""
     needed: set[str] = set()
     if stack_name is not None:
-        from denv_iac.spec.reader import StackError
+        from denv_iac.core.stack.reader import StackError
         from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
         try:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from denv_iac.cli.console import API_KEY_ENV, fail, wide_console
 from denv_iac.cli.status import status
+from denv_iac.core.stack.reader import StackError
 from denv_iac.local.rollout import ROLL_SIGNAL, ask_roll, roll_bound_s, serve_roll_requests
 from denv_iac.local.runner import (
     STATE_FILE,
@@ -24,7 +25,6 @@ from denv_iac.local.runner import (
     stop_stack,
 )
 from denv_iac.ops.demo import run_demo
-from denv_iac.spec.reader import StackError
 from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
 STACK = click.option(

@@ -9,8 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from denv_iac.plan import HOURS_PER_MONTH, Plan
-from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
+from denv_iac.core.plan import HOURS_PER_MONTH, Plan
+from denv_iac.core.stack.gateway_link import gateway_tls_on, kubernetes_sites
 
 if TYPE_CHECKING:
     # Only for annotations: the preview module imports Pulumi, which a plain `denv plan` skips.

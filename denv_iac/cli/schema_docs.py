@@ -1,11 +1,11 @@
 """`python -m denv_iac.cli.schema_docs SCHEMA.json`: docs/reference.md on stdout, rendered by
-the pure denv_iac/schema_docs.py from the components' Pulumi schema."""
+the pure denv_iac/core/schema_docs.py from the components' Pulumi schema."""
 
 import json
 import sys
 from pathlib import Path
 
-from denv_iac.schema_docs import render_reference
+from denv_iac.core.schema_docs import render_reference
 
 
 def main(argv: list[str]) -> int:

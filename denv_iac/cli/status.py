@@ -14,9 +14,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from denv_iac.balancer.saturation import PoolSaturation, pool_saturation
-from denv_iac.balancer.stats import server_rows
 from denv_iac.cli.console import fail, wide_console
+from denv_iac.core.balancer.saturation import PoolSaturation, pool_saturation
+from denv_iac.core.balancer.stats import server_rows
+from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy.runtime import stats_rows
 from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, read_state, run_dir
 from denv_iac.ops.status import (
@@ -32,8 +34,6 @@ from denv_iac.ops.status import (
     replica_statuses,
     with_agent_health,
 )
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import StackError
 from denv_iac.stacks_dir import find_stacks_dir, load_stack
 
 DEFAULT_STACK = "local"

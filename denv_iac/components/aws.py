@@ -7,9 +7,9 @@ import pulumi
 import pulumi_aws as aws
 
 from denv_iac.components.naming import aws_tags, child_name, resolved
-from denv_iac.ingress import IngressRule, OverlayAccess, site_ingress_rules
-from denv_iac.placement import PlacedNode
-from denv_iac.spec.model import RecipeSpec, SiteSpec
+from denv_iac.core.ingress import IngressRule, OverlayAccess, site_ingress_rules
+from denv_iac.core.placement import PlacedNode
+from denv_iac.core.stack.model import RecipeSpec, SiteSpec
 
 CACHE_DEVICE = "/dev/sdf"  # the name at attach; see ebs_device for where the node sees it
 ROOT_VOLUME_GB = 200  # the Deep Learning AMI and container images
@@ -159,7 +159,7 @@ class AwsSiteArgs(TypedDict):
     public_key: pulumi.Input[str]  # OpenSSH public key of the site's SSH key
     balancer_addresses: Mapping[str, pulumi.Input[str]]  # balancer site -> host address
     # The nodes join the WireGuard overlay: its port instead of replica and agent ports
-    # (`denv_iac.ingress.node_overlay_access`).
+    # (`denv_iac.core.ingress.node_overlay_access`).
     overlay: NotRequired[OverlayAccess]
 
 

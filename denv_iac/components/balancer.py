@@ -6,8 +6,6 @@ from typing import NotRequired, TypedDict
 import pulumi
 import pulumi_aws as aws
 
-from denv_iac.balancer import RenderedConfig, render_haproxy_config
-from denv_iac.balancer.model import CONFIG_DIR
 from denv_iac.components.naming import child_name
 from denv_iac.components.node_setup import (
     BalancerFiles,
@@ -17,10 +15,12 @@ from denv_iac.components.node_setup import (
 )
 from denv_iac.components.overlay import MachineOverlay
 from denv_iac.components.pool import ReplicaEndpoint
-from denv_iac.dataplane import balancer_pools
-from denv_iac.endpoint import balancer_settings, endpoint_url
-from denv_iac.placement import PlacedReplica, Placement
-from denv_iac.spec.model import DnsSpec, StackSpec
+from denv_iac.core.balancer import RenderedConfig, render_haproxy_config
+from denv_iac.core.balancer.model import CONFIG_DIR
+from denv_iac.core.dataplane import balancer_pools
+from denv_iac.core.endpoint import balancer_settings, endpoint_url
+from denv_iac.core.placement import PlacedReplica, Placement
+from denv_iac.core.stack.model import DnsSpec, StackSpec
 
 # Every balancer host serves the same config, so each takes an equal share of clients.
 DNS_WEIGHT = 100

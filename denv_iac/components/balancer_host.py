@@ -7,7 +7,6 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_hcloud as hcloud
 
-from denv_iac.catalog import load_catalog
 from denv_iac.components.aws import (
     KEPT_AT_LAUNCH,
     SecurityGroupWiring,
@@ -19,8 +18,9 @@ from denv_iac.components.aws import (
 from denv_iac.components.hcloud_firewall import hcloud_rules, overlay_firewall
 from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
-from denv_iac.ingress import IngressRule, balancer_ingress_rules
-from denv_iac.spec.model import BalancerSpec, SiteSpec
+from denv_iac.core.catalog import load_catalog
+from denv_iac.core.ingress import IngressRule, balancer_ingress_rules
+from denv_iac.core.stack.model import BalancerSpec, SiteSpec
 
 AWS_INSTANCE_TYPE = "c7i.large"
 AWS_AMI_PARAMETER = (

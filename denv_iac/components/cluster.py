@@ -26,29 +26,29 @@ from denv_iac.components.secrets import (
     seal_secrets,
 )
 from denv_iac.components.site import SiteBuilder, SiteContext, SiteNodes
-from denv_iac.ingress import (
+from denv_iac.core.ingress import (
     AGENT_PORT,
     host_overlay_access,
     node_overlay_access,
     replica_port,
     wireguard_rules,
 )
-from denv_iac.node import NodeDeploySpec
-from denv_iac.node.from_stack import node_deploy_specs
-from denv_iac.overlay import host_member, node_member, overlay_hosts, plan_overlay
-from denv_iac.placement import Placement, place_replicas
-from denv_iac.plan import deploy_problems
-from denv_iac.rollout import deploy_after
-from denv_iac.sites import CLOUD_SITE_KINDS, balancer_ssh_user, node_id, node_ssh_user
-from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
-from denv_iac.spec.model import (
+from denv_iac.core.overlay import host_member, node_member, overlay_hosts, plan_overlay
+from denv_iac.core.placement import Placement, place_replicas
+from denv_iac.core.plan import deploy_problems
+from denv_iac.core.rollout import deploy_after
+from denv_iac.core.sites import CLOUD_SITE_KINDS, balancer_ssh_user, node_id, node_ssh_user
+from denv_iac.core.stack.gateway_link import gateway_tls_on, kubernetes_sites
+from denv_iac.core.stack.model import (
     MADE_BALANCER_HOST_KINDS,
     SSH_SITE_KINDS,
     RecipeSpec,
     SiteSpec,
     StackSpec,
 )
-from denv_iac.spec.reader import StackError, read_stack
+from denv_iac.core.stack.reader import StackError, read_stack
+from denv_iac.node import NodeDeploySpec
+from denv_iac.node.from_stack import node_deploy_specs
 
 _EXISTING_NODE_SITES = {"joined": JoinedSite, "local": LocalSite}
 
@@ -165,7 +165,7 @@ class Cluster(pulumi.ComponentResource):
         addresses = {site: nodes.addresses for site, (_, nodes) in sites.items()}
         # Before the node deploys, which take their machine's config and key from it.
         overlay = self._overlay(hosts, addresses)
-        # A pool's node deploys one after another (denv_iac.rollout.deploy_after).
+        # A pool's node deploys one after another (denv_iac.core.rollout.deploy_after).
         self._setups: dict[str, NodeSetup] = {}
         self._deploy_after = deploy_after(
             [

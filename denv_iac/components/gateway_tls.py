@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from denv_iac.components.dynamic_resource import DynamicResource
-from denv_iac.spec.gateway_link import gateway_tls_name
+from denv_iac.core.stack.gateway_link import gateway_tls_name
 
 # Replaced, not renewed: long enough that no stack meets the end of it.
 VALID_FOR = datetime.timedelta(days=3650)

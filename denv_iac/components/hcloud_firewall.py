@@ -13,7 +13,7 @@ import pulumi_hcloud as hcloud
 
 from denv_iac.components.aws import _cidr_of
 from denv_iac.components.naming import child_name
-from denv_iac.ingress import IngressRule
+from denv_iac.core.ingress import IngressRule
 
 
 def hcloud_rules(

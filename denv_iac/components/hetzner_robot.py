@@ -1,7 +1,7 @@
 """The Robot firewall of Hetzner GEX boxes, as a dynamic resource over Robot's webservice.
 
 The firewall filters each box's switch port, statelessly: it sees packets, not connections.
-So besides the site's ingress rows (`denv_iac.ingress.site_ingress_rules`: SSH from
+So besides the site's ingress rows (`denv_iac.core.ingress.site_ingress_rules`: SSH from
 the admin CIDRs, WireGuard's UDP port from the balancer hosts when the overlay is on, their
 replica and agent ports when it is off) it must accept the replies to
 the node's own traffic (package mirrors, model downloads, DNS, NTP): TCP segments with ACK set
@@ -33,11 +33,11 @@ from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.joined import HetznerSite
 from denv_iac.components.naming import child_name
 from denv_iac.components.site import SiteContext, SiteNodes
-from denv_iac.ingress import node_overlay_access, site_ingress_rules
+from denv_iac.core.ingress import node_overlay_access, site_ingress_rules
+from denv_iac.core.robot_firewall import OUTPUT_RULES, robot_rules, site_robot_problems
+from denv_iac.core.stack.model import SiteSpec
+from denv_iac.core.stack.reader import StackError
 from denv_iac.robot_api import RobotApiError, RobotClient
-from denv_iac.robot_firewall import OUTPUT_RULES, robot_rules, site_robot_problems
-from denv_iac.spec.model import SiteSpec
-from denv_iac.spec.reader import StackError
 
 USER, PASSWORD = "robot_user", "robot_password"
 INPUTS = ("address", "rules", "output_rules")

@@ -10,7 +10,7 @@ from typing import TypedDict
 import pulumi
 
 from denv_iac.components.naming import resolved
-from denv_iac.placement import PlacedNode
+from denv_iac.core.placement import PlacedNode
 
 LOOPBACK = "127.0.0.1"
 

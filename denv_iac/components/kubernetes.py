@@ -1,6 +1,6 @@
 """Kubernetes: replicas as pods of a cluster the team runs, behind an in-cluster gateway.
 
-The objects and the gateway design are in `denv_iac.kube_manifests`; this component only
+The objects and the gateway design are in `denv_iac.core.kube_manifests`; this component only
 registers them, each through a provider made from the site's kubeconfig (a secret).
 """
 
@@ -10,14 +10,15 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 import pulumi_kubernetes as k8s
 
-# The module, not its names: its calls read as kube_manifests.<name> here.
-from denv_iac import kube_manifests
 from denv_iac.components.aws import _cidr_of
 from denv_iac.components.naming import child_name, resolved
 from denv_iac.components.site import SiteContext, SiteNodes
-from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.model import SiteSpec, StackSpec
-from denv_iac.spec.reader import StackError
+
+# The module, not its names: its calls read as kube_manifests.<name> here.
+from denv_iac.core import kube_manifests
+from denv_iac.core.placement import PlacedReplica, place_replicas
+from denv_iac.core.stack.model import SiteSpec, StackSpec
+from denv_iac.core.stack.reader import StackError
 
 _KINDS: dict[str, Callable[..., pulumi.CustomResource]] = {
     "ConfigMap": k8s.core.v1.ConfigMap,

@@ -18,12 +18,19 @@ from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, machine_name, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext, SiteNodes
-from denv_iac.ingress import (
+from denv_iac.core.ingress import (
     IngressRule,
     OverlayAccess,
     node_overlay_access,
     site_ingress_rules,
 )
+from denv_iac.core.placement import PlacedNode
+from denv_iac.core.sites import cache_file_system_name
+from denv_iac.core.stack.model import RecipeSpec, SiteSpec
+
+# Re-exported: the name rule lives with the stack model, which checks names for their length.
+from denv_iac.core.stack.values import LAMBDA_NAME_LENGTH
+from denv_iac.core.stack.values import lambda_name as lambda_name
 from denv_iac.lambda_api import (
     DEFAULT_RETRY,
     GONE_STATUSES,
@@ -34,13 +41,6 @@ from denv_iac.lambda_api import (
     Pacer,
     Retry,
 )
-from denv_iac.placement import PlacedNode
-from denv_iac.sites import cache_file_system_name
-from denv_iac.spec.model import RecipeSpec, SiteSpec
-
-# Re-exported: the name rule lives with the stack model, which checks names for their length.
-from denv_iac.spec.values import LAMBDA_NAME_LENGTH
-from denv_iac.spec.values import lambda_name as lambda_name
 
 API_KEY = "api_key"
 KEY_ID_LENGTH = 8  # hex digits of the public key's digest in its account key's name
@@ -429,7 +429,7 @@ class LambdaSite(pulumi.ComponentResource):
     its region (spec 1.8.3's `/firewall-rulesets`), attached to each instance at launch:
     WireGuard's UDP port open to the balancer hosts' addresses when the overlay is on (replica
     and agent ports to them when it is off), SSH to the admin CIDRs
-    (`denv_iac.ingress.site_ingress_rules`); a balancer moving patches its rules in
+    (`denv_iac.core.ingress.site_ingress_rules`); a balancer moving patches its rules in
     place. The node deploy's host firewall narrows them again on each node.
     """
 

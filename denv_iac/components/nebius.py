@@ -10,15 +10,15 @@ import yaml
 from denv_iac.components.naming import child_name, machine_name, nebius_labels, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext, SiteNodes
-from denv_iac.ingress import (
+from denv_iac.core.ingress import (
     IngressRule,
     OverlayAccess,
     node_overlay_access,
     site_ingress_rules,
 )
-from denv_iac.placement import PlacedNode
-from denv_iac.sites import CACHE_MOUNT_POINT, CLOUD_SSH_USER
-from denv_iac.spec.model import RecipeSpec, SiteSpec
+from denv_iac.core.placement import PlacedNode
+from denv_iac.core.sites import CACHE_MOUNT_POINT, CLOUD_SSH_USER
+from denv_iac.core.stack.model import RecipeSpec, SiteSpec
 
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"

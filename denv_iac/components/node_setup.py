@@ -17,10 +17,12 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 import pulumi.dynamic
 
-from denv_iac.balancer import RenderedConfig
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name
 from denv_iac.components.secrets import public_key_of
+from denv_iac.core.balancer import RenderedConfig
+from denv_iac.core.overlay import with_private_key
+from denv_iac.core.stack.model import WIREGUARD_PORT
 from denv_iac.node import (
     NodeDeploySpec,
     Step,
@@ -35,8 +37,6 @@ from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.node.spec import spec_to_json
 from denv_iac.node.ssh_keys import SshKeys
-from denv_iac.overlay import with_private_key
-from denv_iac.spec.model import WIREGUARD_PORT
 
 # A change of these re-runs the deploy in place; another host is another machine.
 UPDATE_ON = (
@@ -392,7 +392,7 @@ class NodeSetup(pulumi.ComponentResource):
         after: Sequence["NodeSetup"] = (),
     ) -> None:
         """`after`: the node deploys that must end before this one starts (a pool's rollout
-        order, denv_iac.rollout.deploy_after); the engine waits on them for create and update."""
+        order, core.rollout.deploy_after); the engine waits on them for create and update."""
         if ("node" in args) == ("balancer" in args):
             raise ValueError(f"NodeSetup {name}: give either node or balancer")
         super().__init__("denv:index:NodeSetup", name, None, opts)

@@ -19,7 +19,7 @@ from google.protobuf import json_format
 from pulumi.runtime import rpc
 
 from denv_iac.components import Cluster, ClusterArgs
-from denv_iac.spec.model import StackSpec
+from denv_iac.core.stack.model import StackSpec
 
 AMI_ID = "ami-0123456789abcdef0"
 SECRET_SIG = rpc._special_sig_key

@@ -7,8 +7,8 @@ from typing import NotRequired, TypedDict
 import pulumi
 
 from denv_iac.components.gateway_tls import GatewayTls
-from denv_iac.placement import PlacedNode
-from denv_iac.spec.model import SiteSpec, StackSpec
+from denv_iac.core.placement import PlacedNode
+from denv_iac.core.stack.model import SiteSpec, StackSpec
 
 
 class SiteContext(TypedDict):

@@ -6,8 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from denv_iac.balancer.files import relocate_maps
-from denv_iac.balancer.model import RenderedConfig
+from denv_iac.core.balancer.files import relocate_maps
+from denv_iac.core.balancer.model import RenderedConfig
 from denv_iac.haproxy.files import write_config
 
 # Warnings about the machine the check runs on, not about the config: the server-state file is

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from denv_iac.balancer.stats import parse_stats_csv, parse_stats_rows
+from denv_iac.core.balancer.stats import parse_stats_csv, parse_stats_rows
 from denv_iac.local.child import ChildProcess
 
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import ParamSpec, TypeVar
 
-from denv_iac.balancer.model import BalancerSettings
+from denv_iac.core.balancer.model import BalancerSettings
+from denv_iac.core.stack.model import StackSpec
 from denv_iac.local.delay_proxy import DelayProxyProcess
 from denv_iac.local.runner import (
     AgentState,
@@ -45,7 +46,6 @@ from denv_iac.local.runner import (
     RunState,
     free_port,
 )
-from denv_iac.spec.model import StackSpec
 
 PREFIX = "denvnet-"
 BALANCER_ADDRESS = "10.231.0.1"

@@ -45,6 +45,7 @@ from typing import Any
 from websockets.frames import Opcode
 from websockets.protocol import Side
 
+from denv_iac.core.stack.model import SIMULATED_ENGINES, SIMULATED_SPEECH, SimulatedServer
 from denv_iac.local import voice_sim
 from denv_iac.local.child import ChildProcess
 from denv_iac.local.engine_sim import (
@@ -56,7 +57,6 @@ from denv_iac.local.engine_sim import (
     render_metrics,
     total,
 )
-from denv_iac.spec.model import SIMULATED_ENGINES, SIMULATED_SPEECH, SimulatedServer
 
 READY_PREFIX = "replica_sim ready"
 SELF_HEADER = "X-Denv-Replica-Self"

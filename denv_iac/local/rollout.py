@@ -1,6 +1,6 @@
 """`denv local roll`: roll a changed stack file onto a running local stack, replica by replica.
 
-The plan is denv_iac.rollout's. Each step, for one replica: check that the rest of its pool
+The plan is denv_iac.core.rollout's. Each step, for one replica: check that the rest of its pool
 holds `min_warm` ready in HAProxy -> drain it through its node's agent (the agent's verdict is
 what every balancer polls, so the drain holds across reloads and balancers; a drain set on the
 admin socket alone is undone by the agent's next `up ready`) -> wait until HAProxy shows it
@@ -28,12 +28,9 @@ from pathlib import Path
 
 from denv_agent.control import ControlFailed, drain, undrain
 
-from denv_iac.balancer.haproxy import TWIN_SUFFIXES
-from denv_iac.haproxy.runtime import stats_command
-from denv_iac.local.replica_sim import ReplicaSimConfig
-from denv_iac.local.runner import LocalCluster, ReplicaState, write_private
-from denv_iac.placement import place_replicas
-from denv_iac.rollout import (
+from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.rollout import (
     REPLICA_FIELDS,
     ROLLOUT_FIELDS,
     RolloutPlan,
@@ -43,8 +40,11 @@ from denv_iac.rollout import (
     min_warm_problem,
     plan_rollout,
 )
-from denv_iac.spec.model import RecipeSpec, StackSpec
-from denv_iac.spec.reader import StackError
+from denv_iac.core.stack.model import RecipeSpec, StackSpec
+from denv_iac.core.stack.reader import StackError
+from denv_iac.haproxy.runtime import stats_command
+from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.runner import LocalCluster, ReplicaState, write_private
 
 Progress = Callable[[str], None]
 # What a local roll applies: what the simulated replica runs (model names, ports and health

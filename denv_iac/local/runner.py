@@ -24,19 +24,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
-from denv_iac.balancer import BalancerSettings, render_haproxy_config
-from denv_iac.balancer.client_secrets import key_map
-from denv_iac.balancer.files import relocate_maps
-from denv_iac.dataplane import balancer_pools
-from denv_iac.endpoint import balancer_settings
+from denv_iac.core.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
+from denv_iac.core.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.core.balancer.client_secrets import key_map
+from denv_iac.core.balancer.files import relocate_maps
+from denv_iac.core.dataplane import balancer_pools
+from denv_iac.core.endpoint import balancer_settings
+from denv_iac.core.placement import PlacedReplica, place_replicas
+from denv_iac.core.stack.model import RecipeSpec, StackSpec
+from denv_iac.core.stack.reader import StackError
+from denv_iac.core.stack.stackfile import check_stack_name
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
-from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.model import RecipeSpec, StackSpec
-from denv_iac.spec.reader import StackError
-from denv_iac.spec.stackfile import check_stack_name
 
 HOST = "127.0.0.1"
 Progress = Callable[[str], None]

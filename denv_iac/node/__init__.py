@@ -2,6 +2,7 @@
 and put a balancer host's HAProxy config live. Decisions are pure (plan_node, plan_balancer);
 pyinfra runs them."""
 
+from denv_iac.core.sites import CACHE_MOUNT_POINT
 from denv_iac.node.balancer_host import plan_balancer, prepare_balancer
 from denv_iac.node.deploy import NodeUnreachable, StepFailed, Target, prepare_node
 from denv_iac.node.driver import UnsupportedNode
@@ -21,7 +22,6 @@ from denv_iac.node.spec import (
     spec_from_json,
 )
 from denv_iac.node.steps import FileContent, Step
-from denv_iac.sites import CACHE_MOUNT_POINT
 
 __all__ = [
     "CACHE_MOUNT_POINT",

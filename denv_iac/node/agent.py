@@ -6,7 +6,7 @@ import posixpath
 import shlex
 from dataclasses import asdict
 
-from denv_iac.agent_config import AgentConfig, AgentProbe, AgentReplica, agent_config_toml
+from denv_iac.core.agent_config import AgentConfig, AgentProbe, AgentReplica, agent_config_toml
 from denv_iac.node import overlay
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps

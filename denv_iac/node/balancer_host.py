@@ -6,9 +6,9 @@ import posixpath
 import re
 from dataclasses import dataclass
 
-from denv_iac.balancer.client_secrets import key_map
-from denv_iac.balancer.files import CONFIG_FILE_NAME, relocate_maps
-from denv_iac.balancer.model import (
+from denv_iac.core.balancer.client_secrets import key_map
+from denv_iac.core.balancer.files import CONFIG_FILE_NAME, relocate_maps
+from denv_iac.core.balancer.model import (
     CLIENT_SECRET_KEY_PATH,
     GATEWAY_CA_PATH,
     GATEWAY_CLIENT_PATH,

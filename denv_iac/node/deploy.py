@@ -27,13 +27,13 @@ from pyinfra.api.operations import run_ops
 from pyinfra.api.state import BaseStateCallback, State
 from pyinfra.operations import server
 
+from denv_iac.core.stack.values import HOST_RULE, USER_NAME, USER_RULE, is_host
 from denv_iac.node.facts import FactQuery, NodeFacts, NodeProbe
 from denv_iac.node.plan import fact_query, plan_node
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.ssh_keys import fact_query as key_query
 from denv_iac.node.steps import Step
-from denv_iac.spec.values import HOST_RULE, USER_NAME, USER_RULE, is_host
 
 # Called with (index from 1, total, step, status) where status is "run", "ok" or "failed".
 Progress = Callable[[int, int, Step, str], None]

@@ -3,9 +3,22 @@
 import math
 from dataclasses import asdict
 
-from denv_iac.agent_config import recipe_probe
-from denv_iac.balancer.haproxy import rejoin_ms
-from denv_iac.endpoint import balancer_settings
+from denv_iac.core.agent_config import recipe_probe
+from denv_iac.core.balancer.haproxy import rejoin_ms
+from denv_iac.core.endpoint import balancer_settings
+from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.placement import Placement
+from denv_iac.core.plan import imageless_problems
+from denv_iac.core.sites import CLOUD_SITE_KINDS, cache_root, node_id
+from denv_iac.core.stack.model import (
+    COLD_START_BUDGET_S,
+    DRAIN_TIMEOUT_S,
+    SSH_SITE_KINDS,
+    RecipeSpec,
+    StackSpec,
+)
+from denv_iac.core.stack.ports import replica_port
+from denv_iac.core.stack.reader import StackError
 from denv_iac.node.spec import (
     CacheDirs,
     MigSlice,
@@ -14,19 +27,6 @@ from denv_iac.node.spec import (
     ProbeSpec,
     ReplicaSpec,
 )
-from denv_iac.overlay import plan_overlay
-from denv_iac.placement import Placement
-from denv_iac.plan import imageless_problems
-from denv_iac.sites import CLOUD_SITE_KINDS, cache_root, node_id
-from denv_iac.spec.model import (
-    COLD_START_BUDGET_S,
-    DRAIN_TIMEOUT_S,
-    SSH_SITE_KINDS,
-    RecipeSpec,
-    StackSpec,
-)
-from denv_iac.spec.ports import replica_port
-from denv_iac.spec.reader import StackError
 
 
 def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeDeploySpec]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from denv_iac.core.stack.model import SERVER_STOP_S
 from denv_iac.node import mig, overlay
 from denv_iac.node.facts import NodeFacts
 from denv_iac.node.holders import AGENT
@@ -20,7 +21,6 @@ from denv_iac.node.steps import (
     wait_streams_command,
     wants_link,
 )
-from denv_iac.spec.model import SERVER_STOP_S
 
 LAUNCHER = "/opt/denv/bin/denv-replica-run"
 ENV_DIR = "/etc/denv/replicas"
@@ -205,7 +205,7 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
     `drain_timeout_s` (those left are cut and counted) -> restart -> health answers within
     `ready_timeout_s` -> undrain -> `rejoin_s`, until the balancers count it UP. A replica
     that never answers stays drained, and the command fails with one line naming it, so that
-    `pulumi up` stops before the pool's next node (denv_iac.rollout.deploy_after) with the
+    `pulumi up` stops before the pool's next node (denv_iac.core.rollout.deploy_after) with the
     pool's other replicas serving the old version."""
     health = shlex.quote(f"http://127.0.0.1:{replica.port}{replica.health_path}")
     who = shlex.quote(replica.id)

@@ -11,15 +11,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from denv_iac.sites import CACHE_MOUNT_POINT
-from denv_iac.spec.model import (
+from denv_iac.core.sites import CACHE_MOUNT_POINT
+from denv_iac.core.stack.model import (
     AUTO_ENGINE,
     COLD_START_BUDGET_S,
     DRAIN_TIMEOUT_S,
     ENGINES,
     WIREGUARD_PORT,
 )
-from denv_iac.spec.values import (
+from denv_iac.core.stack.values import (
     CACHE_ENV,
     DEPLOY_ENV,
     ENV_NAME,
@@ -149,7 +149,7 @@ class NodeDeploySpec:
     admin_cidrs: tuple[str, ...] = ()
     ssh_port: int = 22  # the port sshd listens on, which admin_cidrs guard
     agent_port: int = 9100
-    # The node's address on the overlay (denv_iac.overlay); "": not on it, so the agent and the
+    # The node's address on the overlay (denv_iac.core.overlay); "": not on it, so the agent and the
     # replicas listen on every address, guarded by the firewall alone. On it, they listen there
     # only, balancer_addresses are the balancer hosts' overlay addresses, and overlay_senders
     # the public addresses WireGuard packets may come from on overlay_port (UDP).
@@ -162,7 +162,7 @@ class NodeDeploySpec:
     drain_timeout_s: int = DRAIN_TIMEOUT_S
     ready_timeout_s: int = COLD_START_BUDGET_S
     # After a rolled replica is undrained, how long the balancers take to count it UP again
-    # (denv_iac.balancer.haproxy.rejoin_ms of the stack's timers), waited before the next goes.
+    # (denv_iac.core.balancer.haproxy.rejoin_ms of the stack's timers), waited before the next goes.
     rejoin_s: int = 3
 
     def __post_init__(self) -> None:

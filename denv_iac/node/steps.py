@@ -7,7 +7,7 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
-from denv_iac.spec.values import control_character
+from denv_iac.core.stack.values import control_character
 
 UNIT_DIR = "/etc/systemd/system"
 PACKAGE_UNIT_DIR = "/lib/systemd/system"

@@ -14,9 +14,9 @@ import re
 
 import yaml
 
-from denv_iac.balancer.haproxy import BOUNDED_TWIN_SUFFIXES, TWIN_SUFFIXES
-from denv_iac.dataplane import tier_priority
-from denv_iac.spec.model import RecipeSpec, StackSpec
+from denv_iac.core.balancer.haproxy import BOUNDED_TWIN_SUFFIXES, TWIN_SUFFIXES
+from denv_iac.core.dataplane import tier_priority
+from denv_iac.core.stack.model import RecipeSpec, StackSpec
 
 AGENT_JOB = "denv-agent"
 BALANCER_JOB = "denv-balancer"
@@ -24,7 +24,7 @@ BALANCER_JOB = "denv-balancer"
 FOR = "30s"
 # A pool that sheds or spills this long is short of capacity, not riding out a burst.
 SATURATION_FOR = "1m"
-# Per pool and balancer, recorded from HAProxy's exporter (see denv_iac/balancer/saturation.py
+# Per pool and balancer, recorded from HAProxy's exporter (see denv_iac/core/balancer/saturation.py
 # for what each figure means): the same figures `denv status` shows.
 SLOTS_IN_USE = "denv:pool_slots_in_use"
 SLOTS = "denv:pool_slots"

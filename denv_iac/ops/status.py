@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 
-from denv_iac.balancer.haproxy import STATS_PATH
-from denv_iac.balancer.saturation import PoolSaturation
-from denv_iac.balancer.stats import parse_stats_rows
-from denv_iac.spec.model import StackSpec
+from denv_iac.core.balancer.haproxy import STATS_PATH
+from denv_iac.core.balancer.saturation import PoolSaturation
+from denv_iac.core.balancer.stats import parse_stats_rows
+from denv_iac.core.stack.model import StackSpec
 
 AGENT_TIMEOUT_S = 1.0
 STATS_TIMEOUT_S = 5.0

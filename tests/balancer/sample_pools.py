@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from denv_iac.balancer import (
+from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
     BalancerTier,
     KeyScope,
 )
-from denv_iac.balancer.haproxy import models_list
+from denv_iac.core.balancer.haproxy import models_list
 
 MAP_DIR = "/etc/denv/maps"
 API_KEY = "sk-denv-example"

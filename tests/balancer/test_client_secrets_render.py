@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from denv_iac.balancer import BalancerConfigError, BalancerSettings, render_haproxy_config
-from denv_iac.balancer import client_secrets as ek
-from denv_iac.balancer.haproxy import _CLIENT_SECRET_OFFERED
+from denv_iac.core.balancer import BalancerConfigError, BalancerSettings, render_haproxy_config
+from denv_iac.core.balancer import client_secrets as ek
+from denv_iac.core.balancer.haproxy import _CLIENT_SECRET_OFFERED
 from denv_iac.haproxy import check_haproxy_config
 
 from .sample_pools import MAP_DIR, POOLS, SCOPED_SETTINGS

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from denv_iac.balancer import (
+from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,

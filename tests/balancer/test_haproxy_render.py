@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from denv_iac.balancer import (
+from denv_iac.core.balancer import (
     BalancerConfigError,
     BalancerPool,
     BalancerSettings,
@@ -23,7 +23,7 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.balancer.haproxy import MODELS_LIST_LIMIT, models_list
+from denv_iac.core.balancer.haproxy import MODELS_LIST_LIMIT, models_list
 
 from .sample_pools import (
     LLM,

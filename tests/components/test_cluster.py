@@ -11,10 +11,10 @@ from denv_iac.components import Cluster
 from denv_iac.components.cluster import SITE_BUILDERS, validate_cluster
 from denv_iac.components.preview import _address as mock_address
 from denv_iac.components.secrets import public_key_of
-from denv_iac.overlay import plan_overlay
-from denv_iac.sites import CLOUD_SITE_KINDS
-from denv_iac.spec.model import SITE_KINDS
-from denv_iac.spec.reader import StackError
+from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.sites import CLOUD_SITE_KINDS
+from denv_iac.core.stack.model import SITE_KINDS
+from denv_iac.core.stack.reader import StackError
 from tests.components import stacks
 from tests.components.harness import AMI_ID, Run, cluster_outputs, plain_strings, run_program
 from tests.components.test_lambda import lambda_stack

@@ -6,7 +6,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from denv_iac.components.gateway_tls import SECRET_OUTPUTS, GatewayTlsProvider
-from denv_iac.spec.gateway_link import gateway_tls_name
+from denv_iac.core.stack.gateway_link import gateway_tls_name
 
 
 def _certificate(pem: str) -> x509.Certificate:

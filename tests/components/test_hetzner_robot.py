@@ -5,8 +5,8 @@ from typing import Any
 import pytest
 
 from denv_iac.components.preview import shown
-from denv_iac.robot_firewall import OUTPUT_RULES
-from denv_iac.spec.reader import StackError
+from denv_iac.core.robot_firewall import OUTPUT_RULES
+from denv_iac.core.stack.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
 from tests.test_robot_api import check_rule

@@ -9,8 +9,8 @@ import pytest
 
 from denv_iac.components.aws import SecurityGroupWiring
 from denv_iac.components.hcloud_firewall import hcloud_rules, overlay_firewall
-from denv_iac.ingress import OverlayAccess, balancer_ingress_rules, wireguard_rules
-from denv_iac.spec.model import BalancerSpec
+from denv_iac.core.ingress import OverlayAccess, balancer_ingress_rules, wireguard_rules
+from denv_iac.core.stack.model import BalancerSpec
 from tests.components.harness import Run, run_program
 
 INGRESS = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"

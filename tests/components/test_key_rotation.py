@@ -19,9 +19,9 @@ from denv_iac.components.lambda_cloud import (
     ssh_key_name,
 )
 from denv_iac.components.secrets import public_key_of
-from denv_iac.spec.exposure import stack_warnings
-from denv_iac.spec.reader import read_stack
-from denv_iac.spec.values import LAMBDA_NAME_LENGTH
+from denv_iac.core.stack.exposure import stack_warnings
+from denv_iac.core.stack.reader import read_stack
+from denv_iac.core.stack.values import LAMBDA_NAME_LENGTH
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, run_program
 from tests.components.test_lambda import LAMBDA_SITE, lambda_stack

@@ -10,12 +10,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from denv_iac.balancer.model import RenderedConfig
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
+from denv_iac.core.balancer.model import RenderedConfig
+from denv_iac.core.ingress import AGENT_PORT
+from denv_iac.core.kube_manifests import AGENT_PODS_PORT
+from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy import check_haproxy_config
-from denv_iac.ingress import AGENT_PORT
-from denv_iac.kube_manifests import AGENT_PODS_PORT
-from denv_iac.spec.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
 from tests.gateway_pki import reading_tls_from, write_pki

@@ -11,8 +11,8 @@ from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.lambda_cloud import ssh_key_name, wire_rules
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG
 from denv_iac.components.secrets import public_key_of
-from denv_iac.overlay import plan_overlay
-from denv_iac.spec.reader import StackError
+from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.stack.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
 from tests.components.snapshots import assert_golden, site_snapshot

@@ -16,10 +16,10 @@ from denv_iac.components.nebius import (
     port_groups,
 )
 from denv_iac.components.secrets import public_key_of
-from denv_iac.ingress import IngressRule
-from denv_iac.overlay import plan_overlay
-from denv_iac.sites import CLOUD_SSH_USER
-from denv_iac.spec.reader import StackError
+from denv_iac.core.ingress import IngressRule
+from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.sites import CLOUD_SSH_USER
+from denv_iac.core.stack.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
 from tests.components.snapshots import assert_golden, site_snapshot

@@ -19,14 +19,17 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from paramiko import AuthenticationException, SSHException
 from paramiko.ssh_exception import NoValidConnectionsError
 
-from denv_iac.balancer import RenderedConfig
-from denv_iac.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
 from denv_iac.components.aws import ebs_device
 from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import DeployRunner, NodeSetup, NodeSetupProvider
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.components.secrets import public_key_of
+from denv_iac.core.balancer import RenderedConfig
+from denv_iac.core.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
+from denv_iac.core.overlay import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.node import (
     CacheVolume,
     MigSlice,
@@ -43,9 +46,6 @@ from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
 from denv_iac.node.spec import spec_to_json
 from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.steps import wants_link
-from denv_iac.overlay import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
-from denv_iac.placement import place_replicas
-from denv_iac.spec.reader import StackError, read_stack
 from tests.components import stacks
 from tests.components.harness import cluster_outputs, plain_strings, run_program
 from tests.components.test_lambda import lambda_stack

@@ -26,9 +26,9 @@ from denv_iac.components.preview import (
     run_program,
     shown,
 )
-from denv_iac.overlay import PRIVATE_KEY_PLACEHOLDER, plan_overlay
-from denv_iac.placement import place_replicas
-from denv_iac.spec.reader import read_stack
+from denv_iac.core.overlay import PRIVATE_KEY_PLACEHOLDER, plan_overlay
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.reader import read_stack
 from tests.test_overlay import HUB, config
 
 KEY_TYPE = "pulumi-python:dynamic/denv:WireGuardKey"

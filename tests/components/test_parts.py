@@ -5,12 +5,12 @@ from typing import Any
 import pulumi
 import pytest
 
-from denv_iac.catalog import load_catalog
 from denv_iac.components import BalancerHost, GlobalBalancer, JoinedSite, WarmPool
 from denv_iac.components.pool import ReplicaEndpointArgs
-from denv_iac.placement import PlacedNode, place_replicas
-from denv_iac.spec.model import BalancerSpec, SiteSpec
-from denv_iac.spec.reader import HETZNER_LOCATIONS
+from denv_iac.core.catalog import load_catalog
+from denv_iac.core.placement import PlacedNode, place_replicas
+from denv_iac.core.stack.model import BalancerSpec, SiteSpec
+from denv_iac.core.stack.reader import HETZNER_LOCATIONS
 from denv_iac.stacks_dir import load_stack
 from tests.components import stacks
 from tests.components.harness import Run, run_program

@@ -3,7 +3,7 @@
 import pytest
 
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels, machine_name
-from denv_iac.ingress import (
+from denv_iac.core.ingress import (
     AGENT_PORT,
     IngressRule,
     OverlayAccess,
@@ -15,10 +15,10 @@ from denv_iac.ingress import (
     site_ingress_rules,
     ssh_rules,
 )
-from denv_iac.overlay import plan_overlay
-from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.model import WIREGUARD_PORT, BalancerSpec, RecipeSpec, SiteSpec
-from denv_iac.spec.reader import read_stack
+from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.placement import PlacedReplica, place_replicas
+from denv_iac.core.stack.model import WIREGUARD_PORT, BalancerSpec, RecipeSpec, SiteSpec
+from denv_iac.core.stack.reader import read_stack
 from tests.stacks import SECRET
 
 ADMINS = ("203.0.113.0/24", "198.51.100.0/24")

@@ -14,8 +14,8 @@ from denv_iac.cli import main
 from denv_iac.components.node_setup import NodeSetupProvider, _node_spec
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.components.secrets import seal_secrets, with_secret_recipes
+from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.node.replicas import env_file
-from denv_iac.spec.reader import StackError, read_stack
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
 from tests.components.test_kubernetes import SITE, k8s_args

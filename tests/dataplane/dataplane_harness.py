@@ -24,17 +24,17 @@ from typing import Any
 import httpx
 from denv_agent.verdict import Verdict
 
-from denv_iac.balancer import (
+from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
     BalancerTier,
     render_haproxy_config,
 )
+from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, MAX_CONCURRENCY, STALL_TIMEOUT_MS
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, server_stats
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
-from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS, MAX_CONCURRENCY, STALL_TIMEOUT_MS
 
 # What the real agent says of a healthy replica.
 AGENT_UP = Verdict("up", 100, ()).reply

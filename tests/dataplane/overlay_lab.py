@@ -28,6 +28,15 @@ from pathlib import Path
 from types import TracebackType
 
 from denv_iac.components.overlay import new_key_pair
+from denv_iac.core.overlay import (
+    OverlayMember,
+    OverlayPlan,
+    allocate,
+    render_config,
+    with_private_key,
+)
+from denv_iac.core.stack.model import OverlaySpec, StackSpec
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.netns import (
     PREFIX,
     SITE_DEVICE,
@@ -40,9 +49,6 @@ from denv_iac.local.netns import (
 )
 from denv_iac.local.netns import unavailable_reason as netns_unavailable
 from denv_iac.local.runner import Host
-from denv_iac.overlay import OverlayMember, OverlayPlan, allocate, render_config, with_private_key
-from denv_iac.spec.model import OverlaySpec, StackSpec
-from denv_iac.spec.reader import read_stack
 
 NETNS_ETC = Path("/etc/netns")
 WIREGUARD_RUN = Path("/var/run/wireguard")

@@ -16,8 +16,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
-from denv_iac.balancer import KeyScope
-from denv_iac.balancer.client_secrets import client_secret, key_map, subprotocols
+from denv_iac.core.balancer import KeyScope
+from denv_iac.core.balancer.client_secrets import client_secret, key_map, subprotocols
 
 from .dataplane_harness import Dataplane
 from .scoped_keys import FULL_KEY, POOLS, REPLICAS, SIDE_KEY, digest

@@ -22,9 +22,9 @@ import httpx
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from denv_iac.balancer.model import queue_timeout_ms
-from denv_iac.balancer.saturation import PoolSaturation, pool_saturation
 from denv_iac.cli import main
+from denv_iac.core.balancer.model import queue_timeout_ms
+from denv_iac.core.balancer.saturation import PoolSaturation, pool_saturation
 from denv_iac.haproxy.runtime import server_stats, stats_command, stats_rows
 from denv_iac.local.replica_sim import ReplicaSimConfig
 

@@ -23,21 +23,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from denv_iac.balancer import (
+from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
     BalancerTier,
     render_haproxy_config,
 )
-from denv_iac.balancer.gateway import GATEWAY_HEALTH_PORT, GatewayRoute, render_gateway_config
+from denv_iac.core.balancer.gateway import GATEWAY_HEALTH_PORT, GatewayRoute, render_gateway_config
+from denv_iac.core.kube_manifests import gateway_site
+from denv_iac.core.stack.gateway_link import gateway_tls_name
+from denv_iac.core.stack.ports import AGENT_PORT
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
-from denv_iac.kube_manifests import gateway_site
 from denv_iac.local.replica_sim import ReplicaProcess
-from denv_iac.spec.gateway_link import gateway_tls_name
-from denv_iac.spec.ports import AGENT_PORT
-from denv_iac.spec.reader import read_stack
 from tests.gateway_pki import GatewayPki, reading_tls_from, write_pki
 
 from .dataplane_harness import FAST_REPLICA, AgentStandIn, free_port, stream_chat

@@ -10,7 +10,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from denv_iac.balancer import KeyScope
+from denv_iac.core.balancer import KeyScope
 
 from .dataplane_harness import Dataplane
 from .scoped_keys import FULL_KEY, POOLS, REPLICAS, SIDE_KEY

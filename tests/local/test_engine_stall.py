@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.runner import LocalCluster, RunState
 from denv_iac.ops.demo import replica_fault
-from denv_iac.spec.reader import read_stack
 from tests.engine_load import agent_reply, all_up, server_row, streaming, wait_for, watch_full
 from tests.stacks import local_site
 from tests.timing import assert_within

@@ -17,6 +17,8 @@ import httpx
 import pytest
 import yaml
 
+from denv_iac.core.rollout import RolloutRefused
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import (
     RollStopped,
@@ -25,8 +27,6 @@ from denv_iac.local.rollout import (
     server_rows,
 )
 from denv_iac.local.runner import LocalCluster, RunState
-from denv_iac.rollout import RolloutRefused
-from denv_iac.spec.reader import read_stack
 from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import CONFIG as SUPERVISED
 from tests.local.test_local_supervision import _stack_project, _supervised_up

@@ -17,8 +17,9 @@ from click.testing import CliRunner
 from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
-from denv_iac.balancer.client_secrets import subprotocols
 from denv_iac.cli import main
+from denv_iac.core.balancer.client_secrets import subprotocols
+from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.local import runner
 from denv_iac.local.runner import (
     HAPROXY_MARK,
@@ -30,7 +31,6 @@ from denv_iac.local.runner import (
     stop_recorded,
 )
 from denv_iac.ops.demo import kill_replica, run_demo
-from denv_iac.spec.reader import StackError, read_stack
 from tests.stacks import local_site, valid_config
 
 if shutil.which("haproxy") is None:

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import yaml
 
+from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.local.runner import LocalCluster, RestartBackoff, RunState, StackLock
-from denv_iac.spec.reader import StackError, read_stack
 from tests.local.test_local_runner import CONFIG, alive, free_endpoint_port
 
 if shutil.which("haproxy") is None:

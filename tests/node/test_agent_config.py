@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 from denv_agent.config import parse
 
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.node import agent
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeSpecError, spec_from_json
-from denv_iac.placement import place_replicas
-from denv_iac.spec.reader import read_stack
 from tests.components import stacks
 
 

@@ -10,7 +10,7 @@ import re
 import pytest
 from pyinfra.api.command import FileUploadCommand, StringCommand
 
-from denv_iac.balancer import (
+from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
@@ -18,8 +18,8 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.balancer.client_secrets import key_map
-from denv_iac.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
+from denv_iac.core.balancer.client_secrets import key_map
+from denv_iac.core.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
 from denv_iac.node import plan_balancer
 from denv_iac.node.balancer_host import (
     CONFIG,

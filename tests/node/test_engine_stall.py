@@ -22,10 +22,12 @@ from typing import Any
 import httpx
 import pytest
 
-from denv_iac.balancer import render_haproxy_config
-from denv_iac.balancer.files import relocate_maps
-from denv_iac.dataplane import balancer_pools
-from denv_iac.endpoint import balancer_settings
+from denv_iac.core.balancer import render_haproxy_config
+from denv_iac.core.balancer.files import relocate_maps
+from denv_iac.core.dataplane import balancer_pools
+from denv_iac.core.endpoint import balancer_settings
+from denv_iac.core.placement import PlacedReplica, place_replicas
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
@@ -34,8 +36,6 @@ from denv_iac.node import agent
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.ops.demo import set_fault
-from denv_iac.placement import PlacedReplica, place_replicas
-from denv_iac.spec.reader import read_stack
 from tests.engine_load import agent_reply, all_up, server_row, streaming, wait_for, watch_full
 from tests.stacks import SECRET
 from tests.timing import assert_within

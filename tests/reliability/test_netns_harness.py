@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.delay_proxy import DelayProxyProcess
 from denv_iac.local.netns import (
     PREFIX,
@@ -20,7 +21,6 @@ from denv_iac.local.netns import (
     running_in_netns,
     unavailable_reason,
 )
-from denv_iac.spec.reader import read_stack
 
 STACK = {
     "denv:sites": [

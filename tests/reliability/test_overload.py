@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.observe_bench import busy_stack
 from benchmarks.overload import ZOMBIE_OUT_MS, run_levels, run_zombie
-from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
+from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
 from tests.timing import DETECTION_SLACK_S, RECOVERY_SLACK_S, assert_within
 
 if shutil.which("haproxy") is None:

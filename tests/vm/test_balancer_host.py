@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from denv_iac.balancer import (
+from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
@@ -35,7 +35,7 @@ from denv_iac.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.balancer.model import CONFIG_DIR, STATS_SOCKET, TLS_CERT_PATH
+from denv_iac.core.balancer.model import CONFIG_DIR, STATS_SOCKET, TLS_CERT_PATH
 from denv_iac.local.replica_sim import READY_PREFIX
 from denv_iac.node.balancer_host import CONFIG
 from tests.vm.bed import HOST, OUTSIDE, Bed, Vm

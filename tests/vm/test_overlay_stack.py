@@ -36,31 +36,31 @@ from typing import Any
 
 import pytest
 
-from denv_iac.balancer import (
+from denv_iac.components.overlay import new_key_pair
+from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
     BalancerTier,
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.balancer.model import CONFIG_DIR
-from denv_iac.components.overlay import new_key_pair
-from denv_iac.dataplane import balancer_pools
-from denv_iac.endpoint import balancer_settings
-from denv_iac.local.netns import call_in
-from denv_iac.node.from_stack import node_deploy_specs
-from denv_iac.node.spec import NodeDeploySpec, spec_to_json
-from denv_iac.overlay import (
+from denv_iac.core.balancer.model import CONFIG_DIR
+from denv_iac.core.dataplane import balancer_pools
+from denv_iac.core.endpoint import balancer_settings
+from denv_iac.core.overlay import (
     INTERFACE,
     OverlayPlan,
     node_member,
     render_config,
     wireguard_sources,
 )
-from denv_iac.placement import Placement
-from denv_iac.plan import make_plan
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import read_stack
+from denv_iac.core.placement import Placement
+from denv_iac.core.plan import make_plan
+from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.reader import read_stack
+from denv_iac.local.netns import call_in
+from denv_iac.node.from_stack import node_deploy_specs
+from denv_iac.node.spec import NodeDeploySpec, spec_to_json
 from tests.dataplane.overlay_lab import Capture
 from tests.node import standin
 from tests.vm.bed import HOST, NAT_ADDRESS, NAT_LINK, OUTSIDE, Bed, Vm
@@ -82,8 +82,8 @@ SIM_MODULES = (
     "denv_iac/local/__init__.py",
     "denv_iac/local/replica_sim.py",
     "denv_iac/local/voice_sim.py",
-    "denv_iac/spec/__init__.py",
-    "denv_iac/spec/model.py",
+    "denv_iac/core/stack/__init__.py",
+    "denv_iac/core/stack/model.py",
 )
 STREAMS = 8
 Keys = dict[str, tuple[str, str]]  # member name -> (private, public) WireGuard key

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from denv_iac.ingress import IngressRule, ssh_rules
-from denv_iac.robot_firewall import OUTPUT_RULES, robot_rules
-from denv_iac.spec.ports import AGENT_PORT
+from denv_iac.core.ingress import IngressRule, ssh_rules
+from denv_iac.core.robot_firewall import OUTPUT_RULES, robot_rules
+from denv_iac.core.stack.ports import AGENT_PORT
 from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
 from tests.vm.robot_filter import set_robot_filter

@@ -40,19 +40,19 @@ from typing import Any
 
 import pytest
 
-from denv_iac.balancer import RenderedConfig, render_haproxy_config
-from denv_iac.balancer.model import CONFIG_DIR
-from denv_iac.balancer.stats import parse_stats_csv
-from denv_iac.dataplane import balancer_pools
-from denv_iac.endpoint import balancer_settings, endpoint_url
+from denv_iac.core.balancer import RenderedConfig, render_haproxy_config
+from denv_iac.core.balancer.model import CONFIG_DIR
+from denv_iac.core.balancer.stats import parse_stats_csv
+from denv_iac.core.dataplane import balancer_pools
+from denv_iac.core.endpoint import balancer_settings, endpoint_url
+from denv_iac.core.placement import PlacedReplica
+from denv_iac.core.plan import make_plan
+from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeDeploySpec, spec_to_json
 from denv_iac.ops.demo import count_replayed
 from denv_iac.ops.loadgen import StreamResult
-from denv_iac.placement import PlacedReplica
-from denv_iac.plan import make_plan
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.reader import read_stack
 from tests.node import standin
 from tests.vm.bed import HOST, Bed, Vm
 from tests.vm.conftest import TIMINGS

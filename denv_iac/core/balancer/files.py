@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 
-from denv_iac.balancer.model import RenderedConfig
+from denv_iac.core.balancer.model import RenderedConfig
 
 CONFIG_FILE_NAME = "haproxy.cfg"
 

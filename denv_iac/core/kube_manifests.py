@@ -21,13 +21,13 @@ kubelet's pod-resources API which GPU or MIG device each replica pod was given. 
 that asks for no GPU sees none: since GPU Operator 25.10, CDI is on and `nvidia` is no longer
 the default runtime, so without the runtime class NVML fails. Every agent of the site has the
 same config, naming all the site's replicas by pod; it answers for the replicas whose pods run
-on its node and says AGENT_UNKNOWN (denv_iac.balancer.gateway) for the others. Agent checks all
+on its node and says AGENT_UNKNOWN (denv_iac.core.balancer.gateway) for the others. Agent checks all
 arrive at the gateway on AGENT_PORT; it routes each by the replica id it carries to a backend
 holding every node's agent, where a check sending that id marks down each agent that does not
 know the replica, so the balancer's check is relayed to the agent of the replica's node. The
 global balancer keeps its per-replica health checks, agent verdicts and session affinity
 exactly as on machines; the gateway is only a relay, its haproxy.cfg rendered by
-`denv_iac.balancer.gateway`. The price is one cloud load balancer per planning node.
+`denv_iac.core.balancer.gateway`. The price is one cloud load balancer per planning node.
 
 A replica pod rolls as a replica on a machine does. Its readiness means warm, and its preStop
 drains it and waits for its calls to end; both ask the agent of the pod's own node, through a
@@ -35,7 +35,7 @@ Service that keeps traffic on the caller's node (AGENT_LOCAL_NAME), on the agent
 
 Every listener the balancer calls (replica ports and the agent frontend) takes only TLS with a
 client certificate of the stack's own CA, whose certificate and key reach the pods as a Secret
-(see `denv_iac.spec.gateway_link` for why TLS and not a WireGuard peer).
+(see `denv_iac.core.stack.gateway_link` for why TLS and not a WireGuard peer).
 """
 
 import hashlib
@@ -44,18 +44,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
-from denv_iac.balancer.gateway import (
+from denv_iac.core.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
+from denv_iac.core.balancer.gateway import (
     GATEWAY_HEALTH_PORT,
     GatewayRoute,
     GatewaySite,
     GatewayTls,
     render_gateway_config,
 )
-from denv_iac.placement import PlacedReplica
-from denv_iac.spec.gateway_link import gateway_tls_on
-from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
-from denv_iac.spec.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
+from denv_iac.core.placement import PlacedReplica
+from denv_iac.core.stack.gateway_link import gateway_tls_on
+from denv_iac.core.stack.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
+from denv_iac.core.stack.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
 
 Manifest = dict[str, Any]
 

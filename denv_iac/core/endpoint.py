@@ -6,16 +6,16 @@ offline checks and the local runner (which changes only where it listens and kee
 
 from dataclasses import asdict
 
-from denv_iac.balancer.model import (
+from denv_iac.core.balancer.model import (
     CLIENT_SECRET_KEY_PATH,
     GATEWAY_CA_PATH,
     GATEWAY_CLIENT_PATH,
     TLS_CERT_PATH,
     BalancerSettings,
 )
-from denv_iac.spec.exposure import metrics_on_loopback
-from denv_iac.spec.gateway_link import gateway_tls_on
-from denv_iac.spec.model import StackSpec
+from denv_iac.core.stack.exposure import metrics_on_loopback
+from denv_iac.core.stack.gateway_link import gateway_tls_on
+from denv_iac.core.stack.model import StackSpec
 
 _DEFAULT_PORT = {"http": 80, "https": 443}
 LOOPBACK = "127.0.0.1"

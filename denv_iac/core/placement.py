@@ -14,9 +14,9 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from denv_iac.catalog import Catalog, load_catalog
-from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
-from denv_iac.spec.reader import StackError
+from denv_iac.core.catalog import Catalog, load_catalog
+from denv_iac.core.stack.model import RecipeSpec, SiteSpec, StackSpec
+from denv_iac.core.stack.reader import StackError
 
 
 @dataclass(frozen=True)

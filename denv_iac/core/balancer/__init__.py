@@ -1,16 +1,16 @@
 """The one endpoint: HAProxy config rendered from placed pools (checked and run by
 denv_iac/haproxy/)."""
 
-from denv_iac.balancer.haproxy import render_haproxy_config
-from denv_iac.balancer.model import (
+from denv_iac.core.balancer.haproxy import render_haproxy_config
+from denv_iac.core.balancer.model import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
     BalancerTier,
     RenderedConfig,
 )
-from denv_iac.balancer.validation import BalancerConfigError
-from denv_iac.spec.model import KeyScope
+from denv_iac.core.balancer.validation import BalancerConfigError
+from denv_iac.core.stack.model import KeyScope
 
 __all__ = [
     "BalancerConfigError",

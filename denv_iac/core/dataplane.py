@@ -2,10 +2,10 @@
 
 from collections.abc import Callable
 
-from denv_iac.balancer import BalancerPool, BalancerServer, BalancerTier
-from denv_iac.placement import PlacedReplica, Placement
-from denv_iac.spec.gateway_link import gateway_tls_name, gateway_tls_on, kubernetes_sites
-from denv_iac.spec.model import StackSpec
+from denv_iac.core.balancer import BalancerPool, BalancerServer, BalancerTier
+from denv_iac.core.placement import PlacedReplica, Placement
+from denv_iac.core.stack.gateway_link import gateway_tls_name, gateway_tls_on, kubernetes_sites
+from denv_iac.core.stack.model import StackSpec
 
 # Where a replica answers once it runs: (address, replica port, agent port).
 Locator = Callable[[PlacedReplica], tuple[str, int, int]]

@@ -3,15 +3,15 @@
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from denv_iac.balancer.haproxy import models_list_problem
-from denv_iac.catalog import Catalog, load_catalog
-from denv_iac.kube_manifests import resource_name_problems, site_problems
-from denv_iac.overlay import OverlayPlan, plan_overlay
-from denv_iac.placement import PlacedNode, Placement, place_replicas
-from denv_iac.robot_firewall import site_robot_problems
-from denv_iac.spec.model import SSH_SITE_KINDS, SiteSpec, StackSpec
-from denv_iac.spec.ports import placed_port_problems
-from denv_iac.spec.reader import StackError
+from denv_iac.core.balancer.haproxy import models_list_problem
+from denv_iac.core.catalog import Catalog, load_catalog
+from denv_iac.core.kube_manifests import resource_name_problems, site_problems
+from denv_iac.core.overlay import OverlayPlan, plan_overlay
+from denv_iac.core.placement import PlacedNode, Placement, place_replicas
+from denv_iac.core.robot_firewall import site_robot_problems
+from denv_iac.core.stack.model import SSH_SITE_KINDS, SiteSpec, StackSpec
+from denv_iac.core.stack.ports import placed_port_problems
+from denv_iac.core.stack.reader import StackError
 
 HOURS_PER_MONTH = 730
 

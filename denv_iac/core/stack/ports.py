@@ -7,8 +7,8 @@ and `pulumi up` refuse the same collisions.
 from collections.abc import Iterable
 from typing import Protocol
 
-from denv_iac.spec.fields import Problems
-from denv_iac.spec.model import RecipeSpec, SiteSpec, StackSpec
+from denv_iac.core.stack.fields import Problems
+from denv_iac.core.stack.model import RecipeSpec, SiteSpec, StackSpec
 
 SSH_PORT = 22
 AGENT_PORT = 9100  # the node deploy's agent-check port (NodeDeploySpec.agent_port)

@@ -24,8 +24,13 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from denv_iac.placement import Placement
-from denv_iac.spec.model import MADE_BALANCER_HOST_KINDS, SSH_SITE_KINDS, OverlaySpec, StackSpec
+from denv_iac.core.placement import Placement
+from denv_iac.core.stack.model import (
+    MADE_BALANCER_HOST_KINDS,
+    SSH_SITE_KINDS,
+    OverlaySpec,
+    StackSpec,
+)
 
 INTERFACE = "denv0"
 CONFIG_PATH = f"/etc/wireguard/{INTERFACE}.conf"

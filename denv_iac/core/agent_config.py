@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from denv_iac.spec.model import RecipeSpec
+from denv_iac.core.stack.model import RecipeSpec
 
 Scalar = str | int | float | bool
 Table = Mapping[str, Scalar]

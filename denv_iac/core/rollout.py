@@ -11,9 +11,9 @@ The local runner executes the plan (denv_iac.local.rollout); see docs/components
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from denv_iac.placement import PlacedReplica
-from denv_iac.sites import node_id
-from denv_iac.spec.model import RecipeSpec, StackSpec
+from denv_iac.core.placement import PlacedReplica
+from denv_iac.core.sites import node_id
+from denv_iac.core.stack.model import RecipeSpec, StackSpec
 
 # What a replica runs: a change in any of these restarts each of the pool's replicas in turn.
 REPLICA_FIELDS = (

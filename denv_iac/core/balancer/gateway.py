@@ -1,6 +1,6 @@
 """The in-cluster gateway of a Kubernetes site: its HAProxy config, rendered from its routes.
 
-The gateway is only a relay (see denv_iac.kube_manifests for its design): a TCP listener per
+The gateway is only a relay (see denv_iac.core.kube_manifests for its design): a TCP listener per
 replica, forwarding to the replica's pod, and one agent-check frontend that routes each check by
 the replica id it carries to the agent of the replica's node.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from denv_iac.balancer import sections
-from denv_iac.balancer.model import BalancerSettings
-from denv_iac.spec.ports import AGENT_PORT
+from denv_iac.core.balancer import sections
+from denv_iac.core.balancer.model import BalancerSettings
+from denv_iac.core.stack.ports import AGENT_PORT
 
 GATEWAY_HEALTH_PORT = 8404
 # What an agent answers for a replica whose pod is not on its node (denv_agent.agentcheck).

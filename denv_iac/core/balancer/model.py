@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from denv_iac.spec.model import (
+from denv_iac.core.stack.model import (
     AGENT_INTER_MS,
     CHECK_INTER_MS,
     CHECK_TIMEOUT_MS,

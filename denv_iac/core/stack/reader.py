@@ -6,9 +6,9 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from denv_iac.catalog import Catalog, load_catalog
-from denv_iac.spec.fields import Fields, Problems, describe, is_secret
-from denv_iac.spec.model import (
+from denv_iac.core.catalog import Catalog, load_catalog
+from denv_iac.core.stack.fields import Fields, Problems, describe, is_secret
+from denv_iac.core.stack.model import (
     AUTO_ENGINE,
     BALANCER_HOST_KINDS,
     COLD_START_BUDGET_S,
@@ -35,9 +35,9 @@ from denv_iac.spec.model import (
     SiteSpec,
     StackSpec,
 )
-from denv_iac.spec.overlay import overlay_problems, read_overlay
-from denv_iac.spec.ports import stack_port_problems
-from denv_iac.spec.values import (
+from denv_iac.core.stack.overlay import overlay_problems, read_overlay
+from denv_iac.core.stack.ports import stack_port_problems
+from denv_iac.core.stack.values import (
     HOST_NAME,
     HOST_RULE,
     IMAGE,

@@ -1,7 +1,7 @@
 """What each kind of site means for its machines: node ids, SSH logins, where caches live."""
 
-from denv_iac.spec.model import SiteSpec
-from denv_iac.spec.values import lambda_name
+from denv_iac.core.stack.model import SiteSpec
+from denv_iac.core.stack.values import lambda_name
 
 # Sites that create their machines from a provider's image, with the site's SSH key. The
 # image ships the NVIDIA driver (the deploy keeps a working one) and logs in as CLOUD_SSH_USER:

@@ -7,9 +7,9 @@ Each is one line naming the field and the fix. `denv plan` prints them and still
 import hashlib
 import ipaddress
 
-from denv_iac.spec.gateway_link import KUBERNETES, gateway_link_warnings
-from denv_iac.spec.model import StackSpec
-from denv_iac.spec.overlay import overlay_warnings
+from denv_iac.core.stack.gateway_link import KUBERNETES, gateway_link_warnings
+from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.overlay import overlay_warnings
 
 # Kinds whose machines get a cloud firewall from the stack: without admin_cidrs it has no SSH
 # rule, so the deploy cannot reach the machines it just created.

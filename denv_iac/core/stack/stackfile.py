@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from denv_iac.spec.reader import StackError
+from denv_iac.core.stack.reader import StackError
 
 # Pulumi's own rule for stack names; no '/' and no leading '.', so a name never leaves its folder.
 STACK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")

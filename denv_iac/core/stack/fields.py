@@ -10,8 +10,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from denv_iac.spec.model import Secret
-from denv_iac.spec.values import (
+from denv_iac.core.stack.model import Secret
+from denv_iac.core.stack.values import (
     DEPLOY_ENV,
     ENV_NAME,
     ENV_RULE,

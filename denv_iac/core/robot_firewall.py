@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from denv_iac.ingress import IngressRule, Protocol, node_overlay_access, site_ingress_rules
-from denv_iac.spec.model import SiteSpec, StackSpec
+from denv_iac.core.ingress import IngressRule, Protocol, node_overlay_access, site_ingress_rules
+from denv_iac.core.stack.model import SiteSpec, StackSpec
 
 # Robot's webservice refuses a firewall with more rules than this in one direction.
 MAX_RULES = 10

@@ -11,15 +11,15 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from denv_iac.balancer import client_secrets as ek
-from denv_iac.balancer.model import (
+from denv_iac.core.balancer import client_secrets as ek
+from denv_iac.core.balancer.model import (
     BalancerPool,
     BalancerServer,
     BalancerSettings,
     BalancerTier,
     RenderedConfig,
 )
-from denv_iac.balancer.sections import (
+from denv_iac.core.balancer.sections import (
     LOG_STDOUT,
     TLS_MIN_VERSION,
     agent_send,
@@ -27,8 +27,8 @@ from denv_iac.balancer.sections import (
     host_port,
     section,
 )
-from denv_iac.balancer.validation import BalancerConfigError, validate_balancer_inputs
-from denv_iac.spec.model import KeyScope
+from denv_iac.core.balancer.validation import BalancerConfigError, validate_balancer_inputs
+from denv_iac.core.stack.model import KeyScope
 
 POOLS_MAP = "pools.map"
 API_KEYS_MAP = "api_keys.map"

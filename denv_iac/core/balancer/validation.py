@@ -10,8 +10,13 @@ import ipaddress
 import re
 from collections.abc import Sequence
 
-from denv_iac.balancer.model import BalancerPool, BalancerServer, BalancerSettings, BalancerTier
-from denv_iac.spec.values import MODEL_NAME
+from denv_iac.core.balancer.model import (
+    BalancerPool,
+    BalancerServer,
+    BalancerSettings,
+    BalancerTier,
+)
+from denv_iac.core.stack.values import MODEL_NAME
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _HOSTNAME = re.compile(
