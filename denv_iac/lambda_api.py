@@ -195,6 +195,24 @@ def error_message(response: httpx.Response) -> tuple[str, str]:
     return message, str(error.get("code", ""))
 
 
+def _data(operation: str, response: httpx.Response) -> Any:
+    """The `data` of a success; an answer that is not Lambda's JSON envelope (a proxy's or a
+    captive portal's page, a truncated body) is a one-line error, not a decoding traceback."""
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = None
+    if not isinstance(answer, Mapping):
+        kind = response.headers.get("Content-Type", "no content type")
+        raise LambdaApiError(
+            operation,
+            f"HTTP {response.status_code} answered with {kind}, not Lambda's JSON"
+            " (is a proxy in the way? check HTTPS_PROXY and the API URL)",
+            # No status: the request may have been done, so a launch looks for what exists.
+        )
+    return answer.get("data")
+
+
 class LambdaClient:
     """Lambda Cloud's API with one API key; `transport` lets tests stand in for Lambda."""
 
@@ -261,7 +279,7 @@ class LambdaClient:
             if response.is_error:
                 message, code = error_message(response)
                 raise LambdaApiError(operation, message, response.status_code, code)
-            return response.json().get("data")
+            return _data(operation, response)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _backoff(self, attempt: int) -> float:

@@ -414,6 +414,26 @@ def test_retry_after_and_exponential_backoff_set_the_wait() -> None:
     assert sleeps == [7.0, 4.0]
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.Response(200, text="<html>Sign in to the network</html>"),
+        httpx.Response(200, json=["not", "an", "envelope"]),
+        httpx.Response(200, content=b'{"data": ['),
+    ],
+    ids=["html", "json-list", "truncated"],
+)
+def test_an_answer_that_is_not_lambdas_json_is_one_line(answer: httpx.Response) -> None:
+    client = LambdaClient(
+        KEY, transport=httpx.MockTransport(lambda _: answer), retry=FAST, pacer=UNPACED
+    )
+    with client, pytest.raises(LambdaApiError) as error:
+        client.list_instances()
+    message = str(error.value)
+    assert message.startswith("Lambda Cloud list instances: HTTP 200 answered with ")
+    assert "not Lambda's JSON" in message and "\n" not in message
+
+
 def test_a_lost_connection_is_retried_for_reads_only() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
