@@ -459,12 +459,22 @@ def _wait_short(state: RunState, limit_s: float = 1.0) -> None:
         time.sleep(0.005)
 
 
-def wait_full_strength(state: RunState, since: float) -> float | None:
-    while time.perf_counter() - since < RECOVERY_LIMIT_S:
+def wait_full_strength(
+    state: RunState, since: float, limit_s: float = RECOVERY_LIMIT_S
+) -> float | None:
+    """Seconds from `since` (perf_counter) until the pool is at full strength; None past
+    `limit_s`."""
+    while time.perf_counter() - since < limit_s:
         if at_full_strength(state):
             return time.perf_counter() - since
         time.sleep(0.01)
     return None
+
+
+def wait_full_strength_within(state: RunState, limit_s: float) -> None:
+    """Until the pool is at full strength, before load: RuntimeError past `limit_s`."""
+    if wait_full_strength(state, time.perf_counter(), limit_s) is None:
+        raise RuntimeError(f"the stack was not at full strength within {limit_s} s")
 
 
 def run_scenario(scenario: Scenario, concurrency: int, duration_s: float) -> Outcome:
