@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,12 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput import tally
-from benchmarks.reliability import stats_of, wait_full_strength, wait_full_strength_within
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from benchmarks.reliability import (
+    fresh_stack,
+    stats_of,
+    wait_full_strength,
+    wait_full_strength_within,
+)
+from denv_iac.local.runner import LocalCluster, RunState
 from denv_iac.ops.demo import replica_fault, seen_by_replicas
 from denv_iac.ops.loadgen import LoadReport, run_load
 from denv_iac.spec.model import FIRST_TOKEN_TIMEOUT_MS
-from denv_iac.spec.reader import read_stack
 from tests.engine_load import sampling
 
 RESULTS = Path(__file__).parent / "results" / "overload_reliability.json"
@@ -168,14 +171,6 @@ def level_problems(level: Level) -> list[str]:
     return problems
 
 
-def _started(
-    stack: dict[str, Any], tmp: Path, cluster_type: type[LocalCluster] = LocalCluster
-) -> LocalCluster:
-    cluster = cluster_type(read_stack("overload", stack), tmp, free_port())
-    cluster.up()
-    return cluster
-
-
 async def _load(state: RunState, rate: float, duration_s: float, seed: int) -> LoadReport:
     return await run_load(
         state.endpoint,
@@ -208,21 +203,16 @@ def run_levels(
     capacity = capacity_per_s(2)
     name = "fallback" if fallback else "one tier"
     out = []
-    with tempfile.TemporaryDirectory(prefix="denv-overload-") as tmp:
-        cluster = _started(stack or overload_stack(fallback), Path(tmp), cluster_type)
-        try:
-            state = cluster.state
-            assert state is not None
-            for load in levels:
-                wait_full_strength_within(state, READY_LIMIT_S)
-                with sampling(lambda: _out_of_rotation(state), ROTATION_EVERY_S) as samples:
-                    report = asyncio.run(_load(state, load * capacity, duration_s, seed))
-                level = count(f"{name} {load}x", load, capacity, duration_s, report)
-                left = sorted({replica for sample in samples for replica in sample})
-                out.append(replace(level, left_rotation=tuple(left)))
-                time.sleep(1.0)
-        finally:
-            cluster.down()
+    config = stack or overload_stack(fallback)
+    with fresh_stack("overload", config, READY_LIMIT_S, cluster_type) as (_, state):
+        for load in levels:
+            wait_full_strength_within(state, READY_LIMIT_S)
+            with sampling(lambda: _out_of_rotation(state), ROTATION_EVERY_S) as samples:
+                report = asyncio.run(_load(state, load * capacity, duration_s, seed))
+            level = count(f"{name} {load}x", load, capacity, duration_s, report)
+            left = sorted({replica for sample in samples for replica in sample})
+            out.append(replace(level, left_rotation=tuple(left)))
+            time.sleep(1.0)
     return out
 
 
@@ -259,50 +249,44 @@ def run_zombie(
     """A zombie a third of the way in, cleared two thirds in; detection counted from its first
     stalled request: the fault is set while a stream runs on it."""
     capacity = capacity_per_s(2)
-    with tempfile.TemporaryDirectory(prefix="denv-zombie-") as tmp:
-        cluster = _started(overload_stack(False), Path(tmp), cluster_type)
+    config = overload_stack(False)
+    with fresh_stack("overload", config, READY_LIMIT_S, cluster_type) as (cluster, state):
+        zombie = state.replicas[0].id
+        moments: dict[str, float] = {}
+        timings: dict[str, float | None] = {}
+        rows: list[dict[str, str]] = []
+
+        def row() -> dict[str, str]:
+            return stats_of(state).get(zombie, {})
+
+        def out() -> bool:
+            rows.append(row())
+            return not rows[-1].get("status", "UP").startswith("UP")
+
+        def fault() -> None:
+            time.sleep(duration_s / 3)
+            _poll(lambda: int(row().get("scur") or 0) > 0, 5.0)
+            replica_fault(state, zombie, "zombie")
+            moments["fault"] = time.perf_counter()
+            timings["out"] = _poll(out, 10.0)
+            time.sleep(max(0.0, duration_s / 3 - (timings["out"] or 0)))
+            healing = time.perf_counter()
+            replica_fault(state, zombie, "none")
+            timings["recovered"] = wait_full_strength(state, healing)
+
+        stop = threading.Event()
+        supervisor = threading.Thread(target=cluster.supervise_until, args=(stop, print))
+        supervisor.start()
+        faulting = threading.Thread(target=fault)
+        faulting.start()
+        began = time.perf_counter()
         try:
-            state = cluster.state
-            assert state is not None
-            wait_full_strength_within(state, READY_LIMIT_S)
-            zombie = state.replicas[0].id
-            moments: dict[str, float] = {}
-            timings: dict[str, float | None] = {}
-            rows: list[dict[str, str]] = []
-
-            def row() -> dict[str, str]:
-                return stats_of(state).get(zombie, {})
-
-            def out() -> bool:
-                rows.append(row())
-                return not rows[-1].get("status", "UP").startswith("UP")
-
-            def fault() -> None:
-                time.sleep(duration_s / 3)
-                _poll(lambda: int(row().get("scur") or 0) > 0, 5.0)
-                replica_fault(state, zombie, "zombie")
-                moments["fault"] = time.perf_counter()
-                timings["out"] = _poll(out, 10.0)
-                time.sleep(max(0.0, duration_s / 3 - (timings["out"] or 0)))
-                healing = time.perf_counter()
-                replica_fault(state, zombie, "none")
-                timings["recovered"] = wait_full_strength(state, healing)
-
-            stop = threading.Event()
-            supervisor = threading.Thread(target=cluster.supervise_until, args=(stop, print))
-            supervisor.start()
-            faulting = threading.Thread(target=fault)
-            faulting.start()
-            began = time.perf_counter()
-            try:
-                report = asyncio.run(_load(state, ZOMBIE_LEVEL * capacity, duration_s, seed))
-            finally:
-                faulting.join()
-                stop.set()
-                supervisor.join()
-            seen = seen_by_replicas(state)
+            report = asyncio.run(_load(state, ZOMBIE_LEVEL * capacity, duration_s, seed))
         finally:
-            cluster.down()
+            faulting.join()
+            stop.set()
+            supervisor.join()
+        seen = seen_by_replicas(state)
     out_s, recovered_s = timings.get("out"), timings.get("recovered")
     went_out = moments.get("fault", began) + (out_s or duration_s) - began
     counted = tally(report.results, FIRST_TOKEN_TIMEOUT_MS)

@@ -20,7 +20,6 @@ import asyncio
 import copy
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,11 +30,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.goodput import CUT
-from benchmarks.reliability import wait_full_strength_within
+from benchmarks.reliability import fresh_stack
 from denv_iac.balancer.haproxy import TWIN_SUFFIXES
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import RollReport, ready_servers, roll, server_rows
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.local.runner import LocalCluster, RunState
 from denv_iac.ops.loadgen import (
     CONNECT_TIMEOUT_S,
     Connection,
@@ -74,6 +73,7 @@ STACK: dict[str, Any] = {
     "denv:balancer": {"sites": ["local"]},
 }
 SETTLE_S = 1.0  # load before the roll starts, and after it ends
+READY_WITHIN_S = 15.0  # for the fresh stack to be at full strength
 SAMPLE_EVERY_S = 0.05  # how often the pool's ready replicas are read from HAProxy
 
 
@@ -235,15 +235,8 @@ async def _measure(cluster: LocalCluster, load: Load) -> Outcome:
 
 
 def run_scenario(load: Load = Load()) -> Outcome:
-    with tempfile.TemporaryDirectory(prefix="denv-rollout-reliability-") as tmp:
-        cluster = LocalCluster(read_stack("reliability", STACK), Path(tmp), free_port())
-        cluster.up()
-        try:
-            assert cluster.state is not None
-            wait_full_strength_within(cluster.state, 15.0)
-            return asyncio.run(_measure(cluster, load))
-        finally:
-            cluster.down()
+    with fresh_stack("reliability", STACK, READY_WITHIN_S) as (cluster, _):
+        return asyncio.run(_measure(cluster, load))
 
 
 def main(argv: list[str] | None = None) -> int:
