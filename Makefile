@@ -17,7 +17,7 @@ lint: setup
 	$(BIN)/ruff format --check $(PY_SRC)
 
 typecheck: setup
-	$(BIN)/mypy denv_iac agent/denv_agent
+	$(BIN)/mypy denv_iac agent/denv_agent benchmarks
 
 unit: setup
 	$(BIN)/pytest

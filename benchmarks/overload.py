@@ -9,10 +9,11 @@ pool's capacity:
 
 - capacity = replicas x slots / the time one request holds its slot with every slot busy
   (prefill, then `tokens` tokens at `itl_ms x (1 + itl_growth x (slots - 1))`);
-- per level: requests, completed, completed with the first token within the first-token budget,
-  cut mid-stream by the product (a 200 that broke off: must be 0 on healthy replicas), shed
-  (503/429) and the longest any shed request waited for that answer (must be within the budget
-  plus 100 ms), and goodput: completed-within-budget per second as a share of capacity;
+- per level, counted by benchmarks/goodput.py as `make bench` counts: requests, completed,
+  completed with the first token within the first-token budget, cut mid-stream (an answer that
+  began and broke off: must be 0 on healthy replicas), shed (503/429) and the longest any shed
+  request waited for that answer (must be within the budget plus 100 ms), and goodput:
+  completed-within-budget per second of the run as a share of capacity;
 - `fallback 0.9x`: a second site of equal size as the pool's next tier, 0.9x of the home tier's
   capacity (at least 99 % must complete with the first token within budget);
 - `zombie`: one of two replicas keeps answering /health and sending headers but makes no token,
@@ -28,7 +29,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,12 +36,18 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.reliability import at_full_strength, stats_of, wait_full_strength
+from benchmarks.goodput import tally
+from benchmarks.reliability import (
+    fresh_stack,
+    stats_of,
+    wait_full_strength,
+    wait_full_strength_within,
+)
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
-from denv_iac.core.stack.reader import read_stack
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.local.runner import LocalCluster, RunState
 from denv_iac.ops.demo import replica_fault, seen_by_replicas
-from denv_iac.ops.loadgen import LoadReport, percentile, run_load
+from denv_iac.ops.loadgen import LoadReport, run_load
+from tests.engine_load import sampling
 
 RESULTS = Path(__file__).parent / "results" / "overload_reliability.json"
 LEVELS = (0.5, 0.9, 1.3, 2.0)
@@ -54,16 +60,17 @@ SESSION_TURNS = 4
 # shared cores.
 SHED_SLACK_MS = 100
 ZOMBIE_OUT_MS = 2000
+READY_LIMIT_S = 20.0  # for the stack to be at full strength before a level
+ROTATION_EVERY_S = 0.02  # how often HAProxy's view of the replicas is read during a level
 # One GPU's engine in miniature: four sequences at once, each token 10 % slower per extra one.
 ENGINE = {"ttft_ms": 40, "itl_ms": 20, "tokens": 16, "slots": 4, "itl_growth": 0.1}
-SHED = ("http_503", "http_429")
 
 
 def capacity_per_s(replicas: int, engine: dict[str, Any] = ENGINE) -> float:
     """Requests/s the replicas finish with every slot busy."""
-    slots = engine["slots"]
-    itl_ms = engine["itl_ms"] * (1 + engine["itl_growth"] * (slots - 1))
-    held_s = (engine["ttft_ms"] + engine["tokens"] * itl_ms) / 1000
+    slots: int = engine["slots"]
+    itl_ms: float = engine["itl_ms"] * (1 + engine["itl_growth"] * (slots - 1))
+    held_s: float = (engine["ttft_ms"] + engine["tokens"] * itl_ms) / 1000
     return replicas * slots / held_s
 
 
@@ -104,8 +111,8 @@ class Level:
     requests: int
     completed: int
     within_budget: int  # completed with the first token within the first-token budget
-    cut: int  # 200 answers that broke off mid-stream
-    shed: int  # answered 503 or 429
+    cut: int  # answers that began and broke off mid-stream
+    shed: int  # answered 503 or 429 (benchmarks/goodput.py: rejected)
     worst_shed_ms: float | None  # the longest wait for a 503/429, from the request
     other_errors: dict[str, int]
     ttft_p50_ms: float | None
@@ -122,40 +129,27 @@ class Level:
 def count(
     scenario: str, load: float, capacity: float, duration_s: float, report: LoadReport
 ) -> Level:
-    results = report.results
-    completed = [r for r in results if r.ok]
-    within = [r for r in completed if r.ttft_ms is not None and r.ttft_ms <= FIRST_TOKEN_TIMEOUT_MS]
-    shed = [r for r in results if r.error in SHED]
-    cut = [r for r in results if r.status == 200 and r.error]
-    others = [r for r in results if r.error and r not in shed and r not in cut]
-    firsts = [r.ttft_ms for r in completed if r.ttft_ms is not None]
-    p50, p90 = percentile(firsts, 50), percentile(firsts, 90)
+    """One level's figures: goodput over the whole run (its arrivals, then the last answers)."""
+    counted = tally(report.results, FIRST_TOKEN_TIMEOUT_MS)
     return Level(
         scenario,
         load,
         round(load * capacity, 2),
         round(capacity, 2),
         duration_s,
-        len(results),
-        len(completed),
-        len(within),
-        len(cut),
-        len(shed),
-        round(max(r.total_ms for r in shed), 1) if shed else None,
-        dict(sorted(_counts(r.error for r in others).items())),
-        None if p50 is None else round(p50, 1),
-        None if p90 is None else round(p90, 1),
-        round(len(within) / report.wall_s / capacity, 3) if report.wall_s else 0.0,
-        round(len(within) / len(results), 4) if results else 0.0,
-        sum(1 for r in completed if ".away." in r.replica),
+        counted.sent,
+        counted.completed,
+        counted.within_budget,
+        len(counted.cut),
+        len(counted.rejected),
+        counted.worst_rejected_ms,
+        counted.other_errors,
+        counted.ttft_ms(50),
+        counted.ttft_ms(90),
+        counted.goodput(report.wall_s, capacity),
+        round(counted.within_budget / counted.sent, 4) if counted.sent else 0.0,
+        sum(1 for r in report.results if r.ok and ".away." in r.replica),
     )
-
-
-def _counts(errors: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for error in errors:
-        out[error] = out.get(error, 0) + 1
-    return out
 
 
 def level_problems(level: Level) -> list[str]:
@@ -177,22 +171,6 @@ def level_problems(level: Level) -> list[str]:
     return problems
 
 
-def _started(
-    stack: dict[str, Any], tmp: Path, cluster_type: type[LocalCluster] = LocalCluster
-) -> LocalCluster:
-    cluster = cluster_type(read_stack("overload", stack), tmp, free_port())
-    cluster.up()
-    return cluster
-
-
-def _wait_ready(state: RunState, limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not at_full_strength(state):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the stack was not at full strength")
-        time.sleep(0.05)
-
-
 async def _load(state: RunState, rate: float, duration_s: float, seed: int) -> LoadReport:
     return await run_load(
         state.endpoint,
@@ -206,12 +184,10 @@ async def _load(state: RunState, rate: float, duration_s: float, seed: int) -> L
     )
 
 
-def _watch_rotation(state: RunState, stop: threading.Event, left: set[str]) -> None:
-    """Every replica HAProxy had out of rotation (not UP) while the load ran."""
-    while not stop.wait(0.02):
-        for replica_id, row in stats_of(state).items():
-            if not row.get("status", "").startswith("UP"):
-                left.add(replica_id)
+def _out_of_rotation(state: RunState) -> set[str]:
+    """The replicas HAProxy has out of rotation (not UP) now."""
+    rows = stats_of(state).items()
+    return {replica for replica, row in rows if not row.get("status", "").startswith("UP")}
 
 
 def run_levels(
@@ -227,27 +203,16 @@ def run_levels(
     capacity = capacity_per_s(2)
     name = "fallback" if fallback else "one tier"
     out = []
-    with tempfile.TemporaryDirectory(prefix="denv-overload-") as tmp:
-        cluster = _started(stack or overload_stack(fallback), Path(tmp), cluster_type)
-        try:
-            state = cluster.state
-            assert state is not None
-            for load in levels:
-                _wait_ready(state)
-                left: set[str] = set()
-                stop = threading.Event()
-                watching = threading.Thread(target=_watch_rotation, args=(state, stop, left))
-                watching.start()
-                try:
-                    report = asyncio.run(_load(state, load * capacity, duration_s, seed))
-                finally:
-                    stop.set()
-                    watching.join()
-                level = count(f"{name} {load}x", load, capacity, duration_s, report)
-                out.append(replace(level, left_rotation=tuple(sorted(left))))
-                time.sleep(1.0)
-        finally:
-            cluster.down()
+    config = stack or overload_stack(fallback)
+    with fresh_stack("overload", config, READY_LIMIT_S, cluster_type) as (_, state):
+        for load in levels:
+            wait_full_strength_within(state, READY_LIMIT_S)
+            with sampling(lambda: _out_of_rotation(state), ROTATION_EVERY_S) as samples:
+                report = asyncio.run(_load(state, load * capacity, duration_s, seed))
+            level = count(f"{name} {load}x", load, capacity, duration_s, report)
+            left = sorted({replica for sample in samples for replica in sample})
+            out.append(replace(level, left_rotation=tuple(left)))
+            time.sleep(1.0)
     return out
 
 
@@ -284,71 +249,62 @@ def run_zombie(
     """A zombie a third of the way in, cleared two thirds in; detection counted from its first
     stalled request: the fault is set while a stream runs on it."""
     capacity = capacity_per_s(2)
-    with tempfile.TemporaryDirectory(prefix="denv-zombie-") as tmp:
-        cluster = _started(overload_stack(False), Path(tmp), cluster_type)
+    config = overload_stack(False)
+    with fresh_stack("overload", config, READY_LIMIT_S, cluster_type) as (cluster, state):
+        zombie = state.replicas[0].id
+        moments: dict[str, float] = {}
+        timings: dict[str, float | None] = {}
+        rows: list[dict[str, str]] = []
+
+        def row() -> dict[str, str]:
+            return stats_of(state).get(zombie, {})
+
+        def out() -> bool:
+            rows.append(row())
+            return not rows[-1].get("status", "UP").startswith("UP")
+
+        def fault() -> None:
+            time.sleep(duration_s / 3)
+            _poll(lambda: int(row().get("scur") or 0) > 0, 5.0)
+            replica_fault(state, zombie, "zombie")
+            moments["fault"] = time.perf_counter()
+            timings["out"] = _poll(out, 10.0)
+            time.sleep(max(0.0, duration_s / 3 - (timings["out"] or 0)))
+            healing = time.perf_counter()
+            replica_fault(state, zombie, "none")
+            timings["recovered"] = wait_full_strength(state, healing)
+
+        stop = threading.Event()
+        supervisor = threading.Thread(target=cluster.supervise_until, args=(stop, print))
+        supervisor.start()
+        faulting = threading.Thread(target=fault)
+        faulting.start()
+        began = time.perf_counter()
         try:
-            state = cluster.state
-            assert state is not None
-            _wait_ready(state)
-            zombie = state.replicas[0].id
-            moments: dict[str, float] = {}
-            timings: dict[str, float | None] = {}
-            rows: list[dict[str, str]] = []
-
-            def row() -> dict[str, str]:
-                return stats_of(state).get(zombie, {})
-
-            def out() -> bool:
-                rows.append(row())
-                return not rows[-1].get("status", "UP").startswith("UP")
-
-            def fault() -> None:
-                time.sleep(duration_s / 3)
-                _poll(lambda: int(row().get("scur") or 0) > 0, 5.0)
-                replica_fault(state, zombie, "zombie")
-                moments["fault"] = time.perf_counter()
-                timings["out"] = _poll(out, 10.0)
-                time.sleep(max(0.0, duration_s / 3 - (timings["out"] or 0)))
-                healing = time.perf_counter()
-                replica_fault(state, zombie, "none")
-                timings["recovered"] = wait_full_strength(state, healing)
-
-            stop = threading.Event()
-            supervisor = threading.Thread(target=cluster.supervise_until, args=(stop, print))
-            supervisor.start()
-            faulting = threading.Thread(target=fault)
-            faulting.start()
-            began = time.perf_counter()
-            try:
-                report = asyncio.run(_load(state, ZOMBIE_LEVEL * capacity, duration_s, seed))
-            finally:
-                faulting.join()
-                stop.set()
-                supervisor.join()
-            seen = seen_by_replicas(state)
+            report = asyncio.run(_load(state, ZOMBIE_LEVEL * capacity, duration_s, seed))
         finally:
-            cluster.down()
+            faulting.join()
+            stop.set()
+            supervisor.join()
+        seen = seen_by_replicas(state)
     out_s, recovered_s = timings.get("out"), timings.get("recovered")
     went_out = moments.get("fault", began) + (out_s or duration_s) - began
-    results = report.results
-    cut = [r for r in results if r.status == 200 and r.error]
-    shed = [r for r in results if r.error in SHED]
-    others = [r for r in results if r.error and r not in cut and r not in shed]
+    counted = tally(report.results, FIRST_TOKEN_TIMEOUT_MS)
     return Zombie(
         "zombie, stack defaults",
         ZOMBIE_LEVEL,
-        len(results),
-        sum(1 for r in results if r.ok),
-        len(cut),
+        counted.sent,
+        counted.completed,
+        len(counted.cut),
         sum(
             1
-            for r in cut
+            for r in counted.cut
             if r.replica == zombie and seen.get(r.request_id) == [zombie] and r.started_s < went_out
         ),
         int(rows[-1].get("scur") or 0) if rows else 0,
-        len(shed),
-        round(max(r.total_ms for r in shed), 1) if shed else None,
-        dict(sorted(_counts(r.error for r in others).items())),
+        len(counted.rejected),
+        counted.worst_rejected_ms,
+        counted.other_errors,
         None if out_s is None else round(out_s * 1000, 1),
         None if recovered_s is None else round(recovered_s * 1000, 1),
     )

@@ -14,7 +14,8 @@ counted) through
 - peer: vllm-router (PEER_POLICY, its load-aware policy, its other settings as shipped), which
   forwards every request to a replica, where it waits in the engine's queue.
 
-A client gives up on a stream whose next byte is PATIENCE_S late. Per router and level:
+A client gives up on a stream whose next byte is PATIENCE_S late. Per router and level, counted
+by benchmarks/goodput.py:
 - goodput: requests completed with their first token within the first-token budget, per second
   of the counted window, as a fraction of the capacity (1.0: the pool did all it can);
 - offered: arrivals per second as a fraction of the capacity (Poisson: near the level);
@@ -43,9 +44,10 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.goodput import account
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
 from denv_iac.local.replica_sim import ReplicaSimConfig
-from denv_iac.ops.loadgen import StreamResult, percentile, run_load
+from denv_iac.ops.loadgen import StreamResult, run_load
 from tests.dataplane.dataplane_harness import Dataplane, PoolLayout
 from tests.dataplane.peer_router import PeerRouter
 
@@ -71,51 +73,7 @@ WINDOW_S = 13.0
 WARMUP_S = 3.0
 PATIENCE_S = 3.0
 SEED = 26
-REJECTED = ("http_503", "http_429")
 _IDLE_TIMEOUT_S = 30.0
-
-
-def account(
-    results: Sequence[StreamResult],
-    *,
-    since_s: float,
-    until_s: float,
-    capacity_rps: float,
-    budget_ms: float,
-) -> dict[str, float]:
-    """One router's figures at one level, from what each request sent between `since_s` and
-    `until_s` (seconds into the run) got.
-
-    Counted by the time a request was sent: in a FIFO queue a request's fate depends on those
-    before it only, so the requests of an interval that starts once the queues are full are
-    served at the pool's rate whatever comes after, and goodput over capacity is at most 1.
-    """
-    window_s = until_s - since_s
-    results = [r for r in results if since_s <= r.started_s < until_s]
-    sent = len(results)
-    completed = [r for r in results if r.ok]
-    good = [r for r in completed if r.ttft_ms is not None and r.ttft_ms <= budget_ms]
-    rejected_ms = [r.total_ms for r in results if r.error in REJECTED]
-    firsts = [r.ttft_ms for r in completed if r.ttft_ms is not None]
-
-    def share(count: int) -> float:
-        return round(count / sent, 3) if sent else 0.0
-
-    return {
-        "offered": round(sent / window_s / capacity_rps, 3),
-        "goodput": round(len(good) / window_s / capacity_rps, 3),
-        "completed_late": share(len(completed) - len(good)),
-        "ttft_p50_ms": round(percentile(firsts, 50) or 0.0, 1),
-        "ttft_p90_ms": round(percentile(firsts, 90) or 0.0, 1),
-        "cut": share(sum(r.error == "aborted" for r in results)),
-        "gave_up": share(sum(r.error == "timeout" for r in results)),
-        "rejected": share(len(rejected_ms)),
-        "rejected_p50_ms": round(percentile(rejected_ms, 50) or 0.0, 1),
-        "rejected_max_ms": round(max(rejected_ms, default=0.0), 1),
-        "other_errors": share(
-            sum(1 for r in results if r.error and r.error not in (*REJECTED, "aborted", "timeout"))
-        ),
-    }
 
 
 def goodput_ratio(product: dict[str, float], peer: dict[str, float]) -> float | None:

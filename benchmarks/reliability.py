@@ -26,9 +26,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from denv_agent.control import clear_faults, drain, inject_fault, undrain
@@ -459,12 +460,43 @@ def _wait_short(state: RunState, limit_s: float = 1.0) -> None:
         time.sleep(0.005)
 
 
-def wait_full_strength(state: RunState, since: float) -> float | None:
-    while time.perf_counter() - since < RECOVERY_LIMIT_S:
+def wait_full_strength(
+    state: RunState, since: float, limit_s: float = RECOVERY_LIMIT_S
+) -> float | None:
+    """Seconds from `since` (perf_counter) until the pool is at full strength; None past
+    `limit_s`."""
+    while time.perf_counter() - since < limit_s:
         if at_full_strength(state):
             return time.perf_counter() - since
         time.sleep(0.01)
     return None
+
+
+def wait_full_strength_within(state: RunState, limit_s: float) -> None:
+    """Until the pool is at full strength, before load: RuntimeError past `limit_s`."""
+    if wait_full_strength(state, time.perf_counter(), limit_s) is None:
+        raise RuntimeError(f"the stack was not at full strength within {limit_s} s")
+
+
+@contextlib.contextmanager
+def fresh_stack(
+    name: str,
+    config: dict[str, Any],
+    ready_within_s: float,
+    cluster_type: type[LocalCluster] = LocalCluster,
+) -> Iterator[tuple[LocalCluster, RunState]]:
+    """A local stack of its own (`config`, named `name`) in a folder of its own, up and at full
+    strength (RuntimeError past `ready_within_s`) for the block; down and gone after it."""
+    with tempfile.TemporaryDirectory(prefix=f"denv-{name}-") as tmp:
+        cluster = cluster_type(read_stack(name, config), Path(tmp), free_port())
+        cluster.up()
+        try:
+            state = cluster.state
+            assert state is not None
+            wait_full_strength_within(state, ready_within_s)
+            yield cluster, state
+        finally:
+            cluster.down()
 
 
 def run_scenario(scenario: Scenario, concurrency: int, duration_s: float) -> Outcome:

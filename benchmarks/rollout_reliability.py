@@ -20,8 +20,6 @@ import asyncio
 import copy
 import json
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,13 +29,22 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.reliability import at_full_strength
+from benchmarks.goodput import CUT
+from benchmarks.reliability import fresh_stack
 from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import RollReport, ready_servers, roll, server_rows
-from denv_iac.local.runner import LocalCluster, RunState, free_port
-from denv_iac.ops.loadgen import CONNECT_TIMEOUT_S, Connection, Endpoint, RealtimeSession, run_load
+from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.ops.loadgen import (
+    CONNECT_TIMEOUT_S,
+    Connection,
+    Endpoint,
+    Protocol,
+    RealtimeSession,
+    run_load,
+)
+from tests.engine_load import sampling
 
 RESULTS = Path(__file__).parent / "results" / "rollout_reliability.json"
 POOL = "voice"
@@ -65,8 +72,9 @@ STACK: dict[str, Any] = {
     ],
     "denv:balancer": {"sites": ["local"]},
 }
-CUT = ("aborted", "closed")  # a stream or a session ended mid-answer
 SETTLE_S = 1.0  # load before the roll starts, and after it ends
+READY_WITHIN_S = 15.0  # for the fresh stack to be at full strength
+SAMPLE_EVERY_S = 0.05  # how often the pool's ready replicas are read from HAProxy
 
 
 def changed_stack() -> dict[str, Any]:
@@ -160,52 +168,40 @@ async def _measure(cluster: LocalCluster, load: Load) -> Outcome:
     state = cluster.state
     assert state is not None
     outcome = Outcome()
-    samples: list[int] = []
-    sampling = threading.Event()
-
     since = time.monotonic()
-
-    def sample() -> None:
-        while not sampling.wait(0.05):
-            ready, why = _sample(state, since)
-            samples.append(ready)
-            if ready < MIN_WARM and len(outcome.under_min_warm) < 5:
-                outcome.under_min_warm.append(why)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    stop = asyncio.Event()
-    loads = [
-        asyncio.create_task(
-            run_load(
-                state.endpoint,
-                POOL,
-                protocol=protocol,
-                concurrency=workers,
-                duration_s=600,
-                session_turns=turns,
-                timeout_s=30,
-                stop=stop,
+    runs: tuple[tuple[Protocol, int, int], ...] = (
+        ("chat", load.chat_workers, 0),
+        ("realtime", load.realtime_workers, load.session_turns),
+    )
+    with sampling(lambda: _sample(state, since), SAMPLE_EVERY_S) as samples:
+        stop = asyncio.Event()
+        loads = [
+            asyncio.create_task(
+                run_load(
+                    state.endpoint,
+                    POOL,
+                    protocol=protocol,
+                    concurrency=workers,
+                    duration_s=600,
+                    session_turns=turns,
+                    timeout_s=30,
+                    stop=stop,
+                )
             )
-        )
-        for protocol, workers, turns in (
-            ("chat", load.chat_workers, 0),
-            ("realtime", load.realtime_workers, load.session_turns),
-        )
-        if workers
-    ]
-    calls = [asyncio.create_task(_long_call(state.endpoint)) for _ in range(load.long_calls)]
-    await asyncio.sleep(SETTLE_S)
-    changed = read_stack("reliability", changed_stack())
-    try:
-        report: RollReport = await asyncio.to_thread(roll, cluster, changed, _progress(since))
+            for protocol, workers, turns in runs
+            if workers
+        ]
+        calls = [asyncio.create_task(_long_call(state.endpoint)) for _ in range(load.long_calls)]
         await asyncio.sleep(SETTLE_S)
-    finally:
-        stop.set()
-        reports = await asyncio.gather(*loads)
-        outcome.long_calls = list(await asyncio.gather(*calls))
-        sampling.set()
-        sampler.join()
+        changed = read_stack("reliability", changed_stack())
+        try:
+            report: RollReport = await asyncio.to_thread(roll, cluster, changed, _progress(since))
+            await asyncio.sleep(SETTLE_S)
+        finally:
+            stop.set()
+            reports = await asyncio.gather(*loads)
+            outcome.long_calls = list(await asyncio.gather(*calls))
+    outcome.under_min_warm = [why for ready, why in samples if ready < MIN_WARM][:5]
     for done in reports:
         mine = [r for r in done.results if r.via == "endpoint"]
         outcome.requests += len(mine)
@@ -222,7 +218,8 @@ async def _measure(cluster: LocalCluster, load: Load) -> Outcome:
                 else:
                     outcome.lost += 1
     outcome.cut_past_drain = report.cut_on()
-    outcome.min_ready, outcome.samples = min(samples, default=0), len(samples)
+    outcome.min_ready = min((ready for ready, _ in samples), default=0)
+    outcome.samples = len(samples)
     outcome.roll_s = round(report.seconds, 2)
     outcome.per_replica_s = {
         s.replica: {
@@ -238,19 +235,8 @@ async def _measure(cluster: LocalCluster, load: Load) -> Outcome:
 
 
 def run_scenario(load: Load = Load()) -> Outcome:
-    with tempfile.TemporaryDirectory(prefix="denv-rollout-reliability-") as tmp:
-        cluster = LocalCluster(read_stack("reliability", STACK), Path(tmp), free_port())
-        cluster.up()
-        try:
-            assert cluster.state is not None
-            deadline = time.monotonic() + 15
-            while not at_full_strength(cluster.state):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the stack never came to full strength within 15 s")
-                time.sleep(0.05)
-            return asyncio.run(_measure(cluster, load))
-        finally:
-            cluster.down()
+    with fresh_stack("reliability", STACK, READY_WITHIN_S) as (cluster, _):
+        return asyncio.run(_measure(cluster, load))
 
 
 def main(argv: list[str] | None = None) -> int:

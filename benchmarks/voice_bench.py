@@ -97,11 +97,11 @@ async def _measure(plane: Dataplane) -> dict[str, float]:
     trials = []
     reconnects: list[float] = []
     for _ in range(FAILOVER_TRIALS):
-        report = await measure_failover(plane)
-        plane.replicas[report.victim].restart()
+        failover = await measure_failover(plane)
+        plane.replicas[failover.victim].restart()
         plane.wait_until(plane.all_up, timeout_s=10, what="every server up again")
-        trials.append(report.figures())
-        reconnects += [o.reconnect_ms for o in report.outcomes if o.reconnect_ms is not None]
+        trials.append(failover.figures())
+        reconnects += [o.reconnect_ms for o in failover.outcomes if o.reconnect_ms is not None]
     figures["failover_reconnect_p50_ms"] = percentile(reconnects, 50) or float("nan")
     figures["failover_sessions_cut"] = float(sum(int(str(t["cut"])) for t in trials))
     for key in ("replayed", "stalled", "failed_reconnects"):

@@ -88,15 +88,25 @@ class _TranscriptToContext(FrameProcessor):
 class _LLMService(OpenAILLMService):
     """Pipecat's OpenAI LLM service with an HTTP client of ours (it takes none): requests seen."""
 
-    def __init__(self, http_client: httpx.AsyncClient, **kwargs: Any) -> None:
+    def __init__(self, http_client: openai.DefaultAsyncHttpxClient, **kwargs: Any) -> None:
         self._http_client = http_client
         super().__init__(**kwargs)
 
-    def create_client(self, api_key: Any = None, base_url: Any = None, **kwargs: Any) -> Any:
+    def create_client(
+        self,
+        api_key: Any = None,
+        base_url: Any = None,
+        organization: Any = None,
+        project: Any = None,
+        default_headers: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         return openai.AsyncOpenAI(
             api_key=api_key,
             base_url=base_url,
-            default_headers=kwargs.get("default_headers"),
+            organization=organization,
+            project=project,
+            default_headers=default_headers,
             http_client=self._http_client,
         )
 
@@ -116,7 +126,7 @@ class VoicePipeline:
         self._worker: PipelineWorker | None = None
         self._running: asyncio.Task[None] | None = None
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self) -> openai.DefaultAsyncHttpxClient:
         return openai.DefaultAsyncHttpxClient(
             headers=self._session, event_hooks={"request": [self._on_request]}
         )

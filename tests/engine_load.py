@@ -1,5 +1,6 @@
-"""What the zombie and full-replica tests share: a stream of chat through an endpoint, waits
-polled against HAProxy's stats, and the agent's own reply to an agent check."""
+"""What the zombie and full-replica tests and the reliability benchmarks share: a stream of chat
+through an endpoint, waits polled against HAProxy's stats, a sampler that reads the pool while
+load runs, and the agent's own reply to an agent check."""
 
 import socket
 import threading
@@ -7,10 +8,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from denv_iac.haproxy.runtime import server_stats
+
+T = TypeVar("T")
 
 
 def wait_for(what: str, check: Callable[[], bool], within_s: float) -> float:
@@ -29,6 +33,33 @@ def server_row(admin_socket: Path, replica_id: str) -> dict[str, str]:
 def all_up(admin_socket: Path, replica_ids: list[str]) -> bool:
     rows = server_stats(admin_socket)
     return all(rows[replica_id]["status"] == "UP" for replica_id in replica_ids)
+
+
+@contextmanager
+def sampling(take: Callable[[], T], every_s: float) -> Iterator[list[T]]:
+    """`take()` every `every_s` in a thread of its own while the block runs (after a first
+    wait of `every_s`): the list of samples, in order, grows as the block runs. A sample that
+    raised stops the sampling and raises once the block is done."""
+    samples: list[T] = []
+    failed: list[Exception] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        try:
+            while not stop.wait(every_s):
+                samples.append(take())
+        except Exception as error:
+            failed.append(error)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        sampler.join()
+    if failed:
+        raise failed[0]
 
 
 def agent_reply(address: str, port: int, replica_id: str) -> str:
@@ -71,13 +102,11 @@ def watch_full(
 ) -> tuple[set[str], set[str]]:
     """The agent's replies and HAProxy's states seen over 4 s of eight streams over two replicas
     of two slots each: every slot busy, a queue behind them."""
-    replies: set[str] = set()
-    states: set[str] = set()
-    with streaming(endpoint, streams=8):
-        deadline = time.monotonic() + 4.0
-        while time.monotonic() < deadline:
-            for replica_id in replica_ids:
-                replies.add(reply(replica_id))
-                states.add(status(replica_id))
-            time.sleep(0.05)
-    return replies, states
+
+    def take() -> list[tuple[str, str]]:
+        return [(reply(replica_id), status(replica_id)) for replica_id in replica_ids]
+
+    with streaming(endpoint, streams=8), sampling(take, 0.05) as samples:
+        time.sleep(4.0)
+    pairs = [pair for sample in samples for pair in sample]
+    return {reply for reply, _ in pairs}, {state for _, state in pairs}

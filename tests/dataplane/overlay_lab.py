@@ -43,12 +43,11 @@ from denv_iac.local.netns import (
     NetnsCluster,
     NetnsLab,
     call_in,
-    free_port,
     owner_pid,
     running,
 )
 from denv_iac.local.netns import unavailable_reason as netns_unavailable
-from denv_iac.local.runner import Host
+from denv_iac.local.runner import Host, free_port
 
 NETNS_ETC = Path("/etc/netns")
 WIREGUARD_RUN = Path("/var/run/wireguard")
@@ -112,8 +111,8 @@ def remove_leftovers() -> None:
         if pid is not None and not running(pid):
             shutil.rmtree(folder, ignore_errors=True)
     for sock in WIREGUARD_RUN.glob("dv[bs]*.sock") if WIREGUARD_RUN.is_dir() else ():
-        pid = sock.stem[3:]
-        if pid.isdigit() and not running(int(pid)):
+        digits = sock.stem[3:]
+        if digits.isdigit() and not running(int(digits)):
             sock.unlink(missing_ok=True)
 
 
