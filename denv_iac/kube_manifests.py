@@ -52,6 +52,7 @@ from denv_iac.balancer.gateway import (
     GatewayTls,
     render_gateway_config,
 )
+from denv_iac.endpoint import balancer_settings
 from denv_iac.placement import PlacedReplica
 from denv_iac.spec.gateway_link import gateway_tls_on
 from denv_iac.spec.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
@@ -274,7 +275,7 @@ def site_manifests(
             routes.append(route)
             agent_replicas.append(_agent_replica(route, pod, recipe))
     tls = gateway_tls_on(stack)
-    haproxy_cfg = render_gateway_config(gateway_site(site, tls), routes)
+    haproxy_cfg = render_gateway_config(gateway_site(site, tls), routes, balancer_settings(stack))
     agent_toml = _agent_toml(site, agent_replicas)
     nodes = sorted({route.node for route in routes})
     return SiteManifests(

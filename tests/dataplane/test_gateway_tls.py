@@ -31,6 +31,7 @@ from denv_iac.balancer import (
     render_haproxy_config,
 )
 from denv_iac.balancer.gateway import GATEWAY_HEALTH_PORT, GatewayRoute, render_gateway_config
+from denv_iac.endpoint import balancer_settings
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
 from denv_iac.kube_manifests import gateway_site
@@ -95,7 +96,8 @@ def _gateway_config(pki: GatewayPki, replica: int, listen: int, agent: int, agen
         },
     )
     route = GatewayRoute(REPLICA, "node-0", 8000, listen, "127.0.0.1", replica)
-    config = render_gateway_config(gateway_site(stack.site("k8s"), tls=True), [route])
+    site = gateway_site(stack.site("k8s"), tls=True)
+    config = render_gateway_config(site, [route], balancer_settings(stack))
     config = config.replace("bind :", "bind 127.0.0.1:")
     config = config.replace(f"bind 127.0.0.1:{AGENT_PORT} ", f"bind 127.0.0.1:{agent} ")
     config = config.replace(f":{GATEWAY_HEALTH_PORT}\n", f":{free_port()}\n")
