@@ -16,6 +16,7 @@ from denv_iac.kube_manifests import gateway_site, site_manifests
 from denv_iac.placement import PlacedReplica, place_replicas
 from denv_iac.spec.model import StackSpec
 from denv_iac.spec.reader import read_stack
+from tests.stacks import EDGE, kube_site
 
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 # Timers that bound how long a stream or session may go without a byte.
@@ -41,12 +42,7 @@ def _idle_timers(config: str) -> list[int]:
 
 
 def _stack(timers: dict[str, int]) -> StackSpec:
-    site = {"kind": "kubernetes", "kubeconfig": {"secure": "sealed"}, "gpu": "H100"}
-    sites = [
-        {**site, "name": "k8s-a", "gpus_per_node": 8, "max_nodes": 2},
-        {**site, "name": "k8s-b", "gpus_per_node": 8, "max_nodes": 2, "namespace": "gpu"},
-        {"name": "edge", "kind": "local", "nodes": [{"name": "lb", "gpu": "L4", "gpus": 1}]},
-    ]
+    sites = [kube_site("k8s-a", 2), kube_site("k8s-b", 2, namespace="gpu"), EDGE]
     recipe = {"name": "voice", "min_warm": 3, "spare": 1, "sites": ["k8s-a", "k8s-b"]}
     config = {
         "denv:sites": sites,
