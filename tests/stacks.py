@@ -96,3 +96,24 @@ def local_site(name: str, nodes: int, gpus: int, gpu: str = "H100") -> dict[str,
         "kind": "local",
         "nodes": [{"name": f"n{i}", "gpu": gpu, "gpus": gpus} for i in range(nodes)],
     }
+
+
+def kube_site(name: str = "k8s", max_nodes: int = 1, **extra: Any) -> dict[str, Any]:
+    """A Kubernetes site of H100 planning nodes of 8 GPUs, its kubeconfig a sealed secret."""
+    return {
+        "name": name,
+        "kind": "kubernetes",
+        "kubeconfig": {"secure": "sealed"},
+        "gpu": "H100",
+        "gpus_per_node": 8,
+        "max_nodes": max_nodes,
+        **extra,
+    }
+
+
+# The balancer of a stack whose GPUs are on Kubernetes: a machine of a site of its own.
+EDGE: dict[str, Any] = {
+    "name": "edge",
+    "kind": "local",
+    "nodes": [{"name": "lb", "gpu": "L4", "gpus": 1}],
+}

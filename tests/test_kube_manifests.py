@@ -28,6 +28,7 @@ from denv_iac.core.kube_manifests import (
     gpu_resource,
     max_unavailable,
     min_available,
+    rollout_timeout_s,
     site_manifests,
     site_problems,
     startup_failure_threshold,
@@ -236,6 +237,32 @@ def test_a_rollout_restarts_the_sites_share_of_the_spare_at_once(
     recipe = RecipeSpec("p", "whole", (("k8s",),), min_warm, spare)
     assert max_unavailable(recipe, on_site) == at_once
     assert at_once == max(1, on_site - min_available(recipe, on_site))  # the budget's complement
+
+
+@pytest.mark.parametrize(
+    "min_warm, spare, on_site, drain_s, cold_s, bound_s",
+    [
+        # Three pods one at a time, each within 120 + 30 s to stop and 900 s to warm: 3750 s.
+        (2, 1, 3, 120, 900, 3 * (150 + 900) + 600),
+        # Four pods two at a time: two waves.
+        (2, 2, 4, 120, 900, 2 * (150 + 900) + 600),
+        # One pod, a short drain and a fast model: still past the provider's 10 minutes.
+        (1, 0, 1, 5, 60, 35 + 60 + 600),
+    ],
+)
+def test_up_waits_for_a_statefulsets_whole_rollout(
+    min_warm: int, spare: int, on_site: int, drain_s: int, cold_s: int, bound_s: int
+) -> None:
+    recipe = RecipeSpec(
+        "p",
+        "whole",
+        (("k8s",),),
+        min_warm,
+        spare,
+        cold_start_budget_s=cold_s,
+        drain_timeout_s=drain_s,
+    )
+    assert rollout_timeout_s(recipe, on_site) == bound_s
 
 
 def test_a_stopping_pod_is_given_its_drain_bound_and_the_servers_stop() -> None:

@@ -2,21 +2,24 @@
 when the plan refuses."""
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
 
-from denv_iac.core.placement import PlacedReplica, place_replicas
+from denv_iac.core.placement import place_replicas
 from denv_iac.core.rollout import (
     RolloutPlan,
     RolloutRefused,
-    deploy_after,
+    RolloutUnit,
     min_warm_problem,
     plan_rollout,
+    rollout_after,
+    rollout_units,
 )
 from denv_iac.core.stack.model import DRAIN_TIMEOUT_S
 from denv_iac.core.stack.reader import StackError, read_stack
-from tests.stacks import local_site
+from tests.stacks import kube_site, local_site
 
 BASE: dict[str, Any] = {
     "denv:sites": [local_site("local", nodes=6, gpus=1)],
@@ -153,38 +156,88 @@ def test_drain_timeout_defaults_to_a_voice_call() -> None:
     assert read_stack("t", _changed(chat={"drain_timeout_s": 30})).recipes[0].drain_timeout_s == 30
 
 
-def _placed(*replicas: str) -> list[PlacedReplica]:
-    """Placed replicas from `pool@site.node` strings."""
+def _units(*units: str) -> list[RolloutUnit]:
+    """Rollout units from `name:pool,pool` strings (a node deploy, or a workload of one pool)."""
     out = []
-    for text in replicas:
-        pool, where = text.split("@")
-        site, node = where.split(".")
-        out.append(PlacedReplica(f"{pool}.{where}.0", pool, site, node, 0, None, "whole", 0))
+    for text in units:
+        name, _, pools = text.partition(":")
+        out.append(RolloutUnit(name, tuple(p for p in pools.split(",") if p)))
     return out
 
 
 @pytest.mark.parametrize(
-    ("nodes", "replicas", "after"),
+    ("units", "after"),
     [
         # One pool over three nodes: a chain.
-        (["s.a", "s.b", "s.c"], ["v@s.a", "v@s.b", "v@s.c"], {"s.b": ("s.a",), "s.c": ("s.b",)}),
+        (["s.a:v", "s.b:v", "s.c:v"], {"s.b": ("s.a",), "s.c": ("s.b",)}),
         # Two pools on their own nodes: two chains, side by side.
-        (
-            ["s.a", "s.b", "s.c", "s.d"],
-            ["v@s.a", "t@s.b", "v@s.c", "t@s.d"],
-            {"s.c": ("s.a",), "s.d": ("s.b",)},
-        ),
+        (["s.a:v", "s.b:t", "s.c:v", "s.d:t"], {"s.c": ("s.a",), "s.d": ("s.b",)}),
         # A node hosting both waits for the last node of each; the chains cross sites.
+        (["x.a:v", "x.b:t", "y.a:t,v"], {"y.a": ("x.a", "x.b")}),
+        # A node with no replica waits for nothing, and nothing waits for it.
+        (["s.a:v", "s.b:", "s.c:v"], {"s.c": ("s.a",)}),
+        # Two Kubernetes sites serving one pool: the second site's workload after the first's.
+        (["k1/v:v", "k2/v:v"], {"k2/v": ("k1/v",)}),
+        # A Kubernetes site's workloads of two pools roll side by side.
+        (["k1/v:v", "k1/t:t", "k2/v:v"], {"k2/v": ("k1/v",)}),
+        # Nodes and Kubernetes sites of one pool, interleaved: one chain across both kinds.
         (
-            ["x.a", "x.b", "y.a"],
-            ["v@x.a", "t@x.b", "v@y.a", "t@y.a"],
-            {"y.a": ("x.a", "x.b")},
+            ["x.a:v", "k1/v:v", "y.a:t,v", "k2/v:v", "k2/t:t"],
+            {"k1/v": ("x.a",), "y.a": ("k1/v",), "k2/v": ("y.a",), "k2/t": ("y.a",)},
         ),
-        # A node with two replicas of a pool is one link; a node with none waits for nothing.
-        (["s.a", "s.b", "s.c"], ["v@s.a", "v@s.a", "v@s.c"], {"s.c": ("s.a",)}),
     ],
 )
-def test_a_pools_node_deploys_form_a_chain(
-    nodes: list[str], replicas: list[str], after: dict[str, tuple[str, ...]]
+def test_a_pools_rollout_units_form_a_chain(
+    units: list[str], after: dict[str, tuple[str, ...]]
 ) -> None:
-    assert deploy_after(nodes, _placed(*replicas)) == {n: after.get(n, ()) for n in nodes}
+    parsed = _units(*units)
+    assert rollout_after(parsed) == {u.name: after.get(u.name, ()) for u in parsed}
+
+
+def test_units_follow_the_stacks_sites_nodes_then_kubernetes_pools() -> None:
+    stack = read_stack(
+        "prod",
+        {
+            "denv:sites": [
+                kube_site("k8s-a", max_nodes=2),
+                {
+                    "name": "rack",
+                    "kind": "joined",
+                    "ssh_private_key": {"secure": "sealed"},
+                    "nodes": [
+                        {"name": f"n{i}", "address": f"192.0.2.{i}", "gpu": "L4", "gpus": 1}
+                        for i in (1, 2)
+                    ],
+                },
+                kube_site("k8s-b", max_nodes=2),
+            ],
+            "denv:recipes": [
+                {
+                    "name": name,
+                    "min_warm": warm,
+                    "spare": 1,
+                    "sites": sites,
+                    "image": "vllm/vllm-openai:v0.11.0",
+                }
+                for name, warm, sites in (
+                    ("voice", 5, ["k8s-a", "rack", "k8s-b"]),
+                    ("side", 1, ["k8s-a"]),
+                )
+            ],
+            "denv:balancer": {"sites": ["rack"]},
+        },
+    )
+    placement = place_replicas(stack)
+    units = rollout_units(stack, placement)
+    placed = {(r.site, r.pool) for r in placement.replicas}
+    assert {("k8s-a", "voice"), ("rack", "voice"), ("k8s-b", "voice")} <= placed
+    names = [u.name for u in units]
+    # Sites as listed; a Kubernetes site's pools in recipe order; a node site's every node.
+    assert names[:2] == ["k8s-a/voice", "k8s-a/side"]
+    assert names[2:4] == ["rack.n1", "rack.n2"]
+    assert names[4:] == ["k8s-b/voice"]
+    chains = rollout_after(units)
+    voice = [u.name for u in units if "voice" in u.pools]
+    for previous, unit in itertools.pairwise(voice):
+        assert chains[unit] == (previous,), unit
+    assert chains["k8s-a/side"] == ()

@@ -36,9 +36,9 @@ from denv_iac.core.ingress import (
 from denv_iac.core.overlay import host_member, node_member, overlay_hosts, plan_overlay
 from denv_iac.core.placement import Placement, place_replicas
 from denv_iac.core.plan import deploy_problems
-from denv_iac.core.rollout import deploy_after
+from denv_iac.core.rollout import rollout_after, rollout_units, workload_id
 from denv_iac.core.sites import CLOUD_SITE_KINDS, balancer_ssh_user, node_id, node_ssh_user
-from denv_iac.core.stack.gateway_link import gateway_tls_on, kubernetes_sites
+from denv_iac.core.stack.gateway_link import KUBERNETES, gateway_tls_on, kubernetes_sites
 from denv_iac.core.stack.model import (
     MADE_BALANCER_HOST_KINDS,
     SSH_SITE_KINDS,
@@ -161,24 +161,25 @@ class Cluster(pulumi.ComponentResource):
         self._overlay_plan = plan_overlay(stack, placement)
         hosts = self._balancer_hosts()
         self._gateway_tls = self._gateway_link()
-        sites = self._sites(placement, hosts)
+        # The machines first: the overlay needs their addresses.
+        sites = {
+            site.name: self._site(site, placement, hosts)
+            for site in stack.sites
+            if site.kind != KUBERNETES
+        }
         addresses = {site: nodes.addresses for site, (_, nodes) in sites.items()}
         # Before the node deploys, which take their machine's config and key from it.
         overlay = self._overlay(hosts, addresses)
-        # A pool's node deploys one after another (denv_iac.core.rollout.deploy_after).
-        self._setups: dict[str, NodeSetup] = {}
-        self._deploy_after = deploy_after(
-            [
-                node_id(site.name, node.name)
-                for site in stack.sites
-                if site.kind in SSH_SITE_KINDS
-                for node in placement.nodes
-                if node.site == site.name
-            ],
-            placement.replicas,
-        )
+        # Then what rolls replicas, in the rollout order: a pool's node deploys and Kubernetes
+        # workloads one after another (denv_iac.core.rollout.rollout_after); each waits on the ones
+        # before it, which therefore exist already.
+        self._rolled: dict[str, pulumi.Resource] = {}  # rollout unit -> its resource
+        self._rollout_after = rollout_after(rollout_units(stack, placement))
         for site in stack.sites:
-            if site.kind in SSH_SITE_KINDS:
+            if site.kind == KUBERNETES:
+                sites[site.name] = self._site(site, placement, hosts)
+                addresses[site.name] = sites[site.name][1].addresses
+            elif site.kind in SSH_SITE_KINDS:
                 context, nodes = sites[site.name]
                 self._node_setups(site, context, nodes, node_specs, overlay)
         pools = [self._pool(recipe, placement, addresses).replicas for recipe in stack.recipes]
@@ -254,33 +255,42 @@ class Cluster(pulumi.ComponentResource):
             access["overlay"] = overlay.access(member)
         return access
 
-    def _sites(
-        self, placement: Placement, hosts: dict[str, pulumi.Output[str]]
-    ) -> dict[str, tuple[SiteContext, SiteNodes]]:
-        """Site name -> what its builder was given, and its nodes."""
-        sites = {}
-        for site in self._stack.sites:
-            context: SiteContext = {
-                "stack": self._name,
-                "spec": self._stack,
-                "nodes": [node for node in placement.nodes if node.site == site.name],
-                "secrets": {f: v for (owner, f), v in self._secrets.items() if owner == site.name},
-                "env_secrets": {
-                    recipe.name: recipe_env_secrets(self._secrets, recipe.name)
-                    for recipe in self._stack.recipes
-                },
-                "balancer_addresses": hosts,
+    def _site(
+        self, site: SiteSpec, placement: Placement, hosts: dict[str, pulumi.Output[str]]
+    ) -> tuple[SiteContext, SiteNodes]:
+        """What a site's builder was given, and its nodes (and workloads, on Kubernetes)."""
+        context: SiteContext = {
+            "stack": self._name,
+            "spec": self._stack,
+            "nodes": [node for node in placement.nodes if node.site == site.name],
+            "secrets": {f: v for (owner, f), v in self._secrets.items() if owner == site.name},
+            "env_secrets": {
+                recipe.name: recipe_env_secrets(self._secrets, recipe.name)
+                for recipe in self._stack.recipes
+            },
+            "balancer_addresses": hosts,
+        }
+        if self._gateway_tls is not None:
+            context["gateway_tls"] = self._gateway_tls
+        if site.kind == KUBERNETES:
+            context["waits_on"] = {
+                recipe.name: self._waits_on(workload_id(site.name, recipe.name))
+                for recipe in self._stack.recipes
+                if workload_id(site.name, recipe.name) in self._rollout_after
             }
-            if self._gateway_tls is not None:
-                context["gateway_tls"] = self._gateway_tls
-            nodes = SITE_BUILDERS[site.kind](
-                child_name(self._name, site.name),
-                site,
-                context,
-                pulumi.ResourceOptions(parent=self),
-            )
-            sites[site.name] = (context, nodes)
-        return sites
+        nodes = SITE_BUILDERS[site.kind](
+            child_name(self._name, site.name),
+            site,
+            context,
+            pulumi.ResourceOptions(parent=self),
+        )
+        for pool, workload in nodes.workloads.items():
+            self._rolled[workload_id(site.name, pool)] = workload
+        return context, nodes
+
+    def _waits_on(self, unit: str) -> list[pulumi.Resource]:
+        """The resources of the rollout units before `unit` (`rollout.rollout_after`)."""
+        return [self._rolled[previous] for previous in self._rollout_after[unit]]
 
     def _node_setups(
         self,
@@ -318,14 +328,14 @@ class Cluster(pulumi.ComponentResource):
             if nodes.cache_devices is not None:
                 args["cache_device"] = nodes.cache_devices.apply(_node_cache_device(node.name))
             key = node_id(site.name, node.name)
-            self._setups[key] = NodeSetup(
+            setup = NodeSetup(
                 child_name(self._name, site.name, node.name, "setup"),
                 args,
-                pulumi.ResourceOptions(
-                    parent=nodes.component, depends_on=list(nodes.ready.get(node.name, ()))
-                ),
-                after=[self._setups[previous] for previous in self._deploy_after[key]],
+                pulumi.ResourceOptions(parent=nodes.component),
+                # A firewall on the node's path, then the pool's previous rollout units.
+                waits_on=[*nodes.ready.get(node.name, ()), *self._waits_on(key)],
             )
+            self._rolled[key] = setup.deployment
 
     def _gateway_link(self) -> GatewayTls | None:
         """The CA and certificates of mutual TLS to Kubernetes gateways (spec.gateway_link)."""

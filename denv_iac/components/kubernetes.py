@@ -57,8 +57,27 @@ class KubernetesSite(pulumi.ComponentResource):
     """The gateway's load-balancer address of each planning node, by node name."""
 
     def __init__(
-        self, name: str, args: KubernetesSiteArgs, opts: pulumi.ResourceOptions | None = None
+        self,
+        name: str,
+        args: KubernetesSiteArgs,
+        opts: pulumi.ResourceOptions | None = None,
+        waits_on: Mapping[str, Sequence[pulumi.Resource]] | None = None,
     ) -> None:
+        """`waits_on`: by pool, what must have ended its update before the pool's StatefulSet
+        here is created or updated: the pool's previous rollout units, on other sites
+        (denv_iac.core.rollout.rollout_after), so that the pool rolls in one place at a time.
+
+        Why a dependency on the StatefulSet orders rollouts: the Kubernetes provider ends a
+        StatefulSet's create or update only once its rollout has, "1. The value of
+        'spec.replicas' matches '.status.replicas', '.status.currentReplicas', and
+        '.status.readyReplicas'. 2. The value of '.status.updateRevision' matches
+        '.status.currentRevision'" (the StatefulSet reference of pulumi-kubernetes 4.34, its
+        apps/v1 StatefulSet docstring and registry page), and ready here means warm. So what
+        waits on it starts after every pod of the pool here rolled and is warm. The same page:
+        "If the StatefulSet has not reached a Ready state after 10 minutes, it will time out
+        and mark the resource update as Failed", overridable with `customTimeouts`, which each
+        StatefulSet gets from its pool (kube_manifests.rollout_timeout_s). A failed or timed
+        out update stops what waits on it: the pool's later units keep the old version."""
         site, stack = args["site"], args["stack"]
         problems = kube_manifests.site_problems(site, stack.recipes)
         if problems:
@@ -81,9 +100,17 @@ class KubernetesSite(pulumi.ComponentResource):
             for host in sorted(args["balancer_addresses"])
         ]
         addresses: dict[str, pulumi.Output[str]] = {}
+        pools = {id(pool.stateful_set): pool for pool in manifests.pools}
+        # What rolls each pool's replicas here: what the pool's next rollout unit waits on.
+        self.workloads: dict[str, pulumi.Resource] = {}
         for manifest in manifests.objects()[1:]:
             node = manifest["metadata"]["labels"].get("denv/node")
-            if node is not None:
+            if id(manifest) in pools:
+                pool = pools[id(manifest)]
+                self.workloads[pool.pool] = _register(
+                    name, manifest, _rolling(inside, pool, (waits_on or {}).get(pool.pool, ()))
+                )
+            elif node is not None:
                 # Only the balancer hosts may reach the gateway from outside the cluster.
                 spec = {**manifest["spec"], "loadBalancerSourceRanges": sources}
                 addresses[node] = _load_balancer_address(
@@ -103,6 +130,23 @@ def _register(name: str, manifest: dict[str, Any], opts: pulumi.ResourceOptions)
     body = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
     resource_name = child_name(name, *kube_manifests.resource_parts(manifest))
     return _KINDS[manifest["kind"]](resource_name, **body, opts=opts)
+
+
+def _rolling(
+    inside: pulumi.ResourceOptions,
+    pool: kube_manifests.PoolManifests,
+    waits_on: Sequence[pulumi.Resource],
+) -> pulumi.ResourceOptions:
+    """A pool's StatefulSet: after the pool's previous rollout units, and awaited as long as
+    its rollout may take."""
+    timeout = f"{pool.rollout_timeout_s}s"
+    return pulumi.ResourceOptions.merge(
+        inside,
+        pulumi.ResourceOptions(
+            depends_on=list(waits_on),
+            custom_timeouts=pulumi.CustomTimeouts(create=timeout, update=timeout),
+        ),
+    )
 
 
 def _register_env_secret(
@@ -186,5 +230,5 @@ def kubernetes_site(
             "pem": context["gateway_tls"].gateway_pems.apply(lambda pems: pems[site.name]),
             "ca": context["gateway_tls"].ca_certificate,
         }
-    component = KubernetesSite(name, args, opts)
-    return SiteNodes(component, component.node_addresses)
+    component = KubernetesSite(name, args, opts, context.get("waits_on"))
+    return SiteNodes(component, component.node_addresses, workloads=component.workloads)

@@ -304,16 +304,6 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
                 pulumi.log.warn(node_gone_warning(id_, error))
 
 
-def _waits_for(opts: pulumi.ResourceOptions | None) -> list[pulumi.Resource]:
-    """The resources `opts` names in depends_on, as a list."""
-    depends_on = opts.depends_on if opts is not None else None
-    if depends_on is None:
-        return []
-    if isinstance(depends_on, pulumi.Resource):
-        return [depends_on]
-    return list(depends_on)  # type: ignore[arg-type]
-
-
 class NodeDeployment(DynamicResource, module="denv", name="NodeDeployment"):
     """The dynamic resource behind a NodeSetup: its state is the deploy's inputs."""
 
@@ -389,10 +379,12 @@ class NodeSetup(pulumi.ComponentResource):
         name: str,
         args: NodeSetupArgs,
         opts: pulumi.ResourceOptions | None = None,
-        after: Sequence["NodeSetup"] = (),
+        waits_on: Sequence[pulumi.Resource] = (),
     ) -> None:
-        """`after`: the node deploys that must end before this one starts (a pool's rollout
-        order, core.rollout.deploy_after); the engine waits on them for create and update."""
+        """`waits_on`: what must exist, or have ended its update, before the deploy starts
+        (a firewall on the node's path; the pool's previous rollout units, so that a rollout
+        goes one place at a time, denv_iac.core.rollout.rollout_after). The engine waits on them for
+        create and update. A component's own `depends_on` does not reach its children."""
         if ("node" in args) == ("balancer" in args):
             raise ValueError(f"NodeSetup {name}: give either node or balancer")
         super().__init__("denv:index:NodeSetup", name, None, opts)
@@ -445,10 +437,7 @@ class NodeSetup(pulumi.ComponentResource):
             # certificate too).
             pulumi.ResourceOptions(
                 parent=self,
-                # What the setup waits for (a firewall on the node's path), the deploy waits
-                # for; and the deploys of the pool's previous nodes, so a rollout goes one node
-                # at a time.
-                depends_on=[*_waits_for(opts), *(setup.deployment for setup in after)],
+                depends_on=list(waits_on),
                 additional_secret_outputs=[
                     "ssh_private_key",
                     "secret_env",

@@ -43,6 +43,8 @@ class Registration:
     provider: str  # the provider reference, "" for the default provider
     delete_before_replace: bool = False
     dependencies: tuple[str, ...] = ()  # the URNs it waits for: depends_on and its inputs'
+    # customTimeouts: "create", "update", "delete" as the engine gets them ("600s"), where set.
+    custom_timeouts: dict[str, str] = field(default_factory=dict)
 
 
 def _address(name: str) -> str:
@@ -147,6 +149,7 @@ class RecordingMonitor(pulumi.runtime.mocks.MockMonitor):
                     request.provider,
                     bool(request.deleteBeforeReplace),
                     tuple(request.dependencies),
+                    json_format.MessageToDict(request.customTimeouts),
                 )
             )
         return super().RegisterResource(request)  # type: ignore[no-untyped-call]

@@ -23,6 +23,9 @@ class SiteContext(TypedDict):
     balancer_addresses: Mapping[str, pulumi.Output[str]]  # balancer site -> host address
     # The stack's gateway CA and certificates, when Kubernetes gateways are reached over TLS.
     gateway_tls: NotRequired[GatewayTls]
+    # On a Kubernetes site: what each pool's workload waits on before it rolls, by pool (the
+    # pool's previous rollout units, denv_iac.core.rollout.rollout_after).
+    waits_on: NotRequired[Mapping[str, Sequence[pulumi.Resource]]]
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class SiteNodes:
     cache_devices: pulumi.Output[dict[str, str]] | None = None
     # What a node's deploy must wait for, by node name: a firewall on its path (Robot's).
     ready: Mapping[str, Sequence[pulumi.Resource]] = field(default_factory=dict)
+    # What rolls each pool's replicas on the site, by pool, where the site does (Kubernetes:
+    # the StatefulSet): what the pool's next rollout unit waits on.
+    workloads: Mapping[str, pulumi.Resource] = field(default_factory=dict)
 
 
 # Makes a site's component (name, site, context, opts) and gives it back with its nodes.

@@ -52,6 +52,7 @@ from denv_iac.core.balancer.gateway import (
     GatewayTls,
     render_gateway_config,
 )
+from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.placement import PlacedReplica
 from denv_iac.core.stack.gateway_link import gateway_tls_on
 from denv_iac.core.stack.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
@@ -136,6 +137,8 @@ class PoolManifests:
     # The recipe's `secure:` env values, without them: the component fills `stringData` with
     # the secrets themselves, so no manifest or preview of the StatefulSet ever holds one.
     env_secret: Manifest | None
+    # How long `pulumi up` waits for the StatefulSet's rollout (see rollout_timeout_s).
+    rollout_timeout_s: int
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,7 @@ def site_manifests(
             routes.append(route)
             agent_replicas.append(_agent_replica(route, pod, recipe))
     tls = gateway_tls_on(stack)
-    haproxy_cfg = render_gateway_config(gateway_site(site, tls), routes)
+    haproxy_cfg = render_gateway_config(gateway_site(site, tls), routes, balancer_settings(stack))
     agent_toml = _agent_toml(site, agent_replicas)
     nodes = sorted({route.node for route in routes})
     return SiteManifests(
@@ -338,6 +341,21 @@ def termination_grace_s(recipe: RecipeSpec) -> int:
     """How long a stopping pod may take: its sessions' drain bound, then the server's own stop
     (what `docker stop -t` gives it on a node)."""
     return recipe.drain_timeout_s + SERVER_STOP_S
+
+
+# What a rollout takes beyond its pods' drains and cold starts: scheduling, pulling the image
+# (the provider's own default bound for a whole StatefulSet).
+ROLLOUT_SLACK_S = 600
+
+
+def rollout_timeout_s(recipe: RecipeSpec, on_site: int) -> int:
+    """How long `pulumi up` waits for a pool's StatefulSet here to finish a rollout before it
+    fails the update: each wave of `max_unavailable` pods stops within its grace period and
+    is warm within `cold_start_budget_s`, plus ROLLOUT_SLACK_S. The provider's default, 10
+    minutes for the whole StatefulSet, is shorter than one default cold start (900 s): a
+    healthy rollout would fail the update and stop the pool's later rollout units."""
+    waves = math.ceil(on_site / max_unavailable(recipe, on_site))
+    return waves * (termination_grace_s(recipe) + recipe.cold_start_budget_s) + ROLLOUT_SLACK_S
 
 
 def gateway_site(site: SiteSpec, tls: bool) -> GatewaySite:
@@ -808,7 +826,14 @@ def _pool_manifests(
         if recipe.secret_env
         else None
     )
-    return PoolManifests(recipe.name, stateful_set, service, budget, env_secret)
+    return PoolManifests(
+        recipe.name,
+        stateful_set,
+        service,
+        budget,
+        env_secret,
+        rollout_timeout_s(recipe, len(placed)),
+    )
 
 
 def _network_policy(stack: str, site: SiteSpec, pools: list[str], spec: StackSpec) -> Manifest:

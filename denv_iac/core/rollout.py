@@ -11,9 +11,10 @@ The local runner executes the plan (denv_iac.local.rollout); see docs/components
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from denv_iac.core.placement import PlacedReplica
+from denv_iac.core.placement import PlacedReplica, Placement
 from denv_iac.core.sites import node_id
-from denv_iac.core.stack.model import RecipeSpec, StackSpec
+from denv_iac.core.stack.gateway_link import KUBERNETES
+from denv_iac.core.stack.model import SSH_SITE_KINDS, RecipeSpec, StackSpec
 
 # What a replica runs: a change in any of these restarts each of the pool's replicas in turn.
 REPLICA_FIELDS = (
@@ -141,24 +142,58 @@ def min_warm_problem(pool: str, replica: str, ready_others: Sequence[str], min_w
     )
 
 
-def deploy_after(
-    nodes: Sequence[str], placed: Sequence[PlacedReplica]
-) -> dict[str, tuple[str, ...]]:
-    """For each node (`site.node`, in `nodes`' order), the nodes whose deploy must end before
-    its own starts: for each pool it hosts, the previous node in that order hosting the pool.
+@dataclass(frozen=True)
+class RolloutUnit:
+    """One resource whose update restarts replicas, as `pulumi up` sees it: a node's deploy
+    (every pool the node hosts) or a Kubernetes site's StatefulSet of one pool."""
 
-    What orders `pulumi up`: each pool's node deploys form a chain, so that the engine, which
-    runs independent resources at once, never restarts replicas of one pool on two nodes at
-    once; every link points to an earlier node, so the chains never form a cycle. Nodes that
-    share no pool still deploy side by side.
+    name: str  # node_id(site, node), or workload_id(site, pool)
+    pools: tuple[str, ...]
+
+
+def workload_id(site: str, pool: str) -> str:
+    """The name of a Kubernetes site's workload (StatefulSet) of one pool, as a rollout unit."""
+    return f"{site}/{pool}"
+
+
+def rollout_units(stack: StackSpec, placement: Placement) -> list[RolloutUnit]:
+    """Every rollout unit of the stack, in the order a pool rolls through them: the stack's
+    sites as listed; on a site reached over SSH, each placed node (placement order); on a
+    Kubernetes site, each pool it hosts (recipe order). Other sites (local) have none."""
+    units = []
+    for site in stack.sites:
+        here = [r for r in placement.replicas if r.site == site.name]
+        if site.kind in SSH_SITE_KINDS:
+            for node in placement.nodes:
+                if node.site == site.name:
+                    pools = {r.pool for r in here if r.node == node.name}
+                    units.append(RolloutUnit(node_id(site.name, node.name), tuple(sorted(pools))))
+        elif site.kind == KUBERNETES:
+            units += [
+                RolloutUnit(workload_id(site.name, recipe.name), (recipe.name,))
+                for recipe in stack.recipes
+                if any(r.pool == recipe.name for r in here)
+            ]
+    return units
+
+
+def rollout_after(units: Sequence[RolloutUnit]) -> dict[str, tuple[str, ...]]:
+    """For each unit (in `units`' order), the units whose update must end before its own
+    starts: for each pool it holds, the previous unit in that order holding the pool.
+
+    What orders `pulumi up`: the engine runs independent resources at once, so each pool's
+    units form a chain, across nodes, sites and kinds, and the engine never restarts replicas
+    of one pool in two places at once. A node deploy ends once its changed replicas rolled and
+    rejoined; a StatefulSet's update ends once its rollout did (the Kubernetes provider awaits
+    it: see denv_iac.components.kubernetes). Every link points to an earlier unit, so the
+    chains never form a cycle, and units that share no pool still update side by side.
     """
-    hosting: dict[str, set[str]] = {}
-    for replica in placed:
-        hosting.setdefault(node_id(replica.site, replica.node), set()).add(replica.pool)
-    last: dict[str, str] = {}  # pool -> the last node seen hosting it
+    last: dict[str, str] = {}  # pool -> the last unit seen holding it
     after: dict[str, tuple[str, ...]] = {}
-    for node in nodes:
-        pools = sorted(hosting.get(node, ()))
-        after[node] = tuple(sorted({last[p] for p in pools if p in last}, key=nodes.index))
-        last |= dict.fromkeys(pools, node)
+    order = [unit.name for unit in units]
+    for unit in units:
+        after[unit.name] = tuple(
+            sorted({last[p] for p in unit.pools if p in last}, key=order.index)
+        )
+        last |= dict.fromkeys(unit.pools, unit.name)
     return after

@@ -205,7 +205,7 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
     `drain_timeout_s` (those left are cut and counted) -> restart -> health answers within
     `ready_timeout_s` -> undrain -> `rejoin_s`, until the balancers count it UP. A replica
     that never answers stays drained, and the command fails with one line naming it, so that
-    `pulumi up` stops before the pool's next node (denv_iac.core.rollout.deploy_after) with the
+    `pulumi up` stops before the pool's next node (denv_iac.core.rollout.rollout_after) with the
     pool's other replicas serving the old version."""
     health = shlex.quote(f"http://127.0.0.1:{replica.port}{replica.health_path}")
     who = shlex.quote(replica.id)

@@ -11,7 +11,7 @@ from denv_iac.components.preview import (
     run_program,
 )
 
-__all__ = ["AMI_ID", "Run", "cluster_outputs", "plain_strings", "run_program"]
+__all__ = ["AMI_ID", "Run", "cluster_outputs", "plain_strings", "run_program", "waits_for"]
 
 
 def plain_strings(value: Any) -> list[str]:
@@ -34,3 +34,15 @@ def cluster_outputs(args: Any, name: str = "prod") -> dict[str, Any]:
         "haproxy_config": cluster.haproxy_config,
         "replica_ids": cluster.replica_ids,
     }
+
+
+def waits_for(run: Run, first: str, then: str) -> bool:
+    """Whether the resource `then` waits, directly or not, for `first` (URNs): the engine
+    never runs them at once, `then` after `first`."""
+    waits = {r.urn: set(r.dependencies) for r in run.registrations}
+    seen, todo = set(), [then]
+    while todo:
+        for urn in waits.get(todo.pop(), set()) - seen:
+            seen.add(urn)
+            todo.append(urn)
+    return first in seen

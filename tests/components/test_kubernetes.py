@@ -17,7 +17,7 @@ from denv_iac.core.kube_manifests import AGENT_PODS_PORT
 from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy import check_haproxy_config
 from tests.components import stacks
-from tests.components.harness import Run, cluster_outputs, plain_strings, run_program
+from tests.components.harness import Run, cluster_outputs, plain_strings, run_program, waits_for
 from tests.gateway_pki import reading_tls_from, write_pki
 
 PREVIEW = pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
@@ -438,3 +438,64 @@ def test_a_plain_link_registers_no_ca_and_no_gateway_secret() -> None:
     assert not run.of_type(GATEWAY_TLS)
     assert not [r for r in run.registrations if r.name.endswith("denv-gateway-tls")]
     assert " ssl " not in run.outputs["haproxy_config"]
+
+
+def _two_clusters_and_a_node() -> Any:
+    """Voice over two clusters and a Hetzner box between them (in the sites' order); side on the
+    first cluster alone."""
+    args = k8s_args()
+    first, box = args["sites"]
+    first["max_nodes"] = 2
+    second = {**copy.deepcopy(first), "name": "k8s-usw2", "namespace": "denv-b"}
+    args["sites"] = [first, box, second]
+    voice, side = args["recipes"]
+    voice["sites"], voice["min_warm"] = ["k8s-use1", "hetzner-fsn", "k8s-usw2"], 4
+    side["min_warm"] = 1
+    return args
+
+
+def _waits(run: Run) -> dict[str, set[str]]:
+    return {r.urn: set(r.dependencies) for r in run.registrations}
+
+
+@PREVIEW
+def test_a_pool_rolls_through_its_clusters_and_nodes_one_after_another(preview: bool) -> None:
+    run = _run(preview, _two_clusters_and_a_node())
+    sets = {
+        (r.name.split("-statefulset-")[0], r.inputs["metadata"]["labels"]["denv/pool"]): r
+        for r in run.of_type("kubernetes:apps/v1:StatefulSet")
+    }
+    assert set(sets) == {
+        ("prod-k8s-use1", "voice"),
+        ("prod-k8s-use1", "side"),
+        ("prod-k8s-usw2", "voice"),
+    }
+    (box,) = [
+        r.urn
+        for r in run.of_type("pulumi-python:dynamic/denv:NodeDeployment")
+        if r.name == "prod-hetzner-fsn-gex-1-setup-deploy"
+    ]
+    first, second = sets["prod-k8s-use1", "voice"].urn, sets["prod-k8s-usw2", "voice"].urn
+    waits = _waits(run)
+    # The sites' order: the first cluster, then the box, then the second cluster, each waiting
+    # on the one before it directly (the provider awaits a StatefulSet's rollout).
+    assert first in waits[box]
+    assert box in waits[second]
+    assert waits_for(run, first, second)
+    # Side shares no unit with voice: it rolls beside it, and nothing orders voice after it.
+    side = sets["prod-k8s-use1", "side"].urn
+    for urn in (first, box, second):
+        assert not waits_for(run, side, urn) and not waits_for(run, urn, side)
+    # Each StatefulSet is awaited as long as its rollout may take, past the provider's 10 min.
+    for (_, pool), stateful_set in sets.items():
+        timeouts = stateful_set.custom_timeouts
+        assert timeouts["create"] == timeouts["update"], pool
+        assert int(timeouts["update"].removesuffix("s")) > 900 + 600, pool
+
+
+def test_one_cluster_serving_a_pool_waits_on_nothing() -> None:
+    run = _run(False)
+    waits = _waits(run)
+    namespace = next(r.urn for r in run.of_type("kubernetes:core/v1:Namespace"))
+    for stateful_set in run.of_type("kubernetes:apps/v1:StatefulSet"):
+        assert waits[stateful_set.urn] == {namespace}, stateful_set.name

@@ -47,7 +47,7 @@ from denv_iac.node.spec import spec_to_json
 from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.steps import wants_link
 from tests.components import stacks
-from tests.components.harness import cluster_outputs, plain_strings, run_program
+from tests.components.harness import cluster_outputs, plain_strings, run_program, waits_for
 from tests.components.test_lambda import lambda_stack
 from tests.components.test_nebius import nebius_stack
 from tests.node import test_chroot_deploy as chroot
@@ -723,16 +723,6 @@ def test_a_pools_node_deploys_run_one_after_another_across_sites() -> None:
     args["sites"][0]["max_nodes"] = 2  # voice's third replica goes to the other region
     run = run_program(lambda: cluster_outputs(args), preview=False)
     stack, _, _ = validate_cluster("prod", args)
-    waits = {r.urn: set(r.dependencies) for r in run.of_type(DEPLOYMENT)}
-
-    def before(a: str, b: str) -> bool:  # b waits, directly or not, for a
-        seen, todo = set(), [b]
-        while todo:
-            for urn in waits.get(todo.pop(), set()) - seen:
-                seen.add(urn)
-                todo.append(urn)
-        return a in seen
-
     hosting = _deployments_hosting(run, stack)
     assert set(hosting) == {"voice", "side", "assist"}
     for pool, nodes in hosting.items():
@@ -741,14 +731,14 @@ def test_a_pools_node_deploys_run_one_after_another_across_sites() -> None:
         # Any two deploys of a pool are ordered: the engine never runs them at once.
         for i, a in enumerate(urns):
             for b in urns[i + 1 :]:
-                assert before(a, b) or before(b, a), (pool, a, b)
+                assert waits_for(run, a, b) or waits_for(run, b, a), (pool, a, b)
     # Voice spans two AWS regions: its chain crosses from one site to the other.
     voice = list(hosting["voice"].items())
     sites = [node.split(".")[0] for node, _ in voice]
     assert sites[0] == "aws-use1" and sites[-1] == "aws-usw2"
     # Pools that share no node are not ordered against each other.
     (side, *_), (assist, *_) = hosting["side"].values(), hosting["assist"].values()
-    assert not before(side, assist) and not before(assist, side)
+    assert not waits_for(run, side, assist) and not waits_for(run, assist, side)
 
 
 def test_an_unchanged_recipe_diffs_to_nothing_and_a_new_image_to_an_update() -> None:

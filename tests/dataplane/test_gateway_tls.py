@@ -30,29 +30,25 @@ from denv_iac.core.balancer import (
     BalancerTier,
     render_haproxy_config,
 )
-from denv_iac.core.balancer.gateway import GATEWAY_HEALTH_PORT, GatewayRoute, render_gateway_config
+from denv_iac.core.balancer.gateway import GatewayRoute, render_gateway_config
+from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.kube_manifests import gateway_site
 from denv_iac.core.stack.gateway_link import gateway_tls_name
-from denv_iac.core.stack.ports import AGENT_PORT
-from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
 from denv_iac.local.replica_sim import ReplicaProcess
 from tests.gateway_pki import GatewayPki, reading_tls_from, write_pki
 
-from .dataplane_harness import FAST_REPLICA, AgentStandIn, free_port, stream_chat
+from .dataplane_harness import (
+    FAST_REPLICA,
+    AgentStandIn,
+    free_port,
+    gateway_on_loopback,
+    gateway_stack,
+    stream_chat,
+)
 
 REPLICA = "voice.k8s.node-0.0"
-SITE = {
-    "name": "k8s",
-    "kind": "kubernetes",
-    "kubeconfig": {"secure": "sealed"},
-    "gpu": "H100",
-    "gpus_per_node": 8,
-    "max_nodes": 1,
-}
-EDGE = {"name": "edge", "kind": "local", "nodes": [{"name": "lb", "gpu": "L4", "gpus": 1}]}
-RECIPE = {"name": "voice", "min_warm": 1, "spare": 0, "sites": ["k8s"], "image": "x/y:1"}
 
 
 @dataclasses.dataclass
@@ -86,27 +82,11 @@ def _listening(port: int) -> bool:
 
 def _gateway_config(pki: GatewayPki, replica: int, listen: int, agent: int, agents: int) -> str:
     """The gateway's rendered config on local ports, its node agents found at `agents`."""
-    stack = read_stack(
-        "prod",
-        {
-            "denv:sites": [SITE, EDGE],
-            "denv:recipes": [RECIPE],
-            "denv:balancer": {"sites": ["edge"]},
-        },
-    )
+    stack = gateway_stack()
     route = GatewayRoute(REPLICA, "node-0", 8000, listen, "127.0.0.1", replica)
-    config = render_gateway_config(gateway_site(stack.site("k8s"), tls=True), [route])
-    config = config.replace("bind :", "bind 127.0.0.1:")
-    config = config.replace(f"bind 127.0.0.1:{AGENT_PORT} ", f"bind 127.0.0.1:{agent} ")
-    config = config.replace(f":{GATEWAY_HEALTH_PORT}\n", f":{free_port()}\n")
-    # In the cluster the agents are found through their headless Service; here, at one port.
-    lines = [
-        f"    server agent0 127.0.0.1:{agents} check inter 1s rise 1 fall 1"
-        if "server-template" in line
-        else line
-        for line in config.splitlines()
-    ]
-    return reading_tls_from("\n".join(lines) + "\n", pki.folder)
+    site = gateway_site(stack.site("k8s"), tls=True)
+    config = render_gateway_config(site, [route], balancer_settings(stack))
+    return reading_tls_from(gateway_on_loopback(config, agent, agents, free_port()), pki.folder)
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ GATEWAY_HEALTH_PORT = 8404
 AGENT_UNKNOWN = "down #unknown replica"
 # How often the gateway asks every agent which of them knows a replica.
 AGENT_FIND_INTERVAL_S = 2
+# The gateway's connect to a pod: a hop inside the cluster, not the balancer's to a site.
+GATEWAY_CONNECT = "500ms"
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,11 @@ class GatewaySite:
     tls: GatewayTls | None  # None: the link is plain TCP
 
 
-def render_gateway_config(site: GatewaySite, routes: Sequence[GatewayRoute]) -> str:
-    """The gateway's haproxy.cfg: TCP relays, agent checks routed by the replica id they carry.
+def render_gateway_config(
+    site: GatewaySite, routes: Sequence[GatewayRoute], settings: BalancerSettings
+) -> str:
+    """The gateway's haproxy.cfg: TCP relays, agent checks routed by the replica id they carry;
+    its idle timers from the endpoint's `settings` (see gateway_idle_timers).
 
     With TLS, both the replicas' listeners and the agent-check frontend take TLS only; the
     relays inside the cluster are plain, guarded by the NetworkPolicies."""
@@ -74,7 +79,7 @@ def render_gateway_config(site: GatewaySite, routes: Sequence[GatewayRoute]) -> 
             sections.header(f"gateway of site {site.name}", "the stack"),
             [sections.LOG_STDOUT],
         ),
-        _defaults_section(),
+        _defaults_section(settings),
         sections.section("resolvers cluster", [], ["parse-resolv-conf", "hold valid 5s"]),
         sections.section(
             "frontend denv.health",
@@ -93,8 +98,35 @@ def render_gateway_config(site: GatewaySite, routes: Sequence[GatewayRoute]) -> 
     return "\n".join(parts)
 
 
-def _defaults_section() -> str:
-    idle = f"{BalancerSettings().stream_idle_timeout_s}s"
+def gateway_idle_timers(settings: BalancerSettings) -> tuple[int, int]:
+    """The gateway's idle timers, in seconds, from the endpoint's settings (the stack's, by
+    denv_iac.core.endpoint.balancer_settings): `timeout client`/`server`, then `timeout tunnel`.
+
+    Which of the endpoint's timers the gateway takes, and why:
+    - Idle timers, at least the endpoint's. The gateway relays, in the middle, every stream
+      the endpoint holds to a pod of this site. An idle timer of the gateway shorter than the
+      endpoint's on the same stream would cut a stream, or a realtime session idling between
+      turns, that the endpoint still holds: an abort no node site gives. A longer one cuts
+      nothing: when the endpoint gives up it closes its side, and the gateway then the pod's.
+      In TCP mode `timeout tunnel` replaces `client` and `server` once a connection is
+      relayed (no analyser left), so it gets the longest idle timer any stream has at the
+      endpoint: the realtime tunnel's or the stream idle timer, the larger. `client` and
+      `server` (the time before that) are the endpoint's `timeout client`.
+    - The endpoint's silence budgets (first token, stall) stay the endpoint's alone: the
+      endpoint retries or cuts on them, and the gateway must not act first.
+    - `timeout connect` is not the endpoint's: that one covers the handshake from a balancer to
+      its farthest site (a far tier raises it); the gateway's connects to a pod in the same
+      cluster (GATEWAY_CONNECT).
+    - Health and agent check timers are not the endpoint's: the endpoint's checks go through
+      the gateway to the pod and the node's agent and decide rotation; the gateway's own only
+      find where to relay (whether a pod accepts, which agent knows a replica).
+    """
+    idle = settings.stream_idle_timeout_s
+    return idle, max(idle, settings.realtime_tunnel_timeout_s)
+
+
+def _defaults_section(settings: BalancerSettings) -> str:
+    idle, tunnel = gateway_idle_timers(settings)
     return sections.section(
         "defaults",
         [],
@@ -103,10 +135,13 @@ def _defaults_section() -> str:
             "log global",
             "# In-cluster hops are sub-millisecond: a pod that does not answer fast is gone, and",
             "# closing at once lets the global balancer retry elsewhere before any byte is sent.",
-            "timeout connect 500ms",
+            f"timeout connect {GATEWAY_CONNECT}",
             "# Inactivity timers, as the global balancer's: a stream lives while tokens flow.",
-            f"timeout client {idle}",
-            f"timeout server {idle}",
+            f"timeout client {idle}s",
+            f"timeout server {idle}s",
+            "# A relayed connection has this one (TCP mode): the balancer's longest, so that a",
+            "# realtime session idling between turns is never cut here before it is there.",
+            f"timeout tunnel {sections.duration(tunnel)}",
             "# Pods get new addresses when rescheduled, and may not exist yet: resolve them in",
             "# the cluster's DNS at run time, and start without them.",
             "default-server resolvers cluster init-addr last,libc,none",

@@ -23,6 +23,7 @@ from denv_iac.core.balancer.sections import (
     LOG_STDOUT,
     TLS_MIN_VERSION,
     agent_send,
+    duration,
     header,
     host_port,
     section,
@@ -184,10 +185,6 @@ _TWINS = (
 TWIN_SUFFIXES = tuple(twin.suffix for twin in _TWINS)
 # The twins whose requests take replica slots, as the tier backend's do.
 BOUNDED_TWIN_SUFFIXES = tuple(twin.suffix for twin in _TWINS if twin.bounded)
-# A realtime session is a WebSocket tunnel that idles between a caller's turns. Its silence
-# limit, once upgraded: clients ping every 20-30 s (the websockets library, LiveKit, Pipecat),
-# so ten minutes without a byte is a dead peer, not a caller thinking.
-_REALTIME_TUNNEL_TIMEOUT = "10m"
 # How long an old worker keeps its sessions after a reload: a voice call of up to an hour
 # (OpenAI caps a realtime session at 60 min) finishes on the worker it started on.
 _HARD_STOP_AFTER = "1h"
@@ -871,7 +868,7 @@ def _twin_backend(
             f"timeout server {pool.first_token_timeout_ms}ms",
             "# Once upgraded the tunnel timer alone applies, on both sides: a session idles",
             "# between a caller's turns, so the stream's silence budget would cut healthy calls.",
-            f"timeout tunnel {_REALTIME_TUNNEL_TIMEOUT}",
+            f"timeout tunnel {duration(settings.realtime_tunnel_timeout_s)}",
         ]
     else:
         lines += _stream_budget(pool)

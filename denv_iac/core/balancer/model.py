@@ -119,6 +119,10 @@ class BalancerSettings:
     # The timer of requests that do not ask for a stream (their answer comes whole, at the end),
     # and of the client side of every stream.
     stream_idle_timeout_s: int = 300
+    # A realtime session is a WebSocket tunnel that idles between a caller's turns. Its silence
+    # limit, once upgraded: clients ping every 20-30 s (the websockets library, LiveKit,
+    # Pipecat), so ten minutes without a byte is a dead peer, not a caller thinking.
+    realtime_tunnel_timeout_s: int = 600
     state_file: str | None = None  # server-state-file path
     # Mutual TLS to Kubernetes gateways: the stack's CA, which signed the gateways'
     # certificates, and the balancer's client certificate and key in one PEM. Needed when a

@@ -38,6 +38,11 @@ def host_port(address: str, port: int) -> str:
     return f"[{address}]:{port}" if is_v6 else f"{address}:{port}"
 
 
+def duration(seconds: int) -> str:
+    """A timer of whole seconds as HAProxy reads it: in minutes when it is whole minutes."""
+    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
+
+
 def agent_send(replica_id: str) -> str:
     """What an agent check sends, as a quoted config string: the replica id and a newline."""
     return f'"{replica_id}\\n"'

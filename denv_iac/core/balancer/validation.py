@@ -167,6 +167,7 @@ def _check_settings(settings: BalancerSettings) -> None:
         "check_timeout_ms",
         "connect_timeout_ms",
         "stream_idle_timeout_s",
+        "realtime_tunnel_timeout_s",
     ):
         value = getattr(settings, name)
         if value < 1:
