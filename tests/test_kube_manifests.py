@@ -240,18 +240,19 @@ def test_a_rollout_restarts_the_sites_share_of_the_spare_at_once(
 
 
 @pytest.mark.parametrize(
-    "min_warm, spare, on_site, drain_s, cold_s, bound_s",
+    "min_warm, spare, on_site, drain_s, cold_s, rejoin_s, bound_s",
     [
-        # Three pods one at a time, each within 120 + 30 s to stop and 900 s to warm: 3750 s.
-        (2, 1, 3, 120, 900, 3 * (150 + 900) + 600),
+        # Three pods one at a time, each within 120 + 30 s to stop, 900 s to warm and 6 s to
+        # be back in rotation: 3768 s.
+        (2, 1, 3, 120, 900, 6, 3 * (150 + 900 + 6) + 600),
         # Four pods two at a time: two waves.
-        (2, 2, 4, 120, 900, 2 * (150 + 900) + 600),
+        (2, 2, 4, 120, 900, 6, 2 * (150 + 900 + 6) + 600),
         # One pod, a short drain and a fast model: still past the provider's 10 minutes.
-        (1, 0, 1, 5, 60, 35 + 60 + 600),
+        (1, 0, 1, 5, 60, 0, 35 + 60 + 600),
     ],
 )
 def test_up_waits_for_a_statefulsets_whole_rollout(
-    min_warm: int, spare: int, on_site: int, drain_s: int, cold_s: int, bound_s: int
+    min_warm: int, spare: int, on_site: int, drain_s: int, cold_s: int, rejoin_s: int, bound_s: int
 ) -> None:
     recipe = RecipeSpec(
         "p",
@@ -262,7 +263,38 @@ def test_up_waits_for_a_statefulsets_whole_rollout(
         cold_start_budget_s=cold_s,
         drain_timeout_s=drain_s,
     )
-    assert rollout_timeout_s(recipe, on_site) == bound_s
+    assert rollout_timeout_s(recipe, on_site, rejoin_s) == bound_s
+
+
+@pytest.mark.parametrize(
+    "timers, min_ready_s",
+    [
+        # The gateway's 1 s checks, rise 2 (3 s), then the endpoint's: agent 200 ms, inter
+        # 1000 ms, 2 x (fastinter 250 + timeout 500) ms = 2.7 s, rounded up to 3.
+        ({}, 3 + 3),
+        # Slow checks: agent 1000, inter 4000, 2 x (1000 + 2000) = 11 s.
+        ({"check_inter_ms": 4000, "check_timeout_ms": 2000, "agent_inter_ms": 1000}, 3 + 11),
+    ],
+)
+def test_a_rolled_pod_counts_as_available_once_the_balancers_count_it_up(
+    timers: dict[str, int], min_ready_s: int
+) -> None:
+    stack = read_stack(
+        "prod",
+        {
+            "denv:sites": [_site(), EDGE],
+            "denv:recipes": [VOICE],
+            "denv:balancer": {"sites": ["edge"], "timers": timers},
+        },
+    )
+    manifests = site_manifests(stack, stack.site("k8s"), place_replicas(stack).replicas)
+    pool = _pool(manifests, "voice")
+    assert pool.stateful_set["spec"]["minReadySeconds"] == min_ready_s
+    # The rollout's bound leaves each pod that long to rejoin.
+    on_site = pool.stateful_set["spec"]["replicas"]
+    voice = next(r for r in stack.recipes if r.name == "voice")
+    assert pool.rollout_timeout_s == rollout_timeout_s(voice, on_site, min_ready_s)
+    assert pool.rollout_timeout_s > rollout_timeout_s(voice, on_site, 0)
 
 
 def test_a_stopping_pod_is_given_its_drain_bound_and_the_servers_stop() -> None:

@@ -50,8 +50,10 @@ from denv_iac.core.balancer.gateway import (
     GatewayRoute,
     GatewaySite,
     GatewayTls,
+    gateway_rejoin_ms,
     render_gateway_config,
 )
+from denv_iac.core.balancer.haproxy import rejoin_s
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.placement import PlacedReplica
 from denv_iac.core.stack.gateway_link import gateway_tls_on
@@ -348,14 +350,22 @@ def termination_grace_s(recipe: RecipeSpec) -> int:
 ROLLOUT_SLACK_S = 600
 
 
-def rollout_timeout_s(recipe: RecipeSpec, on_site: int) -> int:
+def pod_rejoin_s(stack: StackSpec) -> int:
+    """How long a pod that is warm again takes to be counted UP by the endpoint: first by its
+    site's gateway, whose relay the endpoint's checks pass through, then by the endpoint."""
+    return math.ceil(gateway_rejoin_ms() / 1000) + rejoin_s(balancer_settings(stack))
+
+
+def rollout_timeout_s(recipe: RecipeSpec, on_site: int, rejoin: int) -> int:
     """How long `pulumi up` waits for a pool's StatefulSet here to finish a rollout before it
-    fails the update: each wave of `max_unavailable` pods stops within its grace period and
-    is warm within `cold_start_budget_s`, plus ROLLOUT_SLACK_S. The provider's default, 10
+    fails the update: each wave of `max_unavailable` pods stops within its grace period, is
+    warm within `cold_start_budget_s` and back in rotation within `rejoin` s (pod_rejoin_s),
+    plus ROLLOUT_SLACK_S. The provider's default, 10
     minutes for the whole StatefulSet, is shorter than one default cold start (900 s): a
     healthy rollout would fail the update and stop the pool's later rollout units."""
     waves = math.ceil(on_site / max_unavailable(recipe, on_site))
-    return waves * (termination_grace_s(recipe) + recipe.cold_start_budget_s) + ROLLOUT_SLACK_S
+    wave = termination_grace_s(recipe) + recipe.cold_start_budget_s + rejoin
+    return waves * wave + ROLLOUT_SLACK_S
 
 
 def gateway_site(site: SiteSpec, tls: bool) -> GatewaySite:
@@ -782,6 +792,9 @@ def _pool_manifests(
             "podManagementPolicy": "Parallel",
             # A changed template rolls pod by pod, each ready before the next (see
             # max_unavailable); the cold start above is for scaling only.
+            # A ready (warm) pod counts as available, letting the rollout take the next one,
+            # only once the balancers count it UP again (as a node's roll waits `rejoin_s`).
+            "minReadySeconds": pod_rejoin_s(stack),
             "updateStrategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": max_unavailable(recipe, len(placed))},
@@ -832,7 +845,7 @@ def _pool_manifests(
         service,
         budget,
         env_secret,
-        rollout_timeout_s(recipe, len(placed)),
+        rollout_timeout_s(recipe, len(placed), pod_rejoin_s(stack)),
     )
 
 

@@ -1,10 +1,9 @@
 """What each placed node of a stack runs: the node deploys' input, built from the stack."""
 
-import math
 from dataclasses import asdict
 
 from denv_iac.core.agent_config import recipe_probe
-from denv_iac.core.balancer.haproxy import rejoin_ms
+from denv_iac.core.balancer.haproxy import rejoin_s
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.overlay import plan_overlay
 from denv_iac.core.placement import Placement
@@ -85,7 +84,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 overlay_port=stack.balancer.overlay.port,
                 drain_timeout_s=drain_s,
                 ready_timeout_s=ready_s,
-                rejoin_s=math.ceil(rejoin_ms(balancer_settings(stack)) / 1000),
+                rejoin_s=rejoin_s(balancer_settings(stack)),
             )
         except NodeSpecError as error:
             where = f"sites: {node.site}.{node.name}"

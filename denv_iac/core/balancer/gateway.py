@@ -184,12 +184,26 @@ def _agent_backend(site: GatewaySite, route: GatewayRoute) -> str:
     )
 
 
+# The gateway's own health check of each pod: every REPLICA_CHECK_INTER_S, HAProxy's default
+# `rise 2` passing checks to count a pod UP again.
+REPLICA_CHECK_INTER_S = 1
+_REPLICA_CHECK_RISE = 2
+
+
+def gateway_rejoin_ms() -> int:
+    """The longest a pod that is ready again takes to be counted UP by its site's gateway: the
+    next check up to an `inter` away, then `rise` checks. The endpoint's own checks pass through
+    the gateway, so this comes before the endpoint's rejoin."""
+    return REPLICA_CHECK_INTER_S * 1000 * (1 + _REPLICA_CHECK_RISE)
+
+
 def _replica_listener(site: GatewaySite, route: GatewayRoute) -> str:
     return sections.section(
         f"listen replica.{route.replica_id}",
         [f"replica {route.replica_id}: node {route.node} port {route.service_port}"],
         [
             gateway_bind(route.listen_port, site.tls),
-            f"server replica {sections.host_port(route.pod_host, route.pod_port)} check inter 1s",
+            f"server replica {sections.host_port(route.pod_host, route.pod_port)} check inter"
+            f" {REPLICA_CHECK_INTER_S}s",
         ],
     )

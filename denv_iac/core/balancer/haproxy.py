@@ -6,6 +6,7 @@ carries meaning (tiers, rule order) and sorted everywhere else (pools, servers, 
 
 from __future__ import annotations
 
+import math
 import posixpath
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -975,6 +976,12 @@ def rejoin_ms(settings: BalancerSettings) -> int:
     inter = settings.check_inter_ms
     checks = CHECK_RISE * (_fast_inter(inter) + settings.check_timeout_ms)
     return settings.agent_inter_ms + inter + checks
+
+
+def rejoin_s(settings: BalancerSettings) -> int:
+    """rejoin_ms in whole seconds, rounded up: what a rollout waits after a replica is warm
+    again before it takes the next one away."""
+    return math.ceil(rejoin_ms(settings) / 1000)
 
 
 def _fast_inter(inter: int) -> int:
