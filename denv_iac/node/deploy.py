@@ -27,6 +27,7 @@ from pyinfra.api.operations import run_ops
 from pyinfra.api.state import BaseStateCallback, State
 from pyinfra.operations import server
 
+from denv_iac.core.polling import poll_until
 from denv_iac.core.stack.values import HOST_RULE, USER_NAME, USER_RULE, is_host
 from denv_iac.node.facts import FactQuery, NodeFacts, NodeProbe
 from denv_iac.node.plan import fact_query, plan_node
@@ -201,6 +202,7 @@ def _private_upload(content: bytes, path: str, mode: str) -> Iterator[Any]:
 
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"  # new at every boot
+REBOOT_POLL_S = 5.0  # between SSH tries while a node reboots
 
 
 class NodeSession:
@@ -233,12 +235,11 @@ class NodeSession:
         _, before = self.run(f"cat {BOOT_ID}")
         self.run("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
         self.host.disconnect()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(5)
+
+        def back() -> bool:
             self.host.connect(show_errors=False)
             if not self.host.connected:
-                continue
+                return False
             # The old system's sshd may still answer for a moment, or drop the session as it
             # goes: only a new boot id is back.
             try:
@@ -246,10 +247,21 @@ class NodeSession:
             except (SSHException, OSError, EOFError):
                 ok, now = False, ""
             if ok and now and now != before:
-                return
+                return True
             self.host.disconnect()
-        raise NodeUnreachable(
-            f"{self.host.name}: did not come back within {timeout_s} s of a reboot"
+            return False
+
+        poll_until(
+            back,
+            bool,
+            timeout_s=timeout_s,
+            interval_s=REBOOT_POLL_S,
+            clock=time.monotonic,
+            sleep=time.sleep,
+            timed_out=lambda _: NodeUnreachable(
+                f"{self.host.name}: did not come back within {timeout_s} s of a reboot"
+            ),
+            wait_first=True,
         )
 
     def apply(self, steps: list[Step], progress: Progress) -> None:
