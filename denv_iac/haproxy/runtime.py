@@ -11,12 +11,11 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from denv_iac.core.balancer.stats import parse_stats_csv, parse_stats_rows
-from denv_iac.core.polling import poll_until
 from denv_iac.local.child import ChildProcess
+from denv_iac.waits import wait_until
 
 
 class HaproxyStartError(RuntimeError):
@@ -68,15 +67,7 @@ class HaproxyProcess(ChildProcess):
                 f"haproxy gave no stats socket in {timeout_s} s:\n{self._log_tail()}"
             )
 
-        poll_until(
-            answers,
-            bool,
-            timeout_s=timeout_s,
-            interval_s=0.02,
-            clock=time.monotonic,
-            sleep=time.sleep,
-            timed_out=no_socket,
-        )
+        wait_until(answers, bool, timeout_s=timeout_s, interval_s=0.02, timed_out=no_socket)
 
     def reload(self) -> None:
         """Load the config file again; old workers finish their streams, then exit."""

@@ -6,7 +6,6 @@ import errno
 import logging
 import posixpath
 import shlex
-import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
@@ -27,7 +26,6 @@ from pyinfra.api.operations import run_ops
 from pyinfra.api.state import BaseStateCallback, State
 from pyinfra.operations import server
 
-from denv_iac.core.polling import poll_until
 from denv_iac.core.stack.values import HOST_RULE, USER_NAME, USER_RULE, is_host
 from denv_iac.node.facts import FactQuery, NodeFacts, NodeProbe
 from denv_iac.node.plan import fact_query, plan_node
@@ -35,6 +33,7 @@ from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.ssh_keys import fact_query as key_query
 from denv_iac.node.steps import Step
+from denv_iac.waits import wait_until
 
 # Called with (index from 1, total, step, status) where status is "run", "ok" or "failed".
 Progress = Callable[[int, int, Step, str], None]
@@ -251,13 +250,11 @@ class NodeSession:
             self.host.disconnect()
             return False
 
-        poll_until(
+        wait_until(
             back,
             bool,
             timeout_s=timeout_s,
             interval_s=REBOOT_POLL_S,
-            clock=time.monotonic,
-            sleep=time.sleep,
             timed_out=lambda _: NodeUnreachable(
                 f"{self.host.name}: did not come back within {timeout_s} s of a reboot"
             ),
