@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 STACK  ?= local
-PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks)
+PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks conftest.py)
 
 .PHONY: setup test lint typecheck unit vm demo bench reliability soak lock clean
 

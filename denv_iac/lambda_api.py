@@ -10,9 +10,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import httpx
+
+from denv_iac.core.polling import poll_until
 
 # Spec 1.8.3 names cloud.lambda.ai the production server (cloud.lambdalabs.com is deprecated).
 API_URL = "https://cloud.lambda.ai/api/v1"
@@ -27,6 +29,7 @@ GONE_STATUSES = frozenset({"terminating", "terminated", "preempted"})
 REQUEST_INTERVAL_S = 1.0
 LAUNCH_INTERVAL_S = 12.0
 LAUNCH_PATH = "/instance-operations/launch"
+T = TypeVar("T")
 
 
 class LambdaApiError(Exception):
@@ -382,45 +385,71 @@ class LambdaClient:
             if not error.not_found:
                 raise
 
+    def _poll(
+        self,
+        probe: Callable[[], T],
+        done: Callable[[T], bool],
+        wait_s: float,
+        timed_out: Callable[[T], Exception],
+    ) -> T:
+        """Ask `probe` every poll interval until its answer is `done`, for at most `wait_s`."""
+        return poll_until(
+            probe,
+            done,
+            timeout_s=wait_s,
+            interval_s=self._retry.poll_s,
+            clock=self._clock,
+            sleep=self._sleep,
+            timed_out=timed_out,
+        )
+
     def wait_active(self, instance_id: str) -> Instance:
         """The instance once it is active with an address; an error if it dies or takes too long."""
-        deadline = self._clock() + self._retry.launch_wait_s
-        while True:
+
+        def booting() -> Instance:
             instance = self.get_instance(instance_id)
-            if instance.status == "active" and instance.ip:
-                return instance
             if instance.status in GONE_STATUSES:
                 raise LambdaApiError(
                     f"launch {instance.name or instance_id}",
                     f"instance {instance_id} went {instance.status} while booting",
                 )
-            if self._clock() >= deadline:
-                raise LambdaApiError(
-                    f"launch {instance.name or instance_id}",
-                    f"instance {instance_id} still {instance.status or 'pending'} after "
-                    f"{self._retry.launch_wait_s:.0f} s; check the Lambda Cloud console",
-                )
-            self._sleep(self._retry.poll_s)
+            return instance
+
+        wait_s = self._retry.launch_wait_s
+        return self._poll(
+            booting,
+            lambda instance: instance.status == "active" and bool(instance.ip),
+            wait_s,
+            lambda instance: LambdaApiError(
+                f"launch {instance.name or instance_id}",
+                f"instance {instance_id} still {instance.status or 'pending'} after "
+                f"{wait_s:.0f} s; check the Lambda Cloud console",
+            ),
+        )
 
     def wait_gone(self, instance_id: str) -> None:
         """Return once the instance is terminated (or unknown): its filesystems are then free."""
-        deadline = self._clock() + self._retry.gone_wait_s
-        while True:
+
+        def status() -> str | None:
+            """The instance's status; None once Lambda no longer knows it."""
             try:
-                status = self.get_instance(instance_id).status
+                return self.get_instance(instance_id).status
             except LambdaApiError as error:
                 if error.not_found:
-                    return
+                    return None
                 raise
-            if status in ("terminated", "preempted"):
-                return
-            if self._clock() >= deadline:
-                raise LambdaApiError(
-                    f"terminate instance {instance_id}",
-                    f"still {status} after {self._retry.gone_wait_s:.0f} s; check the Lambda "
-                    "Cloud console, then run pulumi destroy again",
-                )
-            self._sleep(self._retry.poll_s)
+
+        wait_s = self._retry.gone_wait_s
+        self._poll(
+            status,
+            lambda now: now in (None, "terminated", "preempted"),
+            wait_s,
+            lambda now: LambdaApiError(
+                f"terminate instance {instance_id}",
+                f"still {now} after {wait_s:.0f} s; check the Lambda Cloud console, then run "
+                "pulumi destroy again",
+            ),
+        )
 
     # SSH keys
 
@@ -501,14 +530,19 @@ class LambdaClient:
     def _delete_once_free(self, operation: str, path: str, in_use_code: str) -> None:
         """DELETE `path`, waiting out (bounded) the answer that a terminating instance still
         holds it; one already gone counts as deleted."""
-        deadline = self._clock() + self._retry.gone_wait_s
-        while True:
+
+        def delete() -> LambdaApiError | None:
+            """None once it is deleted or gone; Lambda's answer while something still holds it."""
             try:
                 self._call(operation, "DELETE", path)
-                return
             except LambdaApiError as error:
                 if error.not_found:
-                    return
-                if error.code != in_use_code or self._clock() >= deadline:
+                    return None
+                if error.code != in_use_code:
                     raise
-            self._sleep(self._retry.poll_s)
+                return error
+            return None
+
+        # Past the wait, Lambda's last answer (still in use) is the error: it is never None there.
+        wait_s = self._retry.gone_wait_s
+        self._poll(delete, lambda held: held is None, wait_s, lambda held: cast(Exception, held))

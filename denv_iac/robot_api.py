@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from denv_iac.core.polling import SleptClock, poll_until
 from denv_iac.core.robot_firewall import rule_problems
 
 API_URL = "https://robot-ws.your-server.de"
@@ -139,17 +140,20 @@ class RobotClient:
     ) -> Firewall:
         """Set the whole firewall, both directions, then wait until the switch has it."""
         body = form(status, whitelist_hos, filter_ipv6, rules, output_rules)
-        answer = _firewall(self._call("set firewall", "POST", f"/firewall/{number}", data=body))
-        deadline = self._wait_s
-        while answer.status == IN_PROCESS:
-            if deadline <= 0:
-                raise RobotApiError(
-                    "set firewall", f"still {IN_PROCESS} after {self._wait_s:.0f} s; run again"
-                )
-            self._sleep(self._poll_s)
-            deadline -= self._poll_s
-            answer = self.firewall(number)
-        return answer
+        answers = [_firewall(self._call("set firewall", "POST", f"/firewall/{number}", data=body))]
+        # The set's own answer first, then a read after each pause; the wait counts the pauses.
+        slept = SleptClock(self._sleep)
+        return poll_until(
+            lambda: answers.pop() if answers else self.firewall(number),
+            lambda answer: answer.status != IN_PROCESS,
+            timeout_s=self._wait_s,
+            interval_s=self._poll_s,
+            clock=slept.clock,
+            sleep=slept.sleep,
+            timed_out=lambda _: RobotApiError(
+                "set firewall", f"still {IN_PROCESS} after {self._wait_s:.0f} s; run again"
+            ),
+        )
 
     def _call(
         self, operation: str, method: str, path: str, data: Mapping[str, str] | None = None

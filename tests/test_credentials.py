@@ -14,7 +14,6 @@ provider clients send their token to their provider's API alone and follow no re
 import contextlib
 import hashlib
 import json
-import shutil
 import socket
 import threading
 import time
@@ -300,7 +299,7 @@ def _local_config(tokens: int = 2, spare: int = 0) -> dict[str, Any]:
     }
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is not installed")
+@pytest.mark.needs_haproxy
 def test_a_local_stack_keeps_each_credential_to_its_own_hosts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tap: Wiretap
 ) -> None:
@@ -339,7 +338,7 @@ def test_a_local_stack_keeps_each_credential_to_its_own_hosts(
     assert agents <= {c.port for c in tap.connections}  # status read the agents
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is not installed")
+@pytest.mark.needs_haproxy
 def test_a_local_roll_keeps_the_control_token_to_agents_and_replicas(
     tmp_path: Path, tap: Wiretap
 ) -> None:
@@ -373,7 +372,7 @@ def test_a_local_roll_keeps_the_control_token_to_agents_and_replicas(
     assert any(c.port in {r.port for r in after} for c in tap.connections)  # warmed directly
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy is not installed")
+@pytest.mark.needs_haproxy
 def test_local_demo_sends_the_key_to_the_endpoint_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tap: Wiretap
 ) -> None:

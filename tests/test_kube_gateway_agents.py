@@ -8,10 +8,8 @@ the replica when its pod moves to the other node.
 """
 
 import re
-import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,8 +18,9 @@ import pytest
 from denv_agent.agentcheck import AgentCheckServer
 
 from tests.test_kube_manifests import VOICE, _manifests, _site
+from tests.waiting import eventually
 
-pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+pytestmark = pytest.mark.needs_haproxy
 REPLICA = "voice.k8s.node-1.0"
 
 
@@ -90,10 +89,9 @@ def _ask(port: int) -> bytes:
 
 def _wait(probe: Callable[[], bytes], expected: bytes, timeout_s: float = 10.0) -> None:
     """Until the check gets `expected`; then every check does, not one in so many."""
-    deadline = time.monotonic() + timeout_s
-    while (got := probe()) != expected and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert got == expected
+    eventually(
+        lambda: probe() == expected, timeout_s, f"the check getting {expected!r}", detail=probe
+    )
     assert [probe() for _ in range(10)] == [expected] * 10
 
 

@@ -1,6 +1,5 @@
 """Kubernetes manifests of a kubernetes site: every object valid against the Kubernetes schema."""
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +117,7 @@ def test_every_object_is_valid_kubernetes(
                 pytest.fail(f"{name}: {error.message} at {list(error.absolute_path)}")
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+@pytest.mark.needs_haproxy
 @LINKS
 @pytest.mark.parametrize("sites, recipes", STACKS.values(), ids=STACKS.keys())
 def test_gateway_config_passes_haproxy_check(

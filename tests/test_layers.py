@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.stacks_dir",
             "denv_iac.lambda_api",
             "denv_iac.robot_api",
+            "denv_iac.waits",
         ),
     ),
     ("wiring", ("denv_iac.components",)),

@@ -3,7 +3,6 @@
 import http.server
 import json
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -151,9 +150,6 @@ def test_a_malformed_agent_reply_is_reported_never_raised(body: bytes, error: st
     assert merged[0].reason == AGENT_UNREACHABLE and merged[0].healthy
 
 
-needs_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs HAProxy")
-
-
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "stacks").mkdir()
@@ -210,7 +206,7 @@ HEALTHY_IDLE_VOICE = {
 }
 
 
-@needs_haproxy
+@pytest.mark.needs_haproxy
 def test_status_of_a_running_stack_then_xid_79(running: LocalCluster) -> None:
     state = running.state
     assert isinstance(state, RunState)
@@ -244,7 +240,7 @@ def test_status_of_a_running_stack_then_xid_79(running: LocalCluster) -> None:
 
 
 @pytest.mark.timing
-@needs_haproxy
+@pytest.mark.needs_haproxy
 def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     state = running.state
     assert state is not None
@@ -287,7 +283,7 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     assert "local/n0" not in remote.output.split("FAILED", 1)[1]
 
 
-@needs_haproxy
+@pytest.mark.needs_haproxy
 def test_a_dead_balancer_fails_the_status_with_one_line(running: LocalCluster) -> None:
     state = running.state
     assert state is not None
@@ -307,7 +303,7 @@ def metrics_address(state: RunState) -> str:
     return state.prometheus.removesuffix("/metrics")
 
 
-@needs_haproxy
+@pytest.mark.needs_haproxy
 def test_status_of_a_remote_balancer_through_its_stats_page(running: LocalCluster) -> None:
     state = running.state
     assert state is not None
@@ -344,7 +340,7 @@ def test_a_bad_endpoint_exits_2_with_one_line(project: Path) -> None:
         assert words in result.output and result.output.count("\n") == 1, result.output
 
 
-@needs_haproxy
+@pytest.mark.needs_haproxy
 def test_bench_through_the_local_endpoint_measures_the_simulated_ttft(
     running: LocalCluster, tmp_path: Path
 ) -> None:

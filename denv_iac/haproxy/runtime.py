@@ -11,11 +11,11 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from denv_iac.core.balancer.stats import parse_stats_csv, parse_stats_rows
 from denv_iac.local.child import ChildProcess
+from denv_iac.waits import wait_until
 
 
 class HaproxyStartError(RuntimeError):
@@ -50,19 +50,24 @@ class HaproxyProcess(ChildProcess):
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+        process = self._process
+
+        def answers() -> bool:
+            if process.poll() is not None:
                 raise HaproxyStartError(f"haproxy exited at start:\n{self._log_tail()}")
             try:
                 stats_command(self.stats_socket, "show info")
-                return
             except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise HaproxyStartError(
-            f"haproxy gave no stats socket in {timeout_s} s:\n{self._log_tail()}"
-        )
+                return False
+            return True
+
+        def no_socket(_: bool) -> HaproxyStartError:
+            self.stop()
+            return HaproxyStartError(
+                f"haproxy gave no stats socket in {timeout_s} s:\n{self._log_tail()}"
+            )
+
+        wait_until(answers, bool, timeout_s=timeout_s, interval_s=0.02, timed_out=no_socket)
 
     def reload(self) -> None:
         """Load the config file again; old workers finish their streams, then exit."""

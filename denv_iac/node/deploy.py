@@ -6,7 +6,6 @@ import errno
 import logging
 import posixpath
 import shlex
-import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
@@ -34,6 +33,7 @@ from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.ssh_keys import fact_query as key_query
 from denv_iac.node.steps import Step
+from denv_iac.waits import wait_until
 
 # Called with (index from 1, total, step, status) where status is "run", "ok" or "failed".
 Progress = Callable[[int, int, Step, str], None]
@@ -201,6 +201,7 @@ def _private_upload(content: bytes, path: str, mode: str) -> Iterator[Any]:
 
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"  # new at every boot
+REBOOT_POLL_S = 5.0  # between SSH tries while a node reboots
 
 
 class NodeSession:
@@ -233,12 +234,11 @@ class NodeSession:
         _, before = self.run(f"cat {BOOT_ID}")
         self.run("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
         self.host.disconnect()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            time.sleep(5)
+
+        def back() -> bool:
             self.host.connect(show_errors=False)
             if not self.host.connected:
-                continue
+                return False
             # The old system's sshd may still answer for a moment, or drop the session as it
             # goes: only a new boot id is back.
             try:
@@ -246,10 +246,19 @@ class NodeSession:
             except (SSHException, OSError, EOFError):
                 ok, now = False, ""
             if ok and now and now != before:
-                return
+                return True
             self.host.disconnect()
-        raise NodeUnreachable(
-            f"{self.host.name}: did not come back within {timeout_s} s of a reboot"
+            return False
+
+        wait_until(
+            back,
+            bool,
+            timeout_s=timeout_s,
+            interval_s=REBOOT_POLL_S,
+            timed_out=lambda _: NodeUnreachable(
+                f"{self.host.name}: did not come back within {timeout_s} s of a reboot"
+            ),
+            wait_first=True,
         )
 
     def apply(self, steps: list[Step], progress: Progress) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -87,7 +86,7 @@ def test_bad_client_secret_settings_name_the_field(settings: BalancerSettings, f
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+@pytest.mark.needs_haproxy
 def test_the_client_secret_rules_pass_haproxy_check(tmp_path: Path) -> None:
     key_file = tmp_path / "client-secret.map"
     key_file.write_text(ek.key_map(KEY))

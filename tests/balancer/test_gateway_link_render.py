@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -147,7 +146,7 @@ def test_a_gateway_name_that_is_no_host_name_is_refused() -> None:
     assert error.value.field == "pools[0].tiers[0].servers[0].gateway"
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+@pytest.mark.needs_haproxy
 def test_haproxy_accepts_the_config_with_the_credentials_in_place(tmp_path: Path) -> None:
     pki = write_pki(tmp_path / "tls", "k8s")
     settings = BalancerSettings(

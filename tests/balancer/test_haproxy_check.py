@@ -20,7 +20,7 @@ from denv_iac.haproxy import HaproxyConfigCheckError, check_haproxy_config
 
 from .sample_pools import LLM, MAP_DIR, POOLS, SCOPED_SETTINGS, SETTINGS, VOICE
 
-pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+pytestmark = pytest.mark.needs_haproxy
 
 
 @pytest.fixture(scope="module")

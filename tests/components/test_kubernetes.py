@@ -3,7 +3,6 @@
 import copy
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +311,7 @@ def test_balancer_reaches_each_replica_at_its_nodes_gateway_address() -> None:
     assert len(set(addresses.values())) == 3
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="HAProxy not installed")
+@pytest.mark.needs_haproxy
 def test_gateway_config_passes_haproxy_check(tmp_path: Path) -> None:
     config_map = _run(preview=False).named(f"{SITE}-configmap-denv-gateway")
     pki = write_pki(tmp_path / "tls", "k8s-use1")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,14 @@ import pytest
 
 from .dataplane_harness import Dataplane
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here runs a data plane, and so HAProxy (the root conftest skips them without)."""
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.needs_haproxy)
 
 
 @pytest.fixture

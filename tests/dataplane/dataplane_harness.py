@@ -44,6 +44,7 @@ from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, server_stats
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
 from tests.stacks import EDGE, kube_site
+from tests.waiting import eventually
 
 # What the real agent says of a healthy replica.
 AGENT_UP = Verdict("up", 100, ()).reply
@@ -278,13 +279,9 @@ class Dataplane:
     def wait_until(
         self, predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.01
     ) -> float:
-        """Poll until `predicate` holds; returns the seconds it took."""
-        started = time.monotonic()
-        while not predicate():
-            if time.monotonic() - started > timeout_s:
-                raise AssertionError(f"not within {timeout_s} s: {what}; {self.status()}")
-            time.sleep(interval_s)
-        return time.monotonic() - started
+        """Poll until `predicate` holds; returns the seconds it took. A failure shows HAProxy's
+        status of each server."""
+        return eventually(predicate, timeout_s, what, interval_s, detail=self.status)
 
     def total_requests(self, request_id: str) -> int:
         """How many times any live replica received the request with this id."""

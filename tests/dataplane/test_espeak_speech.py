@@ -4,7 +4,6 @@ real HAProxy, called with the official SDK."""
 from __future__ import annotations
 
 import io
-import shutil
 import struct
 import wave
 from collections.abc import Callable, Iterator
@@ -16,8 +15,7 @@ from denv_iac.local.replica_sim import ReplicaSimConfig
 
 from .dataplane_harness import Dataplane
 
-if shutil.which("espeak-ng") is None:
-    pytest.skip("espeak-ng is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_espeak
 
 ESPEAK = ReplicaSimConfig("template", ttft_ms=20, itl_ms=5, tokens=8, speech_engine="espeak-ng")
 

@@ -16,7 +16,6 @@ import io
 import socket
 import ssl
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
 from denv_iac.local.replica_sim import ReplicaProcess
 from tests.gateway_pki import GatewayPki, reading_tls_from, write_pki
+from tests.waiting import eventually
 
 from .dataplane_harness import (
     FAST_REPLICA,
@@ -47,6 +47,8 @@ from .dataplane_harness import (
     gateway_stack,
     stream_chat,
 )
+
+WAIT_S = 15.0  # for the gateway, its agents and its checks to come up or change
 
 REPLICA = "voice.k8s.node-0.0"
 
@@ -63,13 +65,6 @@ class Link:
     def server_row(self) -> dict[str, str]:
         rows = csv.DictReader(io.StringIO(stats_command(self.balancer.stats_socket, "show stat")))
         return next(r for r in rows if (r["# pxname"], r["svname"]) == ("voice.tier10", REPLICA))
-
-
-def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 def _listening(port: int) -> bool:
@@ -109,7 +104,9 @@ def link(tmp_path: Path) -> Iterator[Link]:
                 ["haproxy", "-db", "-f", str(gateway_cfg)], stdout=log, stderr=subprocess.STDOUT
             )
         started.append(lambda: (gateway.terminate(), gateway.wait(timeout=10)))
-        _wait(lambda: _listening(listen) and _listening(agent_port), "the gateway listening")
+        eventually(
+            lambda: _listening(listen) and _listening(agent_port), WAIT_S, "the gateway listening"
+        )
         settings = BalancerSettings(
             bind_address="127.0.0.1",
             port=free_port(),
@@ -162,7 +159,7 @@ def test_a_stream_flows_through_the_gateway_and_agent_verdicts_through_the_relay
     link: Link,
 ) -> None:
     # Health checks passed over TLS (L7OK), and agent checks reached the agent through the relay.
-    _wait(_serving(link), "the health check passing and the agent's verdict read")
+    eventually(_serving(link), WAIT_S, "the health check passing and the agent's verdict read")
     with httpx.Client(base_url=link.endpoint, timeout=10) as client:
         outcome = stream_chat(
             client, {"model": "voice", "messages": [{"role": "user", "content": "hi"}]}
@@ -176,9 +173,9 @@ def test_a_stream_flows_through_the_gateway_and_agent_verdicts_through_the_relay
     assert len(outcome.chunks) >= FAST_REPLICA.tokens
     # The agent's word travels back the same way: a drain shows on the balancer.
     link.agent.set_reply(REPLICA, "drain")
-    _wait(lambda: link.server_row()["status"].startswith("DRAIN"), "the agent's drain")
+    eventually(lambda: link.server_row()["status"].startswith("DRAIN"), WAIT_S, "the agent's drain")
     link.agent.set_reply(REPLICA, "up ready 100%")
-    _wait(lambda: link.server_row()["status"] == "UP", "the agent's ready")
+    eventually(lambda: link.server_row()["status"] == "UP", WAIT_S, "the agent's ready")
 
 
 def _tls_exchange(port: int, pki: GatewayPki, client_pem: Path | None, send: bytes) -> bytes:
@@ -208,7 +205,7 @@ REQUEST = b"GET /health HTTP/1.1\r\nHost: replica\r\nConnection: close\r\n\r\n"
 
 
 def test_the_gateway_answers_only_clients_with_the_stacks_client_certificate(link: Link) -> None:
-    _wait(_serving(link), "the health check passing and the agent's verdict read")
+    eventually(_serving(link), WAIT_S, "the health check passing and the agent's verdict read")
     # With it: the replica answers through the gateway.
     assert _tls_exchange(link.replica_port, link.pki, link.pki.client_pem, REQUEST).startswith(
         b"HTTP/1.1 200"

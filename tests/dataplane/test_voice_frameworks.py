@@ -22,6 +22,7 @@ from loguru import logger
 from denv_iac.local import voice_sim
 from denv_iac.ops.loadgen import wav
 from tests.timing import RECOVERY_SLACK_S, assert_within
+from tests.waiting import eventually_async
 
 from .dataplane_harness import (
     FIRST_TOKEN_S,
@@ -116,10 +117,7 @@ class Heard:
         return sum(size for _, size in self.audio)
 
     async def wait(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-        started = time.monotonic()
-        while not predicate():
-            assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {what}"
-            await asyncio.sleep(0.005)
+        await eventually_async(predicate, timeout_s, what, interval_s=0.005)
 
 
 def run(coroutine: Coroutine[Any, Any, None]) -> None:

@@ -4,7 +4,6 @@ TTS through a real HAProxy to simulated replicas speaking with espeak-ng) fed a 
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Callable
 
 import pytest
@@ -15,8 +14,7 @@ from denv_iac.local.replica_sim import ReplicaSimConfig
 
 from .dataplane_harness import Dataplane
 
-if shutil.which("espeak-ng") is None:
-    pytest.skip("espeak-ng is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_espeak
 
 SIM = ReplicaSimConfig("template", ttft_ms=20, itl_ms=5, tokens=4, speech_engine="espeak-ng")
 

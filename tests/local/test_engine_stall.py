@@ -4,7 +4,6 @@ A real local stack (simulated replicas with slots, their agents reading the engi
 HAProxy) with the stack's defaults: stall budget 1000 ms, metrics read every 250 ms.
 """
 
-import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +17,7 @@ from tests.engine_load import agent_reply, all_up, server_row, streaming, wait_f
 from tests.stacks import local_site
 from tests.timing import assert_within
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_haproxy
 
 # The done-when goal: out of rotation within 2 s of the first stalled request.
 ZOMBIE_OUT_S = 2.0

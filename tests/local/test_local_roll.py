@@ -3,11 +3,9 @@ nothing lost, no stream cut, min_warm ready at every sample; a config that never
 roll with the old replicas serving."""
 
 import copy
-import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +29,9 @@ from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import CONFIG as SUPERVISED
 from tests.local.test_local_supervision import _stack_project, _supervised_up
 from tests.stacks import local_site
+from tests.waiting import eventually
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_haproxy
 
 VOICE: dict[str, Any] = {
     "name": "voice",
@@ -62,17 +60,10 @@ def started(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalClu
     cluster = LocalCluster(read_stack("t", config), tmp_path / "run", free_endpoint_port())
     cluster.up()
     try:
-        _until(lambda: len(_ready(cluster)) == len(cluster.placement.replicas), 15, "all UP")
+        eventually(lambda: len(_ready(cluster)) == len(cluster.placement.replicas), 15, "all UP")
         yield cluster
     finally:
         cluster.down()
-
-
-def _until(done: Any, bound_s: float, what: str) -> None:
-    deadline = time.monotonic() + bound_s
-    while not done():
-        assert time.monotonic() < deadline, f"not {what} within {bound_s} s"
-        time.sleep(0.05)
 
 
 def _ready(cluster: LocalCluster) -> set[str]:
@@ -154,11 +145,11 @@ def test_recipe_change_rolls_under_load_losing_nothing(started: LocalCluster) ->
     changed = read_stack("t", _config(simulate={"ttft_ms": 20, "itl_ms": 20, "tokens": 12}))
     lines: list[str] = []
     with Load(cluster.state.endpoint, cluster) as load:
-        _until(lambda: load.completed >= 10, 10, "serving")
+        eventually(lambda: load.completed >= 10, 10, "serving")
         before_roll = load.completed
         report = roll(cluster, changed, lines.append)
         before_end = load.completed
-        _until(lambda: load.completed >= before_end + 10, 10, "serving after the roll")
+        eventually(lambda: load.completed >= before_end + 10, 10, "serving after the roll")
     ids = [r.id for r in cluster.placement.replicas]
     assert [s.replica for s in report.steps] == ids
     assert load.lost == [] and load.cut == [] and report.cut == 0
@@ -200,7 +191,7 @@ def test_a_config_that_never_warms_stops_the_roll_old_replicas_serving(
     }
     for replica in cluster.state.replicas:
         assert "--ttft-ms=20 " in _cmdline(replica.pid), replica.id
-    _until(lambda: len(_ready(cluster)) == len(pids), 15, "all UP again")
+    eventually(lambda: len(_ready(cluster)) == len(pids), 15, "all UP again")
     for _ in range(6):
         response = httpx.post(
             f"{cluster.state.endpoint}/v1/chat/completions", json={"model": "voice"}, timeout=5
@@ -265,7 +256,7 @@ def test_denv_local_roll_stops_naming_a_replica_that_never_warms(tmp_path: Path)
             if after.id != first:
                 assert after.pid == before.pid, after.id  # never touched
         # The old version serves, the failed replica among it, through the endpoint.
-        _until(lambda: len(_state_ready(now)) == len(now.replicas), 15, "all UP again")
+        eventually(lambda: len(_state_ready(now)) == len(now.replicas), 15, "all UP again")
         for _ in range(4):
             response = httpx.post(
                 f"{now.endpoint}/v1/chat/completions", json={"model": "voice"}, timeout=5
@@ -285,9 +276,9 @@ def test_streams_past_drain_timeout_are_cut_counted_and_named(started: LocalClus
     changed = read_stack("t", _config(drain_timeout_s=1, simulate={**LONG, "tokens": 149}))
     lines: list[str] = []
     with Load(cluster.state.endpoint, cluster) as load:
-        _until(lambda: _sessions(cluster) >= 3, 10, "3 streams open")
+        eventually(lambda: _sessions(cluster) >= 3, 10, "3 streams open")
         report = roll(cluster, changed, lines.append)
-        _until(lambda: load.completed >= 3, 15, "serving after the roll")
+        eventually(lambda: load.completed >= 3, 15, "serving after the roll")
     assert load.lost == []
     # What the clients saw cut is what the roll counted, each on a replica it names.
     assert load.cut and len(load.cut) <= report.cut

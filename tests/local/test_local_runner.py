@@ -3,7 +3,6 @@
 import hashlib
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -33,8 +32,7 @@ from denv_iac.local.runner import (
 from denv_iac.ops.demo import kill_replica, run_demo
 from tests.stacks import local_site, valid_config
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_haproxy
 
 CONFIG = {
     "denv:sites": [local_site("local", nodes=2, gpus=2)],

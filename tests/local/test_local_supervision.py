@@ -2,13 +2,12 @@
 
 import contextlib
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -18,9 +17,9 @@ import yaml
 from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.local.runner import LocalCluster, RestartBackoff, RunState, StackLock
 from tests.local.test_local_runner import CONFIG, alive, free_endpoint_port
+from tests.waiting import eventually
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_haproxy
 
 
 @pytest.fixture
@@ -38,15 +37,18 @@ def _stack_project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _supervise_until(cluster: LocalCluster, done: object, timeout_s: float = 10) -> list[str]:
+def _supervise_until(
+    cluster: LocalCluster, done: Callable[[], bool], timeout_s: float = 10
+) -> list[str]:
+    """What supervising logged until `done` held: supervise, then ask, every 50 ms."""
     lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines += cluster.supervise()
-        if callable(done) and done():
-            return lines
-        time.sleep(0.05)
-    raise AssertionError(f"not recovered within {timeout_s} s: {lines}")
+
+    def supervised() -> bool:
+        lines.extend(cluster.supervise())
+        return done()
+
+    eventually(supervised, timeout_s, "recovered", detail=lambda: lines)
+    return lines
 
 
 def _healthy(url: str) -> bool:

@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from tests.dataplane.test_replica_sim import (
     run_with_sim,
     send,
 )
+from tests.waiting import eventually_async
 
 CHAT = "/v1/chat/completions"
 VLLM_RUNNING = 'vllm:num_requests_running{model_name="simulated"}'
@@ -49,19 +49,12 @@ async def metrics(sim: ReplicaSim) -> dict[str, float]:
     return parse_metrics(text)
 
 
-async def eventually(probe: Callable[[], Awaitable[bool]], within_s: float = 3.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not await probe():
-        assert time.monotonic() < deadline, "the condition never held"
-        await asyncio.sleep(0.01)
-
-
 async def load_is(sim: ReplicaSim, running: int, waiting: int) -> None:
     async def probe() -> bool:
         sample = await metrics(sim)
         return (sample[VLLM_RUNNING], sample[VLLM_WAITING]) == (running, waiting)
 
-    await eventually(probe)
+    await eventually_async(probe, 3.0, f"{running} running, {waiting} waiting", 0.01)
 
 
 async def stream(sim: ReplicaSim, **body: object) -> Streams:
@@ -228,7 +221,7 @@ def test_metrics_use_the_engines_own_names(
             sample = await metrics(sim)
             return (sample[running], sample[waiting]) == (2, 1)
 
-        await eventually(probe)
+        await eventually_async(probe, 3.0, "2 running, 1 waiting", 0.01)
         after = await metrics(sim)
         # vLLM and SGLang count generated tokens; TGI counts requests.
         assert before[counted] == (3 if engine != "tgi" else 1)
@@ -360,7 +353,7 @@ def test_engine_restart_ends_running_and_queued_requests_then_serves_again() -> 
         async def healthy() -> bool:
             return await health(sim) == 200
 
-        await eventually(healthy)
+        await eventually_async(healthy, 3.0, "healthy again after the restart", 0.01)
         reader, writer = await stream(sim, max_tokens=2)
         assert len(contents(await read_chunks(reader))) == 2
         writer.close()

@@ -187,9 +187,8 @@ def test_2_join_installs_the_pinned_branch_and_writes_everything(
     in_root(root, "/usr/local/bin/denv-agent", "undrain")
 
 
+@pytest.mark.needs_nft
 def test_3_the_rendered_firewall_is_valid_nftables(root: Path) -> None:
-    if shutil.which("nft") is None or shutil.which("unshare") is None:
-        pytest.skip("needs nft and unshare (apt-get install nftables)")
     # A network namespace of its own: the rules are checked, never loaded into this machine.
     result = subprocess.run(
         ["unshare", "--net", "nft", "-c", "-f", str(root / "etc/denv/firewall.nft")],

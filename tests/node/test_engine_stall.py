@@ -10,7 +10,6 @@ the engine-shaped simulator serving vLLM's metrics.
 """
 
 import dataclasses
-import shutil
 import socket
 import subprocess
 import sys
@@ -40,8 +39,7 @@ from tests.engine_load import agent_reply, all_up, server_row, streaming, wait_f
 from tests.stacks import SECRET
 from tests.timing import assert_within
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_haproxy
 
 # The done-when goal: out of rotation within 2 s of the first stalled request.
 ZOMBIE_OUT_S = 2.0

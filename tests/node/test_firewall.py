@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -270,9 +269,8 @@ def _nft_check(path: Path) -> subprocess.CompletedProcess[str]:
         "balancer-host-overlay",
     ],
 )
+@pytest.mark.needs_nft
 def test_the_rules_are_valid_nftables(tmp_path: Path, content: bytes) -> None:
-    if shutil.which("nft") is None or shutil.which("unshare") is None:
-        pytest.skip("needs nft and unshare (apt-get install nftables)")
     path = tmp_path / "rules.nft"
     path.write_bytes(content)
     result = _nft_check(path)

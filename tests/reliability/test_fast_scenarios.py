@@ -1,20 +1,13 @@
 """The fast subset of the reliability scenarios: nothing lost, replayed or hung, and the pool
 back at full strength after every fault."""
 
-import shutil
-
 import pytest
 
 from benchmarks.reliability import FAST, PARTITION, SCENARIOS, Scenario, run_scenario
-from denv_iac.local.netns import unavailable_reason
 from tests.timing import DETECTION_SLACK_S, RECOVERY_SLACK_S, assert_within
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
-
 # Each scenario asserts detection, overshoot and recovery bounds in wall-clock time.
-pytestmark = pytest.mark.timing
-NO_NETNS = unavailable_reason()
+pytestmark = [pytest.mark.timing, pytest.mark.needs_haproxy]
 OVERSHOOT_IN_SUITE_MS = 400
 # The done-when line of the recovery work: a replica whose fault cleared serves within 1 s.
 RECOVERED_WITHIN_MS = 1000
@@ -69,7 +62,7 @@ def test_scenario(scenario: Scenario) -> None:
     _check(scenario, duration_s=6)
 
 
-@pytest.mark.skipif(NO_NETNS is not None, reason=NO_NETNS or "")
+@pytest.mark.needs_netns
 def test_site_partitioned_then_healed() -> None:
     (scenario,) = [s for s in SCENARIOS if s.name == PARTITION]
     _check(scenario, duration_s=6)

@@ -19,7 +19,6 @@ from denv_iac.local.netns import (
     plan_links,
     running,
     running_in_netns,
-    unavailable_reason,
 )
 
 STACK = {
@@ -64,10 +63,6 @@ def test_each_site_gets_its_own_subnet_and_namespace() -> None:
         plan_links("t", [f"s{n}" for n in range(255)])
 
 
-reason = unavailable_reason()
-needs_netns = pytest.mark.skipif(reason is not None, reason=reason or "")
-
-
 def _listening_in(namespace: str, address: str) -> tuple[subprocess.Popen[str], int]:
     """An HTTP server inside `namespace`, and its port."""
     port = _free_port()
@@ -100,7 +95,7 @@ def _get(url: str, timeout_s: float = 1.0) -> int:
             time.sleep(0.05)
 
 
-@needs_netns
+@pytest.mark.needs_netns
 def test_a_cut_link_is_silent_and_a_healed_one_serves_again() -> None:
     with NetnsLab(["east"]) as lab:
         link = lab.links["east"]
@@ -119,7 +114,7 @@ def test_a_cut_link_is_silent_and_a_healed_one_serves_again() -> None:
             server.wait()
 
 
-@needs_netns
+@pytest.mark.needs_netns
 def test_the_delay_proxy_adds_its_delay_each_way() -> None:
     with NetnsLab(["east"]) as lab:
         link = lab.links["east"]
@@ -145,7 +140,7 @@ def test_the_delay_proxy_adds_its_delay_each_way() -> None:
     assert delayed >= 0.2 > direct  # request and answer, 100 ms each
 
 
-@needs_netns
+@pytest.mark.needs_netns
 def test_the_delay_proxy_resets_its_client_when_the_site_does_not_answer_the_handshake() -> None:
     # The balancer's connect timeout stands behind the proxy: a silent link must look like a
     # failed connect (a reset before any answer, retried elsewhere), not like a hung replica.
@@ -175,7 +170,7 @@ def test_the_delay_proxy_resets_its_client_when_the_site_does_not_answer_the_han
             server.wait()
 
 
-@needs_netns
+@pytest.mark.needs_netns
 def test_loss_rules_come_and_go() -> None:
     with NetnsLab(["east"]) as lab:
         namespace = lab.links["east"].namespace
@@ -198,7 +193,7 @@ def test_loss_rules_come_and_go() -> None:
             lab.lose("east", 100)
 
 
-@needs_netns
+@pytest.mark.needs_netns
 def test_nothing_is_left_when_the_body_raises(tmp_path: Path) -> None:
     stack = read_stack("t", STACK)
     with (
@@ -215,7 +210,7 @@ def test_nothing_is_left_when_the_body_raises(tmp_path: Path) -> None:
     assert not any(running(pid) for pid in pids)
 
 
-@needs_netns
+@pytest.mark.needs_netns
 def test_a_crashed_runs_namespace_is_removed_at_the_next_start() -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -3,8 +3,6 @@ a pool at twice its capacity cuts no stream, answers what it cannot serve with a
 first-token budget, and keeps serving at its capacity; a zombie engine is out of rotation within
 2 s with the stack's defaults, costing only the turns in flight on it."""
 
-import shutil
-
 import pytest
 
 from benchmarks.observe_bench import busy_stack
@@ -12,10 +10,8 @@ from benchmarks.overload import ZOMBIE_OUT_MS, run_levels, run_zombie
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
 from tests.timing import DETECTION_SLACK_S, RECOVERY_SLACK_S, assert_within
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = [pytest.mark.timing, pytest.mark.needs_haproxy]
 
-pytestmark = pytest.mark.timing
 # Back at full strength once the zombie makes tokens again: an agent's metrics poll, its own
 # request, an agent check.
 RECOVERED_WITHIN_S = 1.5

@@ -2,14 +2,11 @@
 mid-turn at the reload, none cut, stalled or replayed (the rest of `make reliability`'s realtime
 scenarios run there: the demo test covers a replica killed mid-session)."""
 
-import shutil
-
 import pytest
 
 from benchmarks.realtime_reliability import SCENARIOS, failed, run_scenario
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_haproxy
 
 
 def test_a_balancer_reload_cuts_none_of_50_open_sessions() -> None:

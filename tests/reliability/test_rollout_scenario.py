@@ -3,14 +3,11 @@
 long call that outlived it counted and named, min_warm ready at every sample, and a second roll
 applying nothing."""
 
-import shutil
-
 import pytest
 
 from benchmarks.rollout_reliability import MIN_WARM, Load, Outcome, run_scenario
 
-if shutil.which("haproxy") is None:
-    pytest.skip("HAProxy is not installed (make setup installs it)", allow_module_level=True)
+pytestmark = pytest.mark.needs_haproxy
 
 
 def test_a_recipe_change_rolls_under_realtime_load_keeping_the_contract() -> None:
