@@ -50,8 +50,7 @@ POOLS = tuple(
 XID_TRIALS = 3
 DEATH_TRIALS = 5
 ABORT_TRIALS = 3
-
-
+# A read that waits longer fails the request as a timeout (none should come near it here).
 TIMEOUT_S = 30.0
 
 
