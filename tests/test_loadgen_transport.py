@@ -24,7 +24,10 @@ from websockets.protocol import Side, State
 from denv_iac.local import voice_sim
 from denv_iac.ops.loadgen import Endpoint, run_load
 
-Respond = Callable[[int], bytes]  # the n-th request on a connection -> the raw response
+# The n-th request on a connection -> the raw response; a list is written piece by piece, a
+# pause between pieces, so that the client reads each on its own.
+Respond = Callable[[int], bytes | list[bytes]]
+PAUSE_S = 0.05
 
 
 def _sse(*tokens: str) -> list[bytes]:
@@ -86,9 +89,13 @@ class Server:
                 n += 1
                 if not response:
                     break  # close without answering, as a keep-alive timeout does
-                writer.write(response)
-                await writer.drain()
-                if b"Connection: close" in response:
+                pieces = response if isinstance(response, list) else [response]
+                for index, piece in enumerate(pieces):
+                    if index:
+                        await asyncio.sleep(PAUSE_S)
+                    writer.write(piece)
+                    await writer.drain()
+                if b"Connection: close" in pieces[0]:
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -166,6 +173,21 @@ def test_streams_framed_by_length_by_the_close_or_after_informational_answers(
     server = serve(lambda n: _framed(kind))
     assert _load(f"http://127.0.0.1:{server.port}", 1, 3) == [("", 2)] * 3
     assert server.connections == connections
+
+
+def test_a_speech_chunk_read_in_pieces_is_one_unit_of_audio(
+    serve: Callable[..., Server],
+) -> None:
+    frame = voice_sim.audio_frame(0)
+    stream = _chunked([frame, frame]).replace(b"text/event-stream", b"audio/pcm")
+    split = stream.index(frame) + len(frame) // 2  # mid-way through the first chunk's data
+    server = serve(lambda n: [stream[:split], stream[split:]])
+    url = f"http://127.0.0.1:{server.port}"
+    report = asyncio.run(run_load(url, "voice", protocol="speech", requests=1))
+    (result,) = report.results
+    assert (result.error, result.tokens, len(result.gaps_ms)) == ("", 2 * len(frame), 1)
+    # The first audio byte is timed when the first chunk is whole, after the pause.
+    assert result.ttft_ms is not None and result.ttft_ms >= PAUSE_S * 1000
 
 
 async def _realtime_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
