@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.ops.loadgen import CONNECT_TIMEOUT_S, Connection, Endpoint, StreamResult, stream_once
 from tests.dataplane.dataplane_harness import AGENT_UP, STANDARD_POOLS, Dataplane
 
 HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
@@ -51,81 +50,34 @@ POOLS = tuple(
 XID_TRIALS = 3
 DEATH_TRIALS = 5
 ABORT_TRIALS = 3
+# A read that waits longer fails the request as a timeout (none should come near it here).
+TIMEOUT_S = 30.0
 
 
-@dataclass
-class StreamResult:
-    status: int
-    replica: str | None
-    done: bool  # ended with data: [DONE] and the terminal chunk
-    first_token_at: float | None  # perf_counter() times
-    ended_at: float
-    sent_at: float
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.done
-
-    @property
-    def ttft_s(self) -> float:
-        assert self.first_token_at is not None, "no token arrived"
-        return self.first_token_at - self.sent_at
+def _connection(port: int) -> Connection:
+    """The load generator's client: one keep-alive connection, the same on both paths."""
+    return Connection(Endpoint(f"http://127.0.0.1:{port}"), TIMEOUT_S, CONNECT_TIMEOUT_S)
 
 
-class Connection:
-    """One keep-alive HTTP/1.1 connection with a minimal SSE reader: a timing client should
-    cost as little as possible and the same on both paths."""
+async def _stream(
+    connection: Connection,
+    max_tokens: int,
+    session: str | None = None,
+    request_id: str | None = None,
+) -> StreamResult:
+    """One streamed chat completion; its times are perf_counter() readings (t0 = 0)."""
+    return await stream_once(
+        connection, "voice", session=session, max_tokens=max_tokens, request_id=request_id
+    )
 
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
 
-    async def stream(
-        self, body: dict[str, Any], headers: dict[str, str] | None = None
-    ) -> StreamResult:
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection("127.0.0.1", self.port)
-        assert self._reader is not None
-        payload = json.dumps({"stream": True, **body}).encode()
-        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
-        request = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n{extra}"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-        ).encode() + payload
-        sent_at = time.perf_counter()
-        self._writer.write(request)
-        try:
-            return await self._read_stream(self._reader, sent_at)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-            self.close()
-            return StreamResult(0, None, False, None, time.perf_counter(), sent_at)
+def _ttft_s(result: StreamResult) -> float:
+    assert result.ttft_ms is not None, "no token arrived"
+    return result.ttft_ms / 1000
 
-    async def _read_stream(self, reader: asyncio.StreamReader, sent_at: float) -> StreamResult:
-        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        status = int(head[0].split()[1])
-        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
-        replica = headers.get("x-denv-replica") or headers.get("x-denv-replica-self")
-        if "content-length" in headers:  # an error answer, not a stream
-            await reader.readexactly(int(headers["content-length"]))
-            return StreamResult(status, replica, False, None, time.perf_counter(), sent_at)
-        first_token_at = None
-        done = False
-        while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
-            data = await reader.readexactly(size + 2)
-            if first_token_at is None and b'"content"' in data:
-                first_token_at = time.perf_counter()
-            done = done or b"data: [DONE]" in data
-        await reader.readexactly(2)
-        result = StreamResult(status, replica, done, first_token_at, time.perf_counter(), sent_at)
-        if headers.get("connection", "").lower() == "close":
-            self.close()
-        return result
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._reader = self._writer = None
+def _ended_at(result: StreamResult) -> float:
+    return result.started_s + result.total_ms / 1000
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -135,18 +87,17 @@ def _percentile(values: list[float], fraction: float) -> float:
 
 async def measure_ttft(plane: Dataplane) -> tuple[dict[str, float], float]:
     """Interleaved direct/balanced pairs; also returns the balanced p50 TTFT in seconds."""
-    balanced = Connection(plane.settings.port)
-    direct = {rid: Connection(plane.replicas[rid].process.port) for rid in HOME}
-    body = {"model": "voice", "max_tokens": 2}
+    balanced = _connection(plane.settings.port)
+    direct = {rid: _connection(plane.replicas[rid].process.port) for rid in HOME}
     via_balancer: list[float] = []
     via_direct: list[float] = []
     for n in range(TTFT_PAIRS):
         replica = HOME[n % len(HOME)]
         first, second = (direct[replica], balanced) if n % 2 else (balanced, direct[replica])
         for connection in (first, second):
-            result = await connection.stream(body)
+            result = await _stream(connection, 2)
             assert result.ok, f"stream failed during the TTFT run: {result}"
-            (via_balancer if connection is balanced else via_direct).append(result.ttft_s)
+            (via_balancer if connection is balanced else via_direct).append(_ttft_s(result))
     for connection in (balanced, *direct.values()):
         connection.close()
     p50_b, p50_d = statistics.median(via_balancer), statistics.median(via_direct)
@@ -165,9 +116,9 @@ async def measure_throughput(plane: Dataplane) -> float:
 
     async def worker() -> None:
         nonlocal completed
-        connection = Connection(plane.settings.port)
+        connection = _connection(plane.settings.port)
         while time.perf_counter() < deadline:
-            if (await connection.stream({"model": "voice", "max_tokens": 10})).ok:
+            if (await _stream(connection, 10)).ok:
                 completed += 1
         connection.close()
 
@@ -178,15 +129,15 @@ async def measure_throughput(plane: Dataplane) -> float:
 
 async def measure_xid_to_out(plane: Dataplane, victim: str) -> float:
     """Traffic spread over both home replicas; the victim's agent turns to down at t0."""
-    routed: list[tuple[float, str | None]] = []
+    routed: list[tuple[float, str]] = []
     stop_at = time.perf_counter() + 1.5
     flip_at = time.perf_counter() + 0.3
 
     async def worker() -> None:
-        connection = Connection(plane.settings.port)
+        connection = _connection(plane.settings.port)
         while time.perf_counter() < stop_at:
-            result = await connection.stream({"model": "voice", "max_tokens": 1})
-            routed.append((result.sent_at, result.replica))
+            result = await _stream(connection, 1)
+            routed.append((result.started_s, result.replica))
         connection.close()
 
     async def flip() -> None:
@@ -200,12 +151,11 @@ async def measure_xid_to_out(plane: Dataplane, victim: str) -> float:
 
 
 async def measure_first_after_death(plane: Dataplane, session: str) -> StreamResult:
-    headers = {"X-Denv-Session": session}
-    connection = Connection(plane.settings.port)
-    warm = await connection.stream({"model": "voice", "max_tokens": 1}, headers)
-    assert warm.ok and warm.replica is not None
+    connection = _connection(plane.settings.port)
+    warm = await _stream(connection, 1, session)
+    assert warm.ok and warm.replica
     plane.replicas[warm.replica].kill()
-    result = await connection.stream({"model": "voice", "max_tokens": 2}, headers)
+    result = await _stream(connection, 2, session)
     connection.close()
     plane.replicas[warm.replica].restart()
     return result
@@ -213,10 +163,9 @@ async def measure_first_after_death(plane: Dataplane, session: str) -> StreamRes
 
 async def measure_abort(plane: Dataplane, session: str) -> float:
     """Kill the replica while it streams; seconds until the client sees the stream broken."""
-    connection = Connection(plane.settings.port)
-    headers = {"X-Denv-Session": session}
-    victim = (await connection.stream({"model": "voice", "max_tokens": 1}, headers)).replica
-    assert victim is not None
+    connection = _connection(plane.settings.port)
+    victim = (await _stream(connection, 1, session)).replica
+    assert victim
     request_id = f"abort-{session}"
     killed_at = 0.0
 
@@ -232,16 +181,14 @@ async def measure_abort(plane: Dataplane, session: str) -> float:
         plane.replicas[victim].kill()
         killed_at = time.perf_counter()
 
-    stream = connection.stream(
-        {"model": "voice", "max_tokens": 200}, {**headers, "X-Request-Id": request_id}
-    )
+    stream = _stream(connection, 200, session, request_id)
     result, _ = await asyncio.gather(stream, kill_after_tokens())
     connection.close()
-    assert not result.done, "the stream finished although its replica died"
+    assert not result.ok, "the stream finished although its replica died"
     others = [replica for rid, replica in plane.replicas.items() if rid != victim]
     assert all(request_id not in r.stats()["by_request_id"] for r in others), "replayed"
     plane.replicas[victim].restart()
-    return result.ended_at - killed_at
+    return _ended_at(result) - killed_at
 
 
 def _wait_all_up(plane: Dataplane) -> None:
@@ -283,7 +230,7 @@ async def _measure(plane: Dataplane) -> dict[str, float]:
         after_death.append(await measure_first_after_death(plane, f"death-{trial}"))
         _wait_all_up(plane)
     figures["first_after_death_errors"] = float(sum(not r.ok for r in after_death))
-    served = [r.ttft_s for r in after_death if r.ok]
+    served = [_ttft_s(r) for r in after_death if r.ok]
     figures["first_after_death_added_ms"] = (
         (max(served) - balanced_p50_s) * 1000 if served else float("nan")
     )

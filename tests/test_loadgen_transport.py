@@ -1,7 +1,9 @@
-"""The load client's own HTTP/1.1: keep-alive, a connection the server closed, chunked
-streams split anywhere, TLS, and responses framed each way a server may frame them."""
+"""The load client's HTTP/1.1 (h11 over one kept connection per worker): keep-alive, a
+connection the server closed, chunked streams split anywhere, TLS, responses framed each way a
+server may frame them, and the upgrade to a realtime WebSocket."""
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -15,10 +17,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from websockets.frames import Opcode
+from websockets.protocol import Protocol as WsProtocol
+from websockets.protocol import Side, State
 
+from denv_iac.local import voice_sim
 from denv_iac.ops.loadgen import Endpoint, run_load
 
-Respond = Callable[[int], bytes]  # the n-th request on a connection -> the raw response
+# The n-th request on a connection -> the raw response; a list is written piece by piece, a
+# pause between pieces, so that the client reads each on its own.
+Respond = Callable[[int], bytes | list[bytes]]
+PAUSE_S = 0.05
 
 
 def _sse(*tokens: str) -> list[bytes]:
@@ -67,9 +76,12 @@ class Server:
         try:
             while head := await reader.readuntil(b"\r\n\r\n"):
                 length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
                 )
                 await reader.readexactly(length)
                 self.requests += 1
@@ -77,9 +89,13 @@ class Server:
                 n += 1
                 if not response:
                     break  # close without answering, as a keep-alive timeout does
-                writer.write(response)
-                await writer.drain()
-                if b"Connection: close" in response:
+                pieces = response if isinstance(response, list) else [response]
+                for index, piece in enumerate(pieces):
+                    if index:
+                        await asyncio.sleep(PAUSE_S)
+                    writer.write(piece)
+                    await writer.drain()
+                if b"Connection: close" in pieces[0]:
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -137,6 +153,73 @@ def test_error_responses_are_read_whole_and_connection_close_is_honoured(
     server = serve(lambda n: answers[n % 2])
     assert _load(f"http://127.0.0.1:{server.port}", 1, 4) == [("http_503", 0)] * 4
     assert server.connections == 2
+
+
+def _framed(kind: str) -> bytes:
+    body = b"".join(_sse("a", "b"))
+    return {
+        "length": b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+        # No length and no chunks: the body ends when the server closes the connection.
+        "eof": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body,
+        "informational": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n"
+        b"Link: </a>\r\n\r\n" + _chunked(_sse("a", "b")),
+    }[kind]
+
+
+@pytest.mark.parametrize(("kind", "connections"), [("length", 1), ("eof", 3), ("informational", 1)])
+def test_streams_framed_by_length_by_the_close_or_after_informational_answers(
+    serve: Callable[..., Server], kind: str, connections: int
+) -> None:
+    server = serve(lambda n: _framed(kind))
+    assert _load(f"http://127.0.0.1:{server.port}", 1, 3) == [("", 2)] * 3
+    assert server.connections == connections
+
+
+def test_a_speech_chunk_read_in_pieces_is_one_unit_of_audio(
+    serve: Callable[..., Server],
+) -> None:
+    frame = voice_sim.audio_frame(0)
+    stream = _chunked([frame, frame]).replace(b"text/event-stream", b"audio/pcm")
+    split = stream.index(frame) + len(frame) // 2  # mid-way through the first chunk's data
+    server = serve(lambda n: [stream[:split], stream[split:]])
+    url = f"http://127.0.0.1:{server.port}"
+    report = asyncio.run(run_load(url, "voice", protocol="speech", requests=1))
+    (result,) = report.results
+    assert (result.error, result.tokens, len(result.gaps_ms)) == ("", 2 * len(frame), 1)
+    # The first audio byte is timed when the first chunk is whole, after the pause.
+    assert result.ttft_ms is not None and result.ttft_ms >= PAUSE_S * 1000
+
+
+async def _realtime_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers the upgrade and sends `session.created` in the same write, so the client's
+    HTTP parser holds the first frame when the 101 is parsed; then one audio delta per turn."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")[1:]
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head if h)}
+    answer = voice_sim.handshake_response(headers, {})
+    assert answer is not None
+    server = WsProtocol(Side.SERVER, state=State.OPEN)
+    server.send_text(voice_sim.realtime_event("session.created", 0))
+    writer.write(answer + b"".join(server.data_to_send()))
+    ws = voice_sim.WebSocket(reader, writer, Side.SERVER)
+    with contextlib.suppress(ConnectionError):
+        while (await ws.receive())[0] is Opcode.TEXT:
+            delta = voice_sim.realtime_event("response.output_audio.delta", 1, delta="AAAA")
+            await ws.send_text(delta)
+            await ws.send_text(voice_sim.realtime_event("response.done", 2))
+    writer.close()
+
+
+def test_a_realtime_upgrade_hands_the_bytes_after_the_101_to_the_websocket() -> None:
+    async def scenario() -> list[tuple[str, int]]:
+        server = await asyncio.start_server(_realtime_server, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            report = await run_load(
+                f"http://127.0.0.1:{port}", "voice", protocol="realtime", requests=3, timeout_s=5
+            )
+        return [(r.error, r.tokens) for r in report.results]
+
+    assert asyncio.run(scenario()) == [("", 1)] * 3
 
 
 def test_a_stream_cut_before_done_is_an_abort_a_silent_one_a_timeout(

@@ -150,9 +150,16 @@ class WebSocket:
     """
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, side: Side
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        side: Side,
+        received: bytes = b"",
     ) -> None:
+        """`received`: bytes of the connection already read past the HTTP upgrade's answer (the
+        peer may send its first frames with it); they are parsed before anything else is read."""
         self.reader, self.writer = reader, writer
+        self._received = received
         self.protocol = Protocol(side, state=State.OPEN, max_size=_MAX_MESSAGE_BYTES)
         self._frames: deque[Frame] = deque()
         self._opcode: Opcode | None = None
@@ -180,7 +187,10 @@ class WebSocket:
                     return opcode, b"".join(parts)
             if self.protocol.parser_exc is not None or self.protocol.close_rcvd is not None:
                 raise WebSocketClosed(str(self.protocol.parser_exc or "closed"))
-            data = await self.reader.read(_READ_BYTES)
+            if self._received:
+                data, self._received = self._received, b""
+            else:
+                data = await self.reader.read(_READ_BYTES)
             if data:
                 self.protocol.receive_data(data)
             else:

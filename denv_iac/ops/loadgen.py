@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+import h11
 from websockets.frames import Opcode
 from websockets.protocol import Side
 
@@ -181,7 +182,10 @@ class Endpoint:
 
 
 class _Closed(Exception):
-    """The peer closed or reset the connection."""
+    """The peer closed or reset the connection, or broke HTTP/1.1."""
+
+
+_READ_BYTES = 64 * 1024
 
 
 class Connection:
@@ -190,7 +194,8 @@ class Connection:
     A load generator's own overhead lands in every figure it reports. A general-purpose client
     pool costs a busy event loop a lot per request (at 64 streams on two cores it added hundreds
     of milliseconds to the measured first token, and made fast 503s take seconds), so each
-    worker keeps one plain connection and reads the response as it arrives.
+    worker keeps one plain connection and reads the response as it arrives. h11 (sans-IO) does
+    the HTTP/1.1: framing, chunked bodies, keep-alive and the switch to a WebSocket.
     """
 
     def __init__(self, endpoint: Endpoint, timeout_s: float, connect_timeout_s: float) -> None:
@@ -199,6 +204,7 @@ class Connection:
         self.connect_timeout_s = connect_timeout_s
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._http: h11.Connection | None = None
         self._ws: voice_sim.WebSocket | None = None
         self._ssl = ssl.create_default_context() if endpoint.tls else None
 
@@ -211,31 +217,40 @@ class Connection:
             self._reader, self._writer = await asyncio.open_connection(
                 self.endpoint.host, self.endpoint.port, ssl=self._ssl
             )
+        self._http = h11.Connection(h11.CLIENT)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
+        self._http = None
         self._ws = None
 
     async def send(
         self, path: str, headers: dict[str, str], body: bytes | None, method: str = "POST"
     ) -> None:
         """A request; a None body sends none and no Content-Length (a WebSocket upgrade)."""
-        assert self._writer is not None
-        target = f"{method} {self.endpoint.prefix}{path} HTTP/1.1"
-        lines = [target, f"Host: {self.endpoint.authority}"]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
+        assert self._writer is not None and self._http is not None
+        http = self._http
+        if http.our_state is h11.DONE and http.their_state is h11.DONE:
+            http.start_next_cycle()
+        if http.our_state is not h11.IDLE or http.their_state is not h11.IDLE:
+            raise _Closed  # the last response was not read to its end: the connection is spent
+        fields = [("Host", self.endpoint.authority), *headers.items()]
         if body is not None:
-            lines.append(f"Content-Length: {len(body)}")
-        lines += ["", ""]
-        self._writer.write("\r\n".join(lines).encode("latin-1") + (body or b""))
+            fields.append(("Content-Length", str(len(body))))
+        target = f"{self.endpoint.prefix}{path}"
+        events: list[h11.Event] = [h11.Request(method=method, target=target, headers=fields)]
+        events += [h11.Data(data=body)] if body else []
+        self._writer.write(b"".join(http.send(e) or b"" for e in [*events, h11.EndOfMessage()]))
         await self._writer.drain()
 
     def upgrade(self) -> None:
-        """The connection carries a WebSocket from here on (after a 101 answer), as its client."""
-        assert self._reader is not None and self._writer is not None
-        self._ws = voice_sim.WebSocket(self._reader, self._writer, Side.CLIENT)
+        """The connection carries a WebSocket from here on (after a 101 answer), as its client;
+        what the peer sent past the answer is its first WebSocket bytes."""
+        assert self._reader is not None and self._writer is not None and self._http is not None
+        received, _ = self._http.trailing_data
+        self._ws = voice_sim.WebSocket(self._reader, self._writer, Side.CLIENT, received)
 
     async def send_text(self, payload: bytes) -> None:
         """One WebSocket text message (masked, as a client's frames must be)."""
@@ -258,60 +273,59 @@ class Connection:
         if self._ws is not None:
             await self._ws.close(1000)
 
-    async def _read(self, read: Callable[[], Awaitable[bytes]]) -> bytes:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                data = await read()
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError) as error:
-            raise _Closed from error
-        if not data:
-            raise _Closed
-        return data
-
-    async def line(self) -> bytes:
-        assert self._reader is not None
-        reader = self._reader
-        data = await self._read(reader.readline)
-        if not data.endswith(b"\n"):
-            raise _Closed
-        return data.rstrip(b"\r\n")
-
-    async def exactly(self, size: int) -> bytes:
-        assert self._reader is not None
-        reader = self._reader
-        return await self._read(lambda: reader.readexactly(size)) if size else b""
+    async def _event(self) -> h11.Event:
+        """The response's next event, reading as needed (each read within the timeout). A reset
+        reads as the end of the connection: it ends a body framed by the close, and breaks any
+        other (`_Closed`)."""
+        assert self._reader is not None and self._http is not None
+        reader, http = self._reader, self._http
+        while True:
+            try:
+                event = http.next_event()
+            except h11.RemoteProtocolError as error:
+                raise _Closed from error
+            if event is h11.NEED_DATA:
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        data = await reader.read(_READ_BYTES)
+                except (ConnectionError, ssl.SSLError):
+                    data = b""
+                http.receive_data(data)
+            elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                raise _Closed
+            else:
+                assert isinstance(event, h11.Event)
+                return event
 
     async def head(self) -> tuple[int, dict[str, str]]:
-        """The status and headers (names lower-cased) of the response."""
-        status_line = await self.line()
-        try:
-            status = int(status_line.split(b" ", 2)[1])
-        except (IndexError, ValueError):
-            raise _Closed from None
-        headers = {}
-        while line := await self.line():
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return status, headers
+        """The status and headers (names lower-cased) of the response; a 101 answer counts as
+        one, other informational answers (100, 103) are skipped."""
+        while True:
+            event = await self._event()
+            if isinstance(event, h11.Response) or (
+                isinstance(event, h11.InformationalResponse) and event.status_code == 101
+            ):
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+                return event.status_code, headers
 
     async def body(self, headers: dict[str, str]) -> AsyncIterator[bytes]:
-        """The body as it arrives, de-chunked; ends at its end (or at EOF, when unframed)."""
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            while size := int((await self.line()).split(b";")[0] or b"0", 16):
-                yield await self.exactly(size)
-                await self.line()
-            while await self.line():  # trailers
-                pass
-        elif "content-length" in headers:
-            yield await self.exactly(int(headers["content-length"]))
-        else:
-            assert self._reader is not None
-            reader = self._reader
-            try:
-                while True:
-                    yield await self._read(lambda: reader.read(65536))
-            except _Closed:
-                self.close()
+        """The body as it arrives: each chunk whole when chunked, the whole body when its length
+        is given, each read when it ends at EOF. At its end the connection is closed unless it
+        can carry the next request."""
+        assert self._http is not None
+        http = self._http
+        framed = "transfer-encoding" in headers or "content-length" in headers
+        parts: list[bytes] = []
+        while not isinstance(event := await self._event(), h11.EndOfMessage):
+            if isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+                if event.chunk_end or not framed:
+                    yield b"".join(parts)
+                    parts = []
+        if parts:
+            yield b"".join(parts)
+        if http.our_state is not h11.DONE or http.their_state is not h11.DONE:
+            self.close()
 
 
 async def _body_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
@@ -472,9 +486,11 @@ async def _exchange(
     api_key: str | None,
     t0: float,
     via: Via,
+    request_id: str | None = None,
 ) -> StreamResult:
-    """One request on the worker's connection; `read` consumes a 200 answer's body."""
-    request_id = uuid.uuid4().hex
+    """One request on the worker's connection; `read` consumes a 200 answer's body. Its
+    `X-Request-Id` is `request_id`, or a new one."""
+    request_id = request_id or uuid.uuid4().hex
     path, extra, body = request
     headers = {**_common_headers(request_id, session, api_key), **extra}
     timing = _Timing(time.perf_counter())
@@ -515,8 +531,6 @@ async def _exchange(
     except _Closed:
         connection.close()
         return result("aborted")
-    if response.get("connection", "").lower() == "close":
-        connection.close()
     return result(outcome)
 
 
@@ -529,11 +543,19 @@ async def stream_once(
     max_tokens: int | None = None,
     t0: float = 0.0,
     via: Via = "endpoint",
+    request_id: str | None = None,
 ) -> StreamResult:
     """One streamed chat completion."""
     request = chat_request(pool, max_tokens)
     return await _exchange(
-        connection, request, _read_chat, session=session, api_key=api_key, t0=t0, via=via
+        connection,
+        request,
+        _read_chat,
+        session=session,
+        api_key=api_key,
+        t0=t0,
+        via=via,
+        request_id=request_id,
     )
 
 
