@@ -3,9 +3,10 @@
 from collections.abc import Callable
 
 from denv_iac.balancer import BalancerPool, BalancerServer, BalancerTier
+from denv_iac.balancer.canary import canary_weights
 from denv_iac.placement import PlacedReplica, Placement
 from denv_iac.spec.gateway_link import gateway_tls_name, gateway_tls_on, kubernetes_sites
-from denv_iac.spec.model import StackSpec
+from denv_iac.spec.model import RecipeSpec, StackSpec
 
 # Where a replica answers once it runs: (address, replica port, agent port).
 Locator = Callable[[PlacedReplica], tuple[str, int, int]]
@@ -22,30 +23,38 @@ def balancer_pools(
     """One pool per recipe, one tier per preference level of its sites (priority 10, 20, ...).
 
     A tier with no placed replica is left out: HAProxy then falls through straight to the next.
+    A recipe's canary serves in the recipe's tiers, weighted to take its share of new sessions.
     """
     behind_tls = set(kubernetes_sites(stack)) if gateway_tls_on(stack) else set()
+
+    def server(replica: PlacedReplica, recipe: RecipeSpec, weight: int) -> BalancerServer:
+        address, port, agent_port = locate(replica)
+        return BalancerServer(
+            replica.id,
+            replica.site,
+            replica.node,
+            address,
+            port,
+            agent_port,
+            recipe.health_path,
+            gateway_tls_name(replica.site) if replica.site in behind_tls else None,
+            weight,
+            canary=bool(recipe.canary_of),
+        )
+
     pools = []
-    for recipe in stack.recipes:
-        replicas = placement.replicas_of(recipe.name)
+    for recipe in stack.pools:
+        canary = stack.canary_pool(recipe.name)
+        share = recipe.canary.share if recipe.canary is not None else 0.0
         tiers = []
         for index, sites in enumerate(recipe.tiers):
-            servers = []
-            for replica in replicas:
-                if replica.tier != index:
-                    continue
-                address, port, agent_port = locate(replica)
-                servers.append(
-                    BalancerServer(
-                        replica.id,
-                        replica.site,
-                        replica.node,
-                        address,
-                        port,
-                        agent_port,
-                        recipe.health_path,
-                        gateway_tls_name(replica.site) if replica.site in behind_tls else None,
-                    )
-                )
+            stable = [r for r in placement.replicas_of(recipe.name) if r.tier == index]
+            new = [] if canary is None else placement.replicas_of(canary.name)
+            new = [r for r in new if r.tier == index]
+            weights = canary_weights(len(stable), len(new), share)
+            servers = [server(r, recipe, weights.stable) for r in stable]
+            if canary is not None:
+                servers += [server(r, canary, weights.canary) for r in new]
             if servers:
                 tiers.append(BalancerTier(tier_priority(index), sites, tuple(servers)))
         pools.append(

@@ -52,7 +52,12 @@ def render_plan(plan: Plan, console: Console) -> None:
         placed = plan.placement.replicas_of(recipe.name)
         tiers = " > ".join("+".join(tier) for tier in recipe.tiers)
         survives = f"any one {recipe.survive}" if recipe.spare else "nothing (spare: 0)"
-        pools.add_row(recipe.name, str(len(placed)), str(recipe.min_warm), survives, tiers)
+        min_warm = str(recipe.min_warm)
+        parent = next((r for r in stack.pools if r.name == recipe.canary_of), None)
+        if parent is not None and parent.canary is not None:
+            min_warm = "-"
+            survives = f"canary of {parent.name}: {100 * parent.canary.share:g} % of new sessions"
+        pools.add_row(recipe.name, str(len(placed)), min_warm, survives, tiers)
     console.print(pools)
 
     nodes = Table(title="Nodes", title_justify="left")

@@ -49,9 +49,12 @@ from denv_iac.spec.reader import StackError
 Progress = Callable[[str], None]
 # What a local roll applies: what the simulated replica runs (model names, ports and health
 # paths are in the balancer's and agents' configs too: a restart of the stack applies those).
-LOCAL_FIELDS = tuple(
-    f for f in REPLICA_FIELDS if f not in ("models", "port", "health_path")
-) + tuple(ROLLOUT_FIELDS)
+# A canary's share and its retirement: the balancer's weights and servers, reloaded.
+LOCAL_FIELDS = (
+    tuple(f for f in REPLICA_FIELDS if f not in ("models", "port", "health_path"))
+    + tuple(ROLLOUT_FIELDS)
+    + ("canary",)
+)
 # How long HAProxy may take to show a drain or an undrain the agent reports (agent-inter is
 # 200 ms; two passing health checks put a restarted replica back UP).
 BALANCER_SEES_S = 10.0
@@ -80,24 +83,33 @@ class RollReport:
     steps: list[StepResult] = field(default_factory=list)
     unchanged: tuple[str, ...] = ()
     seconds: float = 0.0
+    # Canary replicas the change no longer places: drained, left out of the balancer, stopped.
+    retired: list[StepResult] = field(default_factory=list)
+    reweighted: bool = False  # the balancer was reloaded with other weights or servers
 
     @property
     def cut(self) -> int:
-        return sum(s.cut for s in self.steps)
+        return sum(s.cut for s in (*self.steps, *self.retired))
 
     def cut_on(self) -> dict[str, int]:
         """The replicas whose sessions outlived drain_timeout_s, and how many each."""
-        return {s.replica: s.cut for s in self.steps if s.cut}
+        return {s.replica: s.cut for s in (*self.steps, *self.retired) if s.cut}
 
     def line(self) -> str:
-        if not self.steps:
+        if not (self.steps or self.retired or self.reweighted):
             return "nothing to roll: every replica runs the stack file's config"
         where = ", ".join(f"{replica} {n}" for replica, n in self.cut_on().items())
-        return (
+        done = [
             f"rolled {len(self.steps)} replica(s) in {self.seconds:.1f} s "
-            f"({', '.join(f'{s.replica} {s.seconds:.1f} s' for s in self.steps)}); "
-            f"{len(self.unchanged)} unchanged; {self.cut} session(s) cut"
-            + (f" past drain_timeout_s ({where})" if where else "")
+            f"({', '.join(f'{s.replica} {s.seconds:.1f} s' for s in self.steps)})"
+        ]
+        if self.retired:
+            retired = (f"{s.replica} (drained in {s.drain_s:.1f} s)" for s in self.retired)
+            done.append(f"retired {', '.join(retired)}")
+        if self.reweighted:
+            done.append("balancer reloaded with the new weights")
+        return f"{'; '.join(done)}; {len(self.unchanged)} unchanged; {self.cut} session(s) cut" + (
+            f" past drain_timeout_s ({where})" if where else ""
         )
 
 
@@ -107,17 +119,29 @@ def local_problems(before: StackSpec, after: StackSpec, plan: RolloutPlan) -> li
     problems = [f"denv:{part}: changed; {how}" for part in _changed_parts(before, after)]
     old = {r.name: r for r in before.recipes}
     for recipe in after.recipes:
+        if recipe.name not in old and recipe.canary_of:
+            problems.append(f"recipes[{recipe.canary_of}].canary: new; {how}")
+            continue
         if recipe.name not in old:
             problems.append(f"recipes[{recipe.name}]: new; {how}")
             continue
         for name in changed_fields(old[recipe.name], recipe):
             if name not in LOCAL_FIELDS:
                 problems.append(f"recipes[{recipe.name}].{name}: changed; {how}")
-    problems += [f"recipes: {r.split('.', 1)[0]} removed; {how}" for r in _gone(before, after)]
-    if not problems and (plan.added or plan.removed):
-        moved = ", ".join(plan.added + plan.removed)
-        problems.append(f"placement: replicas {moved} move; {how}")
+    problems += [f"recipes: {name} removed; {how}" for name in _gone(before, after)]
+    retiring = retiring_replicas(before, plan)
+    moved = [r for r in plan.added + plan.removed if r not in retiring]
+    if not problems and moved:
+        problems.append(f"placement: replicas {', '.join(moved)} move; {how}")
     return problems
+
+
+def retiring_replicas(before: StackSpec, plan: RolloutPlan) -> tuple[str, ...]:
+    """Replicas of a canary that the change no longer places (the canary retired, promoted, or
+    given fewer replicas): a local roll drains them, leaves them out of the balancer and stops
+    them."""
+    canaries = {r.name for r in before.recipes if r.canary_of}
+    return tuple(r for r in plan.removed if r.split(".", 1)[0] in canaries)
 
 
 def _changed_parts(before: StackSpec, after: StackSpec) -> list[str]:
@@ -132,8 +156,9 @@ def _changed_parts(before: StackSpec, after: StackSpec) -> list[str]:
 
 
 def _gone(before: StackSpec, after: StackSpec) -> list[str]:
+    """Recipes the change removes; a canary's pool goes with its canary block, retired."""
     names = {r.name for r in after.recipes}
-    return [r.name for r in before.recipes if r.name not in names]
+    return [r.name for r in before.recipes if r.name not in names and not r.canary_of]
 
 
 def plan_local_roll(cluster: LocalCluster, after: StackSpec) -> RolloutPlan:
@@ -194,8 +219,20 @@ def roll(
         result = _Step(cluster, step, recipes[step.pool], progress).run()
         report.steps.append(result)
         progress(f"{step.replica} rolled in {result.seconds:.1f} s")
-    cluster.adopt(after)
     report.seconds = time.monotonic() - started
+    # Retired canary replicas: drained (their sessions end where they started), then left out
+    # of the balancer with the new weights, then stopped.
+    old = {r.name: r for r in cluster.stack.recipes}
+    retiring = retiring_replicas(cluster.stack, plan)
+    for replica in retiring:
+        pool = replica.split(".", 1)[0]
+        progress(f"retiring {replica} (canary of {old[pool].canary_of})")
+        step = RolloutStep(pool, replica, ("canary",))
+        report.retired.append(_Step(cluster, step, old[pool], progress).drain())
+    cluster.adopt(after)
+    report.reweighted = cluster.rebalance()
+    for replica in retiring:
+        cluster.retire_replica(replica)
     return report
 
 
@@ -219,10 +256,7 @@ class _Step:
         problem = min_warm_problem(self.step.pool, self.replica.id, others, self.recipe.min_warm)
         if problem:
             raise RollStopped(problem)
-        t0 = time.monotonic()
-        self._control(drain)
-        self._until(lambda rows: tier_status(rows, self.replica.id).startswith("DRAIN"), "drain")
-        cut = self._wait_sessions()
+        drained = self.drain()
         t1 = time.monotonic()
         placed = next(r for r in self.cluster.placement.replicas if r.id == self.replica.id)
         old_config = self.cluster.replica_config(self._old_recipe(), placed)
@@ -242,7 +276,18 @@ class _Step:
             ) from None
         self._control(undrain)
         self._until(lambda rows: tier_status(rows, self.replica.id) == "UP", "undrain")
-        return StepResult(self.replica.id, t1 - t0, t2 - t1, time.monotonic() - t2, cut)
+        return StepResult(
+            self.replica.id, drained.drain_s, t2 - t1, time.monotonic() - t2, drained.cut
+        )
+
+    def drain(self) -> StepResult:
+        """Take the replica out of rotation for good: drained, its sessions waited for (bounded
+        by drain_timeout_s, past which what is left is counted as cut)."""
+        t0 = time.monotonic()
+        self._control(drain)
+        self._until(lambda rows: tier_status(rows, self.replica.id).startswith("DRAIN"), "drain")
+        cut = self._wait_sessions()
+        return StepResult(self.replica.id, time.monotonic() - t0, 0.0, 0.0, cut)
 
     def _old_recipe(self) -> RecipeSpec:
         return next(r for r in self.cluster.stack.recipes if r.name == self.step.pool)

@@ -25,13 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from denv_iac.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
-from denv_iac.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.balancer import BalancerPool, BalancerSettings, render_haproxy_config
 from denv_iac.balancer.client_secrets import key_map
 from denv_iac.balancer.files import relocate_maps
 from denv_iac.dataplane import balancer_pools
 from denv_iac.endpoint import balancer_settings
 from denv_iac.haproxy.files import write_config
-from denv_iac.haproxy.runtime import HaproxyProcess
+from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 from denv_iac.placement import PlacedReplica, place_replicas
 from denv_iac.spec.model import RecipeSpec, StackSpec
@@ -455,13 +455,7 @@ class LocalCluster:
     def _start_haproxy(
         self, replicas: list[ReplicaState], agents: list[AgentState], progress: Progress
     ) -> RunState:
-        by_id = {r.id: r for r in replicas}
-
-        def locate(replica: PlacedReplica) -> tuple[str, int, int]:
-            state = by_id[replica.id]
-            return self._server_address(state), state.port, state.agent_port
-
-        pools = balancer_pools(self.stack, self.placement, locate)
+        pools = self._balancer_pools(replicas)
         socket_path = self.directory / "haproxy.sock"
         prometheus = free_port()
         # The stack's settings, timers included, as `denv plan` shows them; only where HAProxy
@@ -503,6 +497,48 @@ class LocalCluster:
             replicas,
             agents,
         )
+
+    def _balancer_pools(self, replicas: list[ReplicaState]) -> tuple[BalancerPool, ...]:
+        """What the balancer serves: the stack's pools over the running replicas."""
+        by_id = {r.id: r for r in replicas}
+
+        def locate(replica: PlacedReplica) -> tuple[str, int, int]:
+            state = by_id[replica.id]
+            return self._server_address(state), state.port, state.agent_port
+
+        return balancer_pools(self.stack, self.placement, locate)
+
+    def rebalance(self) -> bool:
+        """Render the balancer's config again from the stack and placement held now, and reload
+        HAProxy without a gap when it changed (a canary's share, its replicas retired); True
+        when it did."""
+        with self._lock:
+            assert self.state is not None and self._haproxy is not None
+            pools = self._balancer_pools(self.state.replicas)
+            if pools == self._pools:
+                return False
+            self._pools = pools
+            self._write_balancer_config()
+            self._save_server_state()
+            self._haproxy.reload()
+            return True
+
+    def _save_server_state(self) -> None:
+        """What HAProxy knows of each server (health, drains), for the worker a reload starts
+        to begin from: without it every server starts anew, `UP 1/2` until its first check."""
+        if self._settings.state_file is not None:
+            state = stats_command(Path(self._settings.stats_socket), "show servers state")
+            write_private(Path(self._settings.state_file), state)
+
+    def retire_replica(self, replica_id: str) -> None:
+        """Stop a replica the stack no longer places (a canary retired or promoted), once the
+        balancer no longer sends it anything; it is not restarted again."""
+        with self._lock:
+            assert self.state is not None
+            self._replicas.pop(replica_id).stop()
+            self._backoff.pop(f"replica {replica_id}", None)
+            self.state.replicas = [r for r in self.state.replicas if r.id != replica_id]
+            self._save_state()
 
     def _server_address(self, replica: ReplicaState) -> str:
         """Where HAProxy sends the replica's requests and agent checks: where it listens,
