@@ -13,7 +13,12 @@ from denv_iac.balancer import render_haproxy_config
 from denv_iac.balancer.canary import MAX_WEIGHT, SHARE_SLACK, canary_weights
 from denv_iac.dataplane import balancer_pools
 from denv_iac.endpoint import balancer_settings
-from denv_iac.local.rollout import LOCAL_FIELDS, local_problems, retiring_replicas
+from denv_iac.local.rollout import (
+    LOCAL_FIELDS,
+    local_problems,
+    retiring_replicas,
+    starting_replicas,
+)
 from denv_iac.ops.alerts import alert_rules
 from denv_iac.ops.status import ReplicaStatus, pool_statuses
 from denv_iac.placement import PlacementError, place_replicas
@@ -289,13 +294,19 @@ def test_share_promotion_and_retirement_are_plain_edits() -> None:
     old, new, plan = _plan(with_canary, config())
     assert plan.steps == () and retiring_replicas(old, plan) == ("voice-canary.local.n3.0",)
     assert local_problems(old, new, plan) == []
-    # A new canary starts replicas: a local roll leaves that to a restart, and says so.
+    # Bringing a canary in: its replica is started; nothing else moves or restarts.
     old, new, plan = _plan(config(), with_canary)
+    assert plan.steps == () and starting_replicas(new, plan) == ("voice-canary.local.n3.0",)
+    assert local_problems(old, new, plan) == []
+    assert "canary" in LOCAL_FIELDS
+    # Any other replica that placement adds or removes is still a restart's.
+    old, new, plan = _plan(
+        config(), {**config(), "denv:recipes": [{**voice(config()), "spare": 2}]}
+    )
     assert local_problems(old, new, plan) == [
-        "recipes[voice].canary: new; a local roll restarts replicas only; `denv local down`"
+        "recipes[voice].spare: changed; a local roll restarts replicas only; `denv local down`"
         " then `denv local up` apply it"
     ]
-    assert "canary" in LOCAL_FIELDS
 
 
 def _replica(rid: str, state: str, weight: int, ttft: float | None, ttime: int | None) -> Any:

@@ -85,6 +85,8 @@ class RollReport:
     seconds: float = 0.0
     # Canary replicas the change no longer places: drained, left out of the balancer, stopped.
     retired: list[StepResult] = field(default_factory=list)
+    # Canary replicas the change brings in: started, warm, then put in the balancer.
+    started: list[StepResult] = field(default_factory=list)
     reweighted: bool = False  # the balancer was reloaded with other weights or servers
 
     @property
@@ -96,13 +98,18 @@ class RollReport:
         return {s.replica: s.cut for s in (*self.steps, *self.retired) if s.cut}
 
     def line(self) -> str:
-        if not (self.steps or self.retired or self.reweighted):
+        if not (self.steps or self.retired or self.started or self.reweighted):
             return "nothing to roll: every replica runs the stack file's config"
         where = ", ".join(f"{replica} {n}" for replica, n in self.cut_on().items())
-        done = [
-            f"rolled {len(self.steps)} replica(s) in {self.seconds:.1f} s "
-            f"({', '.join(f'{s.replica} {s.seconds:.1f} s' for s in self.steps)})"
-        ]
+        done = []
+        if self.steps:
+            done.append(
+                f"rolled {len(self.steps)} replica(s) in {self.seconds:.1f} s "
+                f"({', '.join(f'{s.replica} {s.seconds:.1f} s' for s in self.steps)})"
+            )
+        if self.started:
+            started = (f"{s.replica} (warm in {s.seconds:.1f} s)" for s in self.started)
+            done.append(f"started {', '.join(started)}")
         if self.retired:
             retired = (f"{s.replica} (drained in {s.drain_s:.1f} s)" for s in self.retired)
             done.append(f"retired {', '.join(retired)}")
@@ -120,8 +127,7 @@ def local_problems(before: StackSpec, after: StackSpec, plan: RolloutPlan) -> li
     old = {r.name: r for r in before.recipes}
     for recipe in after.recipes:
         if recipe.name not in old and recipe.canary_of:
-            problems.append(f"recipes[{recipe.canary_of}].canary: new; {how}")
-            continue
+            continue  # a canary brought in: its replicas are started
         if recipe.name not in old:
             problems.append(f"recipes[{recipe.name}]: new; {how}")
             continue
@@ -129,11 +135,19 @@ def local_problems(before: StackSpec, after: StackSpec, plan: RolloutPlan) -> li
             if name not in LOCAL_FIELDS:
                 problems.append(f"recipes[{recipe.name}].{name}: changed; {how}")
     problems += [f"recipes: {name} removed; {how}" for name in _gone(before, after)]
-    retiring = retiring_replicas(before, plan)
-    moved = [r for r in plan.added + plan.removed if r not in retiring]
+    canary = retiring_replicas(before, plan) + starting_replicas(after, plan)
+    moved = [r for r in plan.added + plan.removed if r not in canary]
     if not problems and moved:
         problems.append(f"placement: replicas {', '.join(moved)} move; {how}")
     return problems
+
+
+def starting_replicas(after: StackSpec, plan: RolloutPlan) -> tuple[str, ...]:
+    """Replicas of a canary that the change places anew (the canary brought in, or given more
+    replicas): a local roll starts them, waits until they are warm, then puts them in the
+    balancer."""
+    canaries = {r.name for r in after.recipes if r.canary_of}
+    return tuple(r for r in plan.added if r.split(".", 1)[0] in canaries)
 
 
 def retiring_replicas(before: StackSpec, plan: RolloutPlan) -> tuple[str, ...]:
@@ -220,20 +234,46 @@ def roll(
         report.steps.append(result)
         progress(f"{step.replica} rolled in {result.seconds:.1f} s")
     report.seconds = time.monotonic() - started
+    before = cluster.stack
+    cluster.adopt(after)
+    # Canary replicas brought in: started, warm, and only then in the balancer.
+    for replica in starting_replicas(after, plan):
+        report.started.append(_start(cluster, before, replica, recipes[replica.split(".")[0]]))
     # Retired canary replicas: drained (their sessions end where they started), then left out
     # of the balancer with the new weights, then stopped.
-    old = {r.name: r for r in cluster.stack.recipes}
-    retiring = retiring_replicas(cluster.stack, plan)
+    old = {r.name: r for r in before.recipes}
+    retiring = retiring_replicas(before, plan)
     for replica in retiring:
         pool = replica.split(".", 1)[0]
         progress(f"retiring {replica} (canary of {old[pool].canary_of})")
         step = RolloutStep(pool, replica, ("canary",))
         report.retired.append(_Step(cluster, step, old[pool], progress).drain())
-    cluster.adopt(after)
     report.reweighted = cluster.rebalance()
     for replica in retiring:
         cluster.retire_replica(replica)
     return report
+
+
+def _start(
+    cluster: LocalCluster, before: StackSpec, replica_id: str, recipe: RecipeSpec
+) -> StepResult:
+    """Start a canary replica the change brings in and wait until it is warm; RollStopped, with
+    the stack put back as it was, when it never is."""
+    t0 = time.monotonic()
+    placed = next(r for r in cluster.placement.replicas if r.id == replica_id)
+    try:
+        state = cluster.add_replica(placed)
+        t1 = time.monotonic()
+        wait_warm(state, recipe, t0 + recipe.cold_start_budget_s)
+    except (RuntimeError, OSError) as error:
+        if any(r.id == replica_id for r in cluster.state.replicas):  # type: ignore[union-attr]
+            cluster.retire_replica(replica_id)
+        cluster.adopt(before)
+        raise RollStopped(
+            f"replica {replica_id} of the canary of {recipe.canary_of} never became warm"
+            f" ({error}); the roll stopped, the canary left out of the balancer"
+        ) from None
+    return StepResult(replica_id, 0.0, t1 - t0, time.monotonic() - t1)
 
 
 class _Step:

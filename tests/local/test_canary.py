@@ -4,6 +4,10 @@ shows both versions side by side, and the promotion edit rolls under load losing
 Skipped where HAProxy is not installed, as tests.local.test_local_roll is."""
 
 import copy
+import json
+import re
+import subprocess
+import sys
 import threading
 import uuid
 from collections import Counter
@@ -14,11 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from denv_iac.balancer.stats import server_rows
 from denv_iac.haproxy.runtime import stats_rows
-from denv_iac.local.rollout import roll
-from denv_iac.local.runner import HOST, LocalCluster
+from denv_iac.local.rollout import RollStopped, roll
+from denv_iac.local.runner import HOST, LocalCluster, RunState
 from denv_iac.ops.status import (
     AgentEndpoint,
     pool_statuses,
@@ -29,6 +34,7 @@ from denv_iac.ops.status import (
 from denv_iac.spec.reader import read_stack
 from tests.local.test_local_roll import VOICE, Load, _cmdline, _ready, _until
 from tests.local.test_local_runner import free_endpoint_port
+from tests.local.test_local_supervision import _stack_project, _supervised_up
 from tests.stacks import local_site
 
 SHARE = 0.25
@@ -46,12 +52,14 @@ STABLE = {"ttft_ms": 2, "itl_ms": 1, "tokens": 2}
 NEW = {"ttft_ms": 15, "itl_ms": 1, "tokens": 2}
 
 
-def _config(canary: bool = True, simulate: dict[str, Any] = STABLE) -> dict[str, Any]:
+def _config(
+    canary: bool = True, simulate: dict[str, Any] = STABLE, share: float = SHARE
+) -> dict[str, Any]:
     # test_local_roll's pool of 3 (min_warm 2, spare 1); the agent probes each replica's first
     # token every second.
     voice = {**copy.deepcopy(VOICE), "ttft_budget_ms": 1000, "simulate": copy.deepcopy(simulate)}
     if canary:
-        voice["canary"] = {"share": SHARE, "simulate": copy.deepcopy(NEW)}
+        voice["canary"] = {"share": share, "simulate": copy.deepcopy(NEW)}
     return {
         "denv:sites": [local_site("local", nodes=4, gpus=1)],
         "denv:recipes": [voice],
@@ -177,3 +185,100 @@ def test_canary_share_stickiness_status_and_promotion(running: LocalCluster) -> 
         f" probe TTFT stable {stable.probe_ttft_ms} ms, canary {canary.probe_ttft_ms} ms;"
         f" {report.line()}; requests under the roll {load.completed}"
     )
+
+
+def _denv(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "denv_iac", *args, "--stack", "t"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _versions(project: Path) -> list[dict[str, Any]]:
+    status = _denv(project, "status", "--json")
+    (pool,) = json.loads(status.stdout)["pools"]
+    return pool["versions"]  # type: ignore[no-any-return]
+
+
+def test_canary_brought_in_reweighted_and_retired_by_denv_local_roll(tmp_path: Path) -> None:
+    project = _stack_project(tmp_path)
+    stack_file = project / "stacks" / "Pulumi.t.yaml"
+    stack_file.write_text(yaml.safe_dump({"config": _config(canary=False)}))
+    with _supervised_up(project) as (supervisor, state):
+        # Brought in: its replica started on the free GPU, warm, then in the balancer; the
+        # recipe's replicas untouched.
+        stack_file.write_text(yaml.safe_dump({"config": _config()}))
+        added = _denv(project, "local", "roll")
+        assert added.returncode == 0, added.stderr
+        assert re.fullmatch(
+            r"started voice-canary\.local\.n3\.0 \(warm in [0-9.]+ s\); balancer reloaded with"
+            r" the new weights; 3 unchanged; 0 session\(s\) cut",
+            added.stdout.splitlines()[-1],
+        )
+        now = RunState.from_json((project / ".denv/t/state.json").read_text())
+        assert {r.id: r.pid for r in now.replicas if r.pool == "voice"} == {
+            r.id: r.pid for r in state.replicas
+        }
+        _until(lambda: [v["ready"] for v in _versions(project)] == [3, 1], 15, "both ready")
+        # `denv status`, both versions side by side. (Its exit status says whether the agents
+        # were heard, which a loaded machine can delay: tests/test_status.py checks it.)
+        text = _denv(project, "status")
+        assert "pool voice: stable and canary" in text.stdout
+        assert re.search(r"canary\s+│ voice-canary\s+│\s+1/1 │\s+25\.0 % │\s+25\.0 %", text.stdout)
+
+        # A new share: nothing restarts; the balancer is reloaded with the new weights.
+        stack_file.write_text(yaml.safe_dump({"config": _config(share=0.5)}))
+        rolled = _denv(project, "local", "roll")
+        assert rolled.returncode == 0, rolled.stderr
+        assert rolled.stdout.splitlines()[-1] == (
+            "balancer reloaded with the new weights; 4 unchanged; 0 session(s) cut"
+        )
+        stable, canary = _versions(project)
+        assert (stable["share_stack"], canary["share_stack"]) == (0.5, 0.5)
+        assert canary["share_now"] == pytest.approx(255 / (255 + 3 * 85))  # weights 85 and 255
+
+        # Retirement: the block dropped. The canary's replica is drained, left out, stopped.
+        stack_file.write_text(yaml.safe_dump({"config": _config(canary=False)}))
+        retired = _denv(project, "local", "roll")
+        assert retired.returncode == 0, retired.stderr
+        canary_pid = next(r.pid for r in now.replicas if r.pool == "voice-canary")
+        assert retired.stdout.splitlines()[-1].startswith(
+            "retired voice-canary.local.n3.0 (drained"
+        )
+        assert _versions(project) == []
+        final = RunState.from_json((project / ".denv/t/state.json").read_text())
+        assert {r.id: r.pid for r in final.replicas} == {r.id: r.pid for r in state.replicas}
+        assert not Path(f"/proc/{canary_pid}").exists()
+        assert _denv(project, "local", "roll").stdout.strip().startswith("nothing to roll")
+        assert supervisor.poll() is None
+
+
+def test_a_canary_that_never_warms_stays_out_of_the_balancer(tmp_path: Path) -> None:
+    slow_budget = {"stall_timeout_ms": 30000}
+    config = _config(canary=False)
+    config["denv:recipes"][0].update(slow_budget)
+    cluster = LocalCluster(read_stack("t", config), tmp_path / "run", free_endpoint_port())
+    cluster.up()
+    try:
+        assert cluster.state is not None
+        _until(lambda: len(_ready(cluster)) == 3, 15, "all 3 replicas UP")
+        pids = {r.id: r.pid for r in cluster.state.replicas}
+        # Its first token comes after 20 s: never within the 10 s cold-start budget.
+        changed = _config()
+        changed["denv:recipes"][0].update(slow_budget)
+        changed["denv:recipes"][0]["canary"]["simulate"] = {"ttft_ms": 20000}
+        with pytest.raises(RollStopped) as stopped:
+            roll(cluster, read_stack("t", changed))
+        assert str(stopped.value).startswith(
+            "replica voice-canary.local.n3.0 of the canary of voice never became warm (no first"
+            " token within cold_start_budget_s 10 s"
+        )
+        assert {r.id: r.pid for r in cluster.state.replicas} == pids
+        assert cluster.stack.canary_pool("voice") is None  # the old stack, a roll asked again
+        rows = server_rows(stats_rows(Path(cluster.state.admin_socket)))
+        assert sorted(rows) == sorted(pids)  # never in the balancer
+    finally:
+        cluster.down()
