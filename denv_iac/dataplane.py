@@ -48,9 +48,7 @@ def balancer_pools(
         share = recipe.canary.share if recipe.canary is not None else 0.0
         tiers = []
         for index, sites in enumerate(recipe.tiers):
-            stable = [r for r in placement.replicas_of(recipe.name) if r.tier == index]
-            new = [] if canary is None else placement.replicas_of(canary.name)
-            new = [r for r in new if r.tier == index]
+            stable, new = _tier_versions(stack, placement, recipe.name, index)
             weights = canary_weights(len(stable), len(new), share)
             servers = [server(r, recipe, weights.stable) for r in stable]
             if canary is not None:
@@ -69,3 +67,29 @@ def balancer_pools(
             )
         )
     return tuple(pools)
+
+
+def _tier_versions(
+    stack: StackSpec, placement: Placement, pool: str, tier: int
+) -> tuple[list[PlacedReplica], list[PlacedReplica]]:
+    """A tier's replicas of the recipe's version and of its canary's."""
+    canary = stack.canary_pool(pool)
+    new = () if canary is None else placement.replicas_of(canary.name)
+    return (
+        [r for r in placement.replicas_of(pool) if r.tier == tier],
+        [r for r in new if r.tier == tier],
+    )
+
+
+def canary_tier_shares(stack: StackSpec, placement: Placement, pool: str) -> tuple[float, ...]:
+    """The share of new sessions a recipe's canary takes, by the weights the balancer gets, in
+    each tier of the recipe that holds a replica of either version: what `denv plan` shows
+    beside the stack's share (rounding, or a tier without the canary, set it apart)."""
+    recipe = next(r for r in stack.pools if r.name == pool)
+    share = recipe.canary.share if recipe.canary is not None else 0.0
+    shares = []
+    for index in range(len(recipe.tiers)):
+        stable, new = _tier_versions(stack, placement, pool, index)
+        if stable or new:
+            shares.append(canary_weights(len(stable), len(new), share).share(len(stable), len(new)))
+    return tuple(shares)

@@ -8,10 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from denv_iac.balancer import render_haproxy_config
 from denv_iac.balancer.canary import MAX_WEIGHT, SHARE_SLACK, canary_weights
-from denv_iac.dataplane import balancer_pools
+from denv_iac.cli.plan_view import render_plan
+from denv_iac.dataplane import balancer_pools, canary_tier_shares
 from denv_iac.endpoint import balancer_settings
 from denv_iac.local.rollout import (
     LOCAL_FIELDS,
@@ -22,6 +24,7 @@ from denv_iac.local.rollout import (
 from denv_iac.ops.alerts import alert_rules
 from denv_iac.ops.status import ReplicaStatus, pool_statuses
 from denv_iac.placement import PlacementError, place_replicas
+from denv_iac.plan import make_plan
 from denv_iac.rollout import plan_rollout
 from denv_iac.spec.model import SimulatedServer, StackSpec
 from denv_iac.spec.reader import StackError, read_stack
@@ -369,3 +372,14 @@ def test_the_min_warm_alert_counts_the_recipes_replicas_alone() -> None:
     rules = alert_rules(read_stack("t", config(share=0.1, simulate=NEW)))
     assert 'server!~"voice-canary[.].*"' in rules
     assert rules.count("alert: DenvPoolBelowMinWarm") == 1
+
+
+def test_plan_shows_the_share_the_weights_give_per_tier() -> None:
+    stack = read_stack("t", config(share=0.1, simulate=NEW))
+    plan = make_plan(stack)
+    assert canary_tier_shares(stack, plan.placement, "voice") == (pytest.approx(33 / 333),)
+    console = Console(record=True, width=200)
+    render_plan(plan, console)
+    assert "canary of voice: 10 % of new sessions (by weight, per tier: 9.9 %)" in (
+        console.export_text()
+    )

@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
+from denv_iac.dataplane import canary_tier_shares
 from denv_iac.plan import HOURS_PER_MONTH, Plan
 from denv_iac.spec.gateway_link import gateway_tls_on, kubernetes_sites
 
@@ -56,7 +57,12 @@ def render_plan(plan: Plan, console: Console) -> None:
         parent = next((r for r in stack.pools if r.name == recipe.canary_of), None)
         if parent is not None and parent.canary is not None:
             min_warm = "-"
-            survives = f"canary of {parent.name}: {100 * parent.canary.share:g} % of new sessions"
+            shares = canary_tier_shares(stack, plan.placement, parent.name)
+            weighed = " / ".join(f"{100 * share:.1f} %" for share in shares)
+            survives = (
+                f"canary of {parent.name}: {100 * parent.canary.share:g} % of new sessions"
+                f" (by weight, per tier: {weighed})"
+            )
         pools.add_row(recipe.name, str(len(placed)), min_warm, survives, tiers)
     console.print(pools)
 
