@@ -202,6 +202,8 @@ HEALTHY_IDLE_VOICE = {
     "healthy": 2,
     "min_warm": 2,
     "saturation": {"pool": "voice", "slots": 64, **IDLE},
+    "versions": [],  # no canary
+    "canary_pool": None,
     "ok": True,
 }
 

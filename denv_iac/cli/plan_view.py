@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
+from denv_iac.core.dataplane import canary_tier_shares
 from denv_iac.core.plan import HOURS_PER_MONTH, Plan
 from denv_iac.core.stack.gateway_link import gateway_tls_on, kubernetes_sites
 
@@ -52,7 +53,17 @@ def render_plan(plan: Plan, console: Console) -> None:
         placed = plan.placement.replicas_of(recipe.name)
         tiers = " > ".join("+".join(tier) for tier in recipe.tiers)
         survives = f"any one {recipe.survive}" if recipe.spare else "nothing (spare: 0)"
-        pools.add_row(recipe.name, str(len(placed)), str(recipe.min_warm), survives, tiers)
+        min_warm = str(recipe.min_warm)
+        parent = next((r for r in stack.pools if r.name == recipe.canary_of), None)
+        if parent is not None and parent.canary is not None:
+            min_warm = "-"
+            shares = canary_tier_shares(stack, plan.placement, parent.name)
+            weighed = " / ".join(f"{100 * share:.1f} %" for share in shares)
+            survives = (
+                f"canary of {parent.name}: {100 * parent.canary.share:g} % of new sessions"
+                f" (by weight, per tier: {weighed})"
+            )
+        pools.add_row(recipe.name, str(len(placed)), min_warm, survives, tiers)
     console.print(pools)
 
     nodes = Table(title="Nodes", title_justify="left")

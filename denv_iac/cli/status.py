@@ -145,6 +145,35 @@ def _pool_table(pool: PoolStatus, replicas: list[ReplicaStatus]) -> Table:
     return table
 
 
+def _versions_table(pool: PoolStatus) -> Table:
+    """The recipe's version and its canary's, side by side."""
+    table = Table(title=f"pool {pool.pool}: stable and canary", title_justify="left")
+    for column in (
+        "version",
+        "replicas of",
+        "ready",
+        "new sessions now",
+        "stack share",
+        "probe TTFT ms",
+        "request ms",
+        "requests",
+    ):
+        table.add_column(column, justify="left" if column.startswith(("v", "rep")) else "right")
+    for v in pool.versions:
+        table.add_row(
+            v.version,
+            v.pool,
+            f"{v.ready}/{v.replicas}",
+            "-" if v.share_now is None else f"{100 * v.share_now:.1f} %",
+            f"{100 * v.share_stack:.1f} %",
+            "-" if v.probe_ttft_ms is None else f"{v.probe_ttft_ms:.1f}",
+            "-" if v.total_ms is None else f"{v.total_ms:.0f}",
+            str(v.served),
+            style=None if v.ready else "red",
+        )
+    return table
+
+
 def _render(
     console: Console,
     title: str,
@@ -154,7 +183,9 @@ def _render(
 ) -> None:
     console.print(title, highlight=False)
     for pool in pools:
-        mine = [r for r in replicas if r.pool == pool.pool]
+        mine = [r for r in replicas if r.pool in (pool.pool, pool.canary_pool)]
+        if pool.versions:
+            console.print(_versions_table(pool))
         if mine:
             console.print(_pool_table(pool, mine))
         else:
@@ -191,7 +222,8 @@ def status(
     stack_name: str | None, admin_socket: Path | None, endpoint: str | None, as_json: bool
 ) -> None:
     """Per pool, site and replica: state, weight, reason, active streams, last probe TTFT;
-    per pool, its slots in use, queued, spilled and shed requests.
+    per pool, its slots in use, queued, spilled and shed requests; for a pool with a canary,
+    both versions side by side (ready, share of new sessions, probe TTFT, request time).
 
     Exits 1 when a pool has fewer healthy replicas than its min_warm, a node agent cannot be
     heard or the local balancer is dead; 2 for bad input.

@@ -264,8 +264,9 @@ class Cluster(pulumi.ComponentResource):
             "spec": self._stack,
             "nodes": [node for node in placement.nodes if node.site == site.name],
             "secrets": {f: v for (owner, f), v in self._secrets.items() if owner == site.name},
+            # A canary's pool runs with its recipe's secure: values.
             "env_secrets": {
-                recipe.name: recipe_env_secrets(self._secrets, recipe.name)
+                recipe.name: recipe_env_secrets(self._secrets, recipe.canary_of or recipe.name)
                 for recipe in self._stack.recipes
             },
             "balancer_addresses": hosts,

@@ -145,12 +145,27 @@ def with_secret_recipes(plain: Any, secret: pulumi.Output[Any], declared: Any = 
             for variable, value in env.items()
         }
         recipes.append({**recipe, "env": sealed})
-    return recipes
+    return [_seal_canary_env(recipe, declared, index) for index, recipe in enumerate(recipes)]
 
 
-def _env_at(recipes: Any, index: int) -> Any:
+def _seal_canary_env(recipe: Any, declared: Any, index: int) -> Any:
+    """A canary holds no secret of its own (read_stack refuses one, naming it), so a `secure:`
+    value of its env, decrypted here by Pulumi, is sealed: never seen as plain text."""
+    canary = recipe.get("canary") if isinstance(recipe, Mapping) else None
+    if not isinstance(canary, Mapping) or not isinstance(canary.get("env"), Mapping):
+        return recipe
+    env = canary["env"]
+    written = _env_at(declared, index, "canary") if declared is not None else None
+    secure = _secure_names(written) if declared is not None else set(env)
+    sealed = {name: {"secure": _SEAL} if name in secure else v for name, v in env.items()}
+    return {**recipe, "canary": {**canary, "env": sealed}}
+
+
+def _env_at(recipes: Any, index: int, block: str = "") -> Any:
+    """The env of recipe `index` as written, or of its `block` (`canary`) when named."""
     if isinstance(recipes, list) and index < len(recipes) and isinstance(recipes[index], Mapping):
-        return recipes[index].get("env")
+        owner = recipes[index].get(block) if block else recipes[index]
+        return owner.get("env") if isinstance(owner, Mapping) else None
     return None
 
 

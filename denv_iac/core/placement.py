@@ -197,10 +197,20 @@ def place_replicas(
             if len(pool.placed) >= pool.recipe.replicas_wanted:
                 break
         if len(pool.placed) < pool.recipe.replicas_wanted:
-            problems.append(f"recipes[{index}].min_warm: {_shortfall(pool, sites)}")
+            problems.append(f"{_wanted_path(stack, index)}: {_shortfall(pool, sites)}")
     if problems:
         raise PlacementError(problems)
     return _result(pools, sites)
+
+
+def _wanted_path(stack: StackSpec, index: int) -> str:
+    """The field that asks for a pool's replicas: its recipe's min_warm, or for a canary's
+    pool, the canary's replicas."""
+    recipe = stack.recipes[index]
+    if not recipe.canary_of:
+        return f"recipes[{index}].min_warm"
+    parent = next(i for i, r in enumerate(stack.recipes) if r.name == recipe.canary_of)
+    return f"recipes[{parent}].canary.replicas"
 
 
 def _candidates(pool: _Pool, sites: dict[str, _Site]) -> Iterator[_Node]:
@@ -293,6 +303,9 @@ def _shortfall(pool: _Pool, sites: dict[str, _Site]) -> str:
         else f"{recipe.name} needs {want} {unit}"
     )
     fix = "add capacity to its sites, list more sites, or lower min_warm"
+    if recipe.canary_of:
+        need = f"the canary of {recipe.canary_of} needs {want} {unit} beside its replicas"
+        fix = "add capacity to its sites, list more sites, or lower canary.replicas"
     return f"{need}; its sites have {total} usable {unit}{where}; {fix}"
 
 

@@ -114,7 +114,7 @@ def deploy_problems(stack: StackSpec, placement: Placement) -> list[str]:
     so a plan that succeeds is one `pulumi up` accepts."""
     problems = placed_port_problems(stack, placement.replicas)
     problems += imageless_problems(stack, placement)
-    models = models_list_problem(n for r in stack.recipes for n in (r.name, *r.model_names))
+    models = models_list_problem(n for r in stack.pools for n in (r.name, *r.model_names))
     problems += [models] if models is not None else []
     for site in stack.sites:
         if site.kind == "kubernetes":

@@ -49,9 +49,12 @@ from denv_iac.local.runner import LocalCluster, ReplicaState, write_private
 Progress = Callable[[str], None]
 # What a local roll applies: what the simulated replica runs (model names, ports and health
 # paths are in the balancer's and agents' configs too: a restart of the stack applies those).
-LOCAL_FIELDS = tuple(
-    f for f in REPLICA_FIELDS if f not in ("models", "port", "health_path")
-) + tuple(ROLLOUT_FIELDS)
+# A canary's share and its retirement: the balancer's weights and servers, reloaded.
+LOCAL_FIELDS = (
+    tuple(f for f in REPLICA_FIELDS if f not in ("models", "port", "health_path"))
+    + tuple(ROLLOUT_FIELDS)
+    + ("canary",)
+)
 # How long HAProxy may take to show a drain or an undrain the agent reports (agent-inter is
 # 200 ms; two passing health checks put a restarted replica back UP).
 BALANCER_SEES_S = 10.0
@@ -80,24 +83,40 @@ class RollReport:
     steps: list[StepResult] = field(default_factory=list)
     unchanged: tuple[str, ...] = ()
     seconds: float = 0.0
+    # Canary replicas the change no longer places: drained, left out of the balancer, stopped.
+    retired: list[StepResult] = field(default_factory=list)
+    # Canary replicas the change brings in: started, warm, then put in the balancer.
+    started: list[StepResult] = field(default_factory=list)
+    reweighted: bool = False  # the balancer was reloaded with other weights or servers
 
     @property
     def cut(self) -> int:
-        return sum(s.cut for s in self.steps)
+        return sum(s.cut for s in (*self.steps, *self.retired))
 
     def cut_on(self) -> dict[str, int]:
         """The replicas whose sessions outlived drain_timeout_s, and how many each."""
-        return {s.replica: s.cut for s in self.steps if s.cut}
+        return {s.replica: s.cut for s in (*self.steps, *self.retired) if s.cut}
 
     def line(self) -> str:
-        if not self.steps:
+        if not (self.steps or self.retired or self.started or self.reweighted):
             return "nothing to roll: every replica runs the stack file's config"
         where = ", ".join(f"{replica} {n}" for replica, n in self.cut_on().items())
-        return (
-            f"rolled {len(self.steps)} replica(s) in {self.seconds:.1f} s "
-            f"({', '.join(f'{s.replica} {s.seconds:.1f} s' for s in self.steps)}); "
-            f"{len(self.unchanged)} unchanged; {self.cut} session(s) cut"
-            + (f" past drain_timeout_s ({where})" if where else "")
+        done = []
+        if self.steps:
+            done.append(
+                f"rolled {len(self.steps)} replica(s) in {self.seconds:.1f} s "
+                f"({', '.join(f'{s.replica} {s.seconds:.1f} s' for s in self.steps)})"
+            )
+        if self.started:
+            started = (f"{s.replica} (warm in {s.seconds:.1f} s)" for s in self.started)
+            done.append(f"started {', '.join(started)}")
+        if self.retired:
+            retired = (f"{s.replica} (drained in {s.drain_s:.1f} s)" for s in self.retired)
+            done.append(f"retired {', '.join(retired)}")
+        if self.reweighted:
+            done.append("balancer reloaded with the new weights")
+        return f"{'; '.join(done)}; {len(self.unchanged)} unchanged; {self.cut} session(s) cut" + (
+            f" past drain_timeout_s ({where})" if where else ""
         )
 
 
@@ -107,17 +126,36 @@ def local_problems(before: StackSpec, after: StackSpec, plan: RolloutPlan) -> li
     problems = [f"denv:{part}: changed; {how}" for part in _changed_parts(before, after)]
     old = {r.name: r for r in before.recipes}
     for recipe in after.recipes:
+        if recipe.name not in old and recipe.canary_of:
+            continue  # a canary brought in: its replicas are started
         if recipe.name not in old:
             problems.append(f"recipes[{recipe.name}]: new; {how}")
             continue
         for name in changed_fields(old[recipe.name], recipe):
             if name not in LOCAL_FIELDS:
                 problems.append(f"recipes[{recipe.name}].{name}: changed; {how}")
-    problems += [f"recipes: {r.split('.', 1)[0]} removed; {how}" for r in _gone(before, after)]
-    if not problems and (plan.added or plan.removed):
-        moved = ", ".join(plan.added + plan.removed)
-        problems.append(f"placement: replicas {moved} move; {how}")
+    problems += [f"recipes: {name} removed; {how}" for name in _gone(before, after)]
+    canary = retiring_replicas(before, plan) + starting_replicas(after, plan)
+    moved = [r for r in plan.added + plan.removed if r not in canary]
+    if not problems and moved:
+        problems.append(f"placement: replicas {', '.join(moved)} move; {how}")
     return problems
+
+
+def starting_replicas(after: StackSpec, plan: RolloutPlan) -> tuple[str, ...]:
+    """Replicas of a canary that the change places anew (the canary brought in, or given more
+    replicas): a local roll starts them, waits until they are warm, then puts them in the
+    balancer."""
+    canaries = {r.name for r in after.recipes if r.canary_of}
+    return tuple(r for r in plan.added if r.split(".", 1)[0] in canaries)
+
+
+def retiring_replicas(before: StackSpec, plan: RolloutPlan) -> tuple[str, ...]:
+    """Replicas of a canary that the change no longer places (the canary retired, promoted, or
+    given fewer replicas): a local roll drains them, leaves them out of the balancer and stops
+    them."""
+    canaries = {r.name for r in before.recipes if r.canary_of}
+    return tuple(r for r in plan.removed if r.split(".", 1)[0] in canaries)
 
 
 def _changed_parts(before: StackSpec, after: StackSpec) -> list[str]:
@@ -132,8 +170,9 @@ def _changed_parts(before: StackSpec, after: StackSpec) -> list[str]:
 
 
 def _gone(before: StackSpec, after: StackSpec) -> list[str]:
+    """Recipes the change removes; a canary's pool goes with its canary block, retired."""
     names = {r.name for r in after.recipes}
-    return [r.name for r in before.recipes if r.name not in names]
+    return [r.name for r in before.recipes if r.name not in names and not r.canary_of]
 
 
 def plan_local_roll(cluster: LocalCluster, after: StackSpec) -> RolloutPlan:
@@ -194,9 +233,47 @@ def roll(
         result = _Step(cluster, step, recipes[step.pool], progress).run()
         report.steps.append(result)
         progress(f"{step.replica} rolled in {result.seconds:.1f} s")
-    cluster.adopt(after)
     report.seconds = time.monotonic() - started
+    before = cluster.stack
+    cluster.adopt(after)
+    # Canary replicas brought in: started, warm, and only then in the balancer.
+    for replica in starting_replicas(after, plan):
+        report.started.append(_start(cluster, before, replica, recipes[replica.split(".")[0]]))
+    # Retired canary replicas: drained (their sessions end where they started), then left out
+    # of the balancer with the new weights, then stopped.
+    old = {r.name: r for r in before.recipes}
+    retiring = retiring_replicas(before, plan)
+    for replica in retiring:
+        pool = replica.split(".", 1)[0]
+        progress(f"retiring {replica} (canary of {old[pool].canary_of})")
+        step = RolloutStep(pool, replica, ("canary",))
+        report.retired.append(_Step(cluster, step, old[pool], progress).drain())
+    report.reweighted = cluster.rebalance()
+    for replica in retiring:
+        cluster.retire_replica(replica)
     return report
+
+
+def _start(
+    cluster: LocalCluster, before: StackSpec, replica_id: str, recipe: RecipeSpec
+) -> StepResult:
+    """Start a canary replica the change brings in and wait until it is warm; RollStopped, with
+    the stack put back as it was, when it never is."""
+    t0 = time.monotonic()
+    placed = next(r for r in cluster.placement.replicas if r.id == replica_id)
+    try:
+        state = cluster.add_replica(placed)
+        t1 = time.monotonic()
+        wait_warm(state, recipe, t0 + recipe.cold_start_budget_s)
+    except (RuntimeError, OSError) as error:
+        if any(r.id == replica_id for r in cluster.state.replicas):  # type: ignore[union-attr]
+            cluster.retire_replica(replica_id)
+        cluster.adopt(before)
+        raise RollStopped(
+            f"replica {replica_id} of the canary of {recipe.canary_of} never became warm"
+            f" ({error}); the roll stopped, the canary left out of the balancer"
+        ) from None
+    return StepResult(replica_id, 0.0, t1 - t0, time.monotonic() - t1)
 
 
 class _Step:
@@ -219,10 +296,7 @@ class _Step:
         problem = min_warm_problem(self.step.pool, self.replica.id, others, self.recipe.min_warm)
         if problem:
             raise RollStopped(problem)
-        t0 = time.monotonic()
-        self._control(drain)
-        self._until(lambda rows: tier_status(rows, self.replica.id).startswith("DRAIN"), "drain")
-        cut = self._wait_sessions()
+        drained = self.drain()
         t1 = time.monotonic()
         placed = next(r for r in self.cluster.placement.replicas if r.id == self.replica.id)
         old_config = self.cluster.replica_config(self._old_recipe(), placed)
@@ -242,7 +316,18 @@ class _Step:
             ) from None
         self._control(undrain)
         self._until(lambda rows: tier_status(rows, self.replica.id) == "UP", "undrain")
-        return StepResult(self.replica.id, t1 - t0, t2 - t1, time.monotonic() - t2, cut)
+        return StepResult(
+            self.replica.id, drained.drain_s, t2 - t1, time.monotonic() - t2, drained.cut
+        )
+
+    def drain(self) -> StepResult:
+        """Take the replica out of rotation for good: drained, its sessions waited for (bounded
+        by drain_timeout_s, past which what is left is counted as cut)."""
+        t0 = time.monotonic()
+        self._control(drain)
+        self._until(lambda rows: tier_status(rows, self.replica.id).startswith("DRAIN"), "drain")
+        cut = self._wait_sessions()
+        return StepResult(self.replica.id, time.monotonic() - t0, 0.0, 0.0, cut)
 
     def _old_recipe(self) -> RecipeSpec:
         return next(r for r in self.cluster.stack.recipes if r.name == self.step.pool)

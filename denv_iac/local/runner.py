@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from denv_iac.core.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
-from denv_iac.core.balancer import BalancerSettings, render_haproxy_config
+from denv_iac.core.balancer import BalancerPool, BalancerSettings, render_haproxy_config
 from denv_iac.core.balancer.client_secrets import key_map
 from denv_iac.core.balancer.files import relocate_maps
 from denv_iac.core.dataplane import balancer_pools
@@ -35,7 +35,7 @@ from denv_iac.core.stack.model import RecipeSpec, StackSpec
 from denv_iac.core.stack.reader import StackError
 from denv_iac.core.stack.stackfile import check_stack_name
 from denv_iac.haproxy.files import write_config
-from denv_iac.haproxy.runtime import HaproxyProcess
+from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 
 HOST = "127.0.0.1"
@@ -378,73 +378,109 @@ class LocalCluster:
     def _start_replicas(self, progress: Progress) -> list[ReplicaState]:
         recipes = {r.name: r for r in self.stack.recipes}
         for replica in self.placement.replicas:
-            host = self.host_of(replica.site)
-            config = self.replica_config(recipes[replica.pool], replica)
-            log = self.directory / "logs" / f"{replica.id}.log"
-            process = ReplicaProcess(config, log, host.prefix)
-            process.spawn()
-            self._replicas[replica.id] = process
+            self._replicas[replica.id] = self._spawn_replica(recipes[replica.pool], replica)
         agent_ports = {node: free_port() for node in self._nodes()}
         states = []
         for replica in self.placement.replicas:
             process = self._replicas[replica.id]
             port = process.wait_ready()
-            assert process.pid is not None
-            states.append(
-                ReplicaState(
-                    replica.id,
-                    replica.pool,
-                    replica.site,
-                    replica.node,
-                    replica.gpu,
-                    process.config.host,
-                    port,
-                    agent_ports[f"{replica.site}/{replica.node}"],
-                    process.pid,
-                )
-            )
+            agent_port = agent_ports[f"{replica.site}/{replica.node}"]
+            states.append(_replica_state(replica, process, port, agent_port))
             progress(f"replica {replica.id} ready on {process.config.host}:{port}")
         return states
+
+    def _spawn_replica(self, recipe: RecipeSpec, replica: PlacedReplica) -> ReplicaProcess:
+        """Start the replica's process on its site's host; wait_ready() then gives its port."""
+        log = self.directory / "logs" / f"{replica.id}.log"
+        config = self.replica_config(recipe, replica)
+        process = ReplicaProcess(config, log, self.host_of(replica.site).prefix)
+        process.spawn()
+        return process
 
     def _nodes(self) -> list[str]:
         return [f"{n.site}/{n.name}" for n in self.placement.nodes]
 
     def _start_agents(self, replicas: list[ReplicaState], progress: Progress) -> list[AgentState]:
-        token = self._token
         agents = []
         for node in self.placement.nodes:
             key = f"{node.site}/{node.name}"
             mine = [r for r in replicas if f"{r.site}/{r.node}" == key]
-            if not mine:
-                continue
-            path = self.directory / f"agent-{node.site}-{node.name}.toml"
-            host = self.host_of(node.site)
-            state = AgentState(key, mine[0].agent_port, free_port(), 0, str(path), host.address)
-            path.write_text(
-                local_agent_config(
-                    key,
-                    node.gpu_count,
-                    state,
-                    token,
-                    self.directory / f"agent-{node.site}-{node.name}.state.json",
-                    mine,
-                    {r.name: r for r in self.stack.recipes},
-                )
-            )
-            path.chmod(0o600)
-            command = [
-                *host.prefix,
-                *(sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"),
-            ]
-            process = self._spawn_agent(command, node.site, node.name)
-            self._agents.append(process)
-            self._agent_commands.append(command)
-            state.pid = process.pid
-            agents.append(state)
+            if mine:
+                agents.append(self._spawn_node_agent(key, mine[0].agent_port, mine))
         for state in agents:
             wait_for_port(state.agent_port, f"agent of {state.node}", state.address)
             progress(f"agent of {state.node} answering on {state.address}:{state.agent_port}")
         return agents
+
+    def _spawn_node_agent(
+        self, node: str, agent_port: int, replicas: list[ReplicaState]
+    ) -> AgentState:
+        """Start the agent of a node (`site/node`), answering for `replicas`, supervised."""
+        site, name = node.split("/", 1)
+        path = self.directory / f"agent-{site}-{name}.toml"
+        host = self.host_of(site)
+        state = AgentState(node, agent_port, free_port(), 0, str(path), host.address)
+        self._write_agent_config(state, replicas)
+        command = [
+            *host.prefix,
+            *(sys.executable, "-m", "denv_agent", "--config", str(path), "--simulate"),
+        ]
+        process = self._spawn_agent(command, site, name)
+        self._agents.append(process)
+        self._agent_commands.append(command)
+        state.pid = process.pid
+        return state
+
+    def _write_agent_config(self, agent: AgentState, replicas: list[ReplicaState]) -> None:
+        """The agent's config file, answering for `replicas` (those of its node)."""
+        site, node = agent.node.split("/", 1)
+        placed = next(n for n in self.placement.nodes if (n.site, n.name) == (site, node))
+        path = Path(agent.config)
+        path.write_text(
+            local_agent_config(
+                agent.node,
+                placed.gpu_count,
+                agent,
+                self._token,
+                self.directory / f"agent-{site}-{node}.state.json",
+                replicas,
+                {r.name: r for r in self.stack.recipes},
+            )
+        )
+        path.chmod(0o600)
+
+    def add_replica(self, replica: PlacedReplica) -> ReplicaState:
+        """Start a replica the stack now places (a canary brought in), and have its node's agent
+        answer for it: its config written again, then restarted (its drains live in its state
+        file), or started on a node that had none. Not yet in the balancer: rebalance() puts it
+        there."""
+        with self._lock:
+            assert self.state is not None
+            recipe = next(r for r in self.stack.recipes if r.name == replica.pool)
+            process = self._spawn_replica(recipe, replica)
+            try:
+                port = process.wait_ready()
+            except BaseException:
+                process.stop()
+                raise
+            self._replicas[replica.id] = process
+            node = f"{replica.site}/{replica.node}"
+            index = next((i for i, a in enumerate(self.state.agents) if a.node == node), None)
+            agent_port = free_port() if index is None else self.state.agents[index].agent_port
+            state = _replica_state(replica, process, port, agent_port)
+            self.state.replicas.append(state)
+            mine = [r for r in self.state.replicas if f"{r.site}/{r.node}" == node]
+            if index is None:  # a node that had no replica: its agent starts now
+                agent = self._spawn_node_agent(node, agent_port, mine)
+                self.state.agents.append(agent)
+                wait_for_port(agent_port, f"agent of {node}", agent.address)
+            else:
+                self._write_agent_config(self.state.agents[index], mine)
+                self._agents[index].terminate()
+                self._agents[index].wait(5)
+                self._restart_agent(index)
+            self._save_state()
+            return state
 
     def _spawn_agent(self, command: list[str], site: str, node: str) -> subprocess.Popen[bytes]:
         with (self.directory / "logs" / f"agent-{site}-{node}.log").open("ab") as log:
@@ -455,13 +491,7 @@ class LocalCluster:
     def _start_haproxy(
         self, replicas: list[ReplicaState], agents: list[AgentState], progress: Progress
     ) -> RunState:
-        by_id = {r.id: r for r in replicas}
-
-        def locate(replica: PlacedReplica) -> tuple[str, int, int]:
-            state = by_id[replica.id]
-            return self._server_address(state), state.port, state.agent_port
-
-        pools = balancer_pools(self.stack, self.placement, locate)
+        pools = self._balancer_pools(replicas)
         socket_path = self.directory / "haproxy.sock"
         prometheus = free_port()
         # The stack's settings, timers included, as `denv plan` shows them; only where HAProxy
@@ -503,6 +533,48 @@ class LocalCluster:
             replicas,
             agents,
         )
+
+    def _balancer_pools(self, replicas: list[ReplicaState]) -> tuple[BalancerPool, ...]:
+        """What the balancer serves: the stack's pools over the running replicas."""
+        by_id = {r.id: r for r in replicas}
+
+        def locate(replica: PlacedReplica) -> tuple[str, int, int]:
+            state = by_id[replica.id]
+            return self._server_address(state), state.port, state.agent_port
+
+        return balancer_pools(self.stack, self.placement, locate)
+
+    def rebalance(self) -> bool:
+        """Render the balancer's config again from the stack and placement held now, and reload
+        HAProxy without a gap when it changed (a canary's share, its replicas retired); True
+        when it did."""
+        with self._lock:
+            assert self.state is not None and self._haproxy is not None
+            pools = self._balancer_pools(self.state.replicas)
+            if pools == self._pools:
+                return False
+            self._pools = pools
+            self._write_balancer_config()
+            self._save_server_state()
+            self._haproxy.reload()
+            return True
+
+    def _save_server_state(self) -> None:
+        """What HAProxy knows of each server (health, drains), for the worker a reload starts
+        to begin from: without it every server starts anew, `UP 1/2` until its first check."""
+        if self._settings.state_file is not None:
+            state = stats_command(Path(self._settings.stats_socket), "show servers state")
+            write_private(Path(self._settings.state_file), state)
+
+    def retire_replica(self, replica_id: str) -> None:
+        """Stop a replica the stack no longer places (a canary retired or promoted), once the
+        balancer no longer sends it anything; it is not restarted again."""
+        with self._lock:
+            assert self.state is not None
+            self._replicas.pop(replica_id).stop()
+            self._backoff.pop(f"replica {replica_id}", None)
+            self.state.replicas = [r for r in self.state.replicas if r.id != replica_id]
+            self._save_state()
 
     def _server_address(self, replica: ReplicaState) -> str:
         """Where HAProxy sends the replica's requests and agent checks: where it listens,
@@ -670,6 +742,24 @@ class LocalCluster:
         state_file = self.directory / STATE_FILE
         if state_file.exists():
             state_file.unlink()
+
+
+def _replica_state(
+    replica: PlacedReplica, process: ReplicaProcess, port: int, agent_port: int
+) -> ReplicaState:
+    """What the run state records of a started replica."""
+    assert process.pid is not None
+    return ReplicaState(
+        replica.id,
+        replica.pool,
+        replica.site,
+        replica.node,
+        replica.gpu,
+        process.config.host,
+        port,
+        agent_port,
+        process.pid,
+    )
 
 
 def endpoint_in_use(port: int, address: str = HOST) -> bool:

@@ -135,11 +135,14 @@ def alert_rules(stack: StackSpec) -> str:
             },
         },
     ]
-    for recipe in stack.recipes:
+    for recipe in stack.pools:
         # The balancer that sees the fewest healthy replicas decides: its clients get those.
+        # A canary serves in the pool's tiers but is no part of its min_warm.
+        canary = stack.canary_pool(recipe.name)
+        own = "" if canary is None else f',server!~"{canary.name}[.].*"'
         healthy = (
             "min(sum by (instance) (haproxy_server_status"
-            f'{{proxy=~"{_tiers_of(recipe.name)}",state="UP"}}))'
+            f'{{proxy=~"{_tiers_of(recipe.name)}"{own},state="UP"}}))'
         )
         rules.append(
             {
@@ -153,7 +156,7 @@ def alert_rules(stack: StackSpec) -> str:
                 },
             }
         )
-    for recipe in stack.recipes:
+    for recipe in stack.pools:
         rules += _saturation_rules(recipe, labels)
     rules += _saturation_alerts(labels)
     document = {"groups": [{"name": f"denv-{stack.name}", "rules": rules}]}

@@ -184,9 +184,7 @@ async def _traffic(
             api_key=api_key,
         )
 
-    loads = [
-        load(r.name, PROTOCOL_OF_POOL.get(r.name, "chat"), 8, 4) for r in cluster.stack.recipes
-    ]
+    loads = [load(r.name, PROTOCOL_OF_POOL.get(r.name, "chat"), 8, 4) for r in cluster.stack.pools]
     loads.append(load(VOICE, "realtime", REALTIME_WORKERS, 0))
     faults = asyncio.create_task(_faults(cluster, state, say, api_key))
     reports = await asyncio.gather(*loads)

@@ -8,13 +8,14 @@ such, and its replicas keep what HAProxy says.
 
 import asyncio
 import csv
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
-from denv_iac.core.balancer.haproxy import STATS_PATH
+from denv_iac.core.balancer.haproxy import STATS_PATH, parse_tier_backend
 from denv_iac.core.balancer.saturation import PoolSaturation
 from denv_iac.core.balancer.stats import parse_stats_rows
 from denv_iac.core.stack.model import StackSpec
@@ -45,10 +46,31 @@ class ReplicaStatus:
     # hear fails open: the replica stays in rotation on its health checks alone, its GPU
     # faults unseen, so this is reported as a failure, never as a routing change.
     agent_heard: bool = True
+    served: int = 0  # requests it was sent since the balancer started (HAProxy `stot`)
+    # HAProxy's `ttime`: the average total time, ms, of its last 1024 requests (a stream's
+    # whole length); None before its first.
+    total_ms: int | None = None
 
     @property
     def healthy(self) -> bool:
         return self.state.startswith("UP")
+
+
+@dataclass(frozen=True)
+class VersionStatus:
+    """One version of a pool with a canary: the recipe's (`stable`) or its canary's."""
+
+    version: str  # "stable" or "canary"
+    pool: str  # whose replicas: the recipe's pool, or its canary's
+    replicas: int
+    ready: int  # UP in the balancer: taking new sessions
+    # The share of new sessions its ready replicas take now, by their weights in the most
+    # preferred tier that has a ready replica; None when no tier has one.
+    share_now: float | None
+    share_stack: float  # what the stack asks: the canary's share, or the rest
+    probe_ttft_ms: float | None  # the median of its replicas' last agent probes
+    total_ms: float | None  # the mean of its replicas' HAProxy ttime
+    served: int
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,10 @@ class PoolStatus:
     min_warm: int | None  # None when no stack spec says (status read from a bare admin socket)
     # Slots in use, queued, spilled and shed; None when the balancer has no backend of it.
     saturation: PoolSaturation | None = None
+    # A pool with a canary: its recipe's version and its canary's, side by side. `healthy`
+    # counts the recipe's own replicas: the canary is no part of min_warm.
+    versions: tuple[VersionStatus, ...] = ()
+    canary_pool: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -108,6 +134,8 @@ def replica_statuses(rows: Mapping[str, Mapping[str, str]]) -> list[ReplicaStatu
                 streams=int(row.get("scur") or 0),
                 reason=haproxy_reason(row),
                 agent_heard=row.get("agent_status", "") in AGENT_ANSWERED,
+                served=int(row.get("stot") or 0),
+                total_ms=int(row["ttime"]) if row.get("ttime") else None,
             )
         )
     return statuses
@@ -150,17 +178,69 @@ def pool_statuses(
     if stack is None:
         wanted: dict[str, int | None] = dict.fromkeys(sorted({r.pool for r in replicas}))
     else:
-        wanted = {recipe.name: recipe.min_warm for recipe in stack.recipes}
+        wanted = {recipe.name: recipe.min_warm for recipe in stack.pools}
     full = saturation or {}
-    return [
-        PoolStatus(
-            pool,
-            sum(1 for r in replicas if r.pool == pool and r.healthy),
-            min_warm,
-            full.get(pool),
+    statuses = []
+    for pool, min_warm in wanted.items():
+        canary = None if stack is None else stack.canary_pool(pool)
+        versions: tuple[VersionStatus, ...] = ()
+        if stack is not None and canary is not None and canary.canary_of:
+            versions = version_statuses(stack, pool, canary.name, replicas)
+        statuses.append(
+            PoolStatus(
+                pool,
+                sum(1 for r in replicas if r.pool == pool and r.healthy),
+                min_warm,
+                full.get(pool),
+                versions,
+                None if canary is None else canary.name,
+            )
         )
-        for pool, min_warm in wanted.items()
-    ]
+    return statuses
+
+
+def version_statuses(
+    stack: StackSpec, pool: str, canary_pool: str, replicas: Sequence[ReplicaStatus]
+) -> tuple[VersionStatus, ...]:
+    """The recipe's version and its canary's, from the balancer's rows and the agents'
+    probes: replicas, ready, the share of new sessions each takes now (by weight), TTFT."""
+    recipe = next(r for r in stack.pools if r.name == pool)
+    share = recipe.canary.share if recipe.canary is not None else 0.0
+    mine = [r for r in replicas if r.pool in (pool, canary_pool)]
+    weights = _serving_tier_weights(mine)
+    total = sum(weights.values())
+    versions = []
+    for version, name, asked in (("stable", pool, 1 - share), ("canary", canary_pool, share)):
+        own = [r for r in mine if r.pool == name]
+        probes = [r.probe_ttft_ms for r in own if r.probe_ttft_ms is not None]
+        times = [r.total_ms for r in own if r.total_ms is not None]
+        versions.append(
+            VersionStatus(
+                version,
+                name,
+                len(own),
+                sum(1 for r in own if r.healthy),
+                sum(w for r, w in weights.items() if r.startswith(f"{name}.")) / total
+                if total
+                else None,
+                asked,
+                statistics.median(probes) if probes else None,
+                statistics.fmean(times) if times else None,
+                sum(r.served for r in own),
+            )
+        )
+    return tuple(versions)
+
+
+def _serving_tier_weights(replicas: Sequence[ReplicaStatus]) -> dict[str, int]:
+    """The weights of the ready replicas of the most preferred tier that has one: where the
+    balancer sends a pool's new sessions."""
+    tiers: dict[int, dict[str, int]] = {}
+    for r in replicas:
+        tier = parse_tier_backend(r.backend)
+        if tier is not None and r.healthy and r.weight > 0:
+            tiers.setdefault(tier.priority, {})[r.id] = r.weight
+    return tiers[min(tiers)] if tiers else {}
 
 
 def problems(

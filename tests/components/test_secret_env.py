@@ -196,3 +196,36 @@ def test_plan_shows_the_secret_env_masked_in_text_and_json(tmp_path: Path) -> No
     assert TOKEN not in result.output
     assert TOKEN not in out.read_text()
     assert "HF_TOKEN" not in out.read_text()  # not even which variables are secret
+
+
+def test_a_canary_runs_with_its_recipes_secure_values_and_holds_none_of_its_own() -> None:
+    args = _with_token(stacks.multicloud(), "assist")
+    hetzner = next(site for site in args["sites"] if site["name"] == "hetzner-fsn")
+    hetzner["nodes"].append({"name": "gex-3", "address": "203.0.113.23", "server_model": "GEX130"})
+    assist = next(recipe for recipe in args["recipes"] if recipe["name"] == "assist")
+    assist["canary"] = {"share": 0.2, "image": "vllm/vllm-openai:v0.12.0"}
+    run = run_program(lambda: cluster_outputs(args), preview=False)
+    _never_plain(run)
+    deploys = {r.name: r.inputs for r in run.of_type(DEPLOYMENT)}
+    inputs = deploys["prod-hetzner-fsn-gex-3-setup-deploy"]
+    props = {
+        k: v["value"] if isinstance(v, dict) and SECRET_SIG in v else v for k, v in inputs.items()
+    }
+    (replica,) = _node_spec(props).replicas
+    assert replica.id.startswith("assist-canary.hetzner-fsn.gex-3.")
+    assert replica.image == "vllm/vllm-openai:v0.12.0"
+    assert replica.env == {"LOG_LEVEL": "info", "HF_TOKEN": TOKEN}
+    # A secure: value in the canary's own env, decrypted by Pulumi, is sealed, then refused.
+    declared = [{"name": "voice", "canary": {"env": {"HF_TOKEN": {"secure": "v1:abc"}}}}]
+    decrypted = [{"name": "voice", "canary": {"share": 0.1, "env": {"HF_TOKEN": TOKEN}}}]
+    (recipe,) = with_secret_recipes(decrypted, pulumi.Output.secret(decrypted), declared)
+    assert TOKEN not in str(recipe)
+    config = stacks.multicloud()
+    voice = next(r for r in config["recipes"] if r["name"] == "assist")
+    voice["canary"] = {"share": 0.1, "env": recipe["canary"]["env"]}
+    with pytest.raises(StackError) as error:
+        read_stack("prod", _config(config))
+    assert error.value.problems == [
+        "recipes[2].canary.env.HF_TOKEN: a canary runs with the recipe's secure: values and holds"
+        " none of its own; put it in the recipe's env as secure:, or give the canary a plain value"
+    ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from denv_iac.core.balancer import client_secrets as ek
 from denv_iac.core.balancer.model import (
+    SERVER_WEIGHT,
     BalancerPool,
     BalancerServer,
     BalancerSettings,
@@ -838,8 +839,12 @@ def _tier_backend(
     if servers:
         # Validation guarantees one health path per tier.
         lines += [f"option httpchk GET {servers[0].health_path}", "http-check expect status 200"]
+    lines += _canary_note(servers)
     for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
-        lines += [f"# replica {server.replica_id} (site {server.site}, node {server.node})"]
+        version = ", canary" if server.canary else ""
+        lines += [
+            f"# replica {server.replica_id} (site {server.site}, node {server.node}{version})"
+        ]
         lines += [_server_line(server, server_id, settings, relays, pool.max_concurrency)]
     sites = ", ".join(sorted(tier.sites))
     return section(
@@ -885,7 +890,8 @@ def _twin_backend(
     for server, server_id in zip(servers, _stable_server_ids(servers), strict=True):
         lines.append(
             f"server {server.replica_id} {host_port(server.address, server.port)} id {server_id}"
-            f"{_gateway_tls(server.gateway, settings)} track {tracked}/{server.replica_id}"
+            f"{_weight(server)}{_gateway_tls(server.gateway, settings)}"
+            f" track {tracked}/{server.replica_id}"
             + (f" maxconn {pool.max_concurrency}" if twin.bounded else "")
         )
     return section(
@@ -1002,7 +1008,7 @@ def _default_server(settings: BalancerSettings) -> list[str]:
         "# instead of failing the whole endpoint.",
         f"default-server check inter {inter}ms fastinter {fast}ms downinter {fast}ms"
         f" fall {CHECK_FALL} rise {CHECK_RISE} agent-check agent-inter {settings.agent_inter_ms}ms"
-        " weight 100"
+        f" weight {SERVER_WEIGHT}"
         " observe layer4 error-limit 1 on-error mark-down init-addr last,libc,none",
     ]
 
@@ -1033,7 +1039,7 @@ def _server_line(
 ) -> str:
     line = (
         f"server {server.replica_id} {host_port(server.address, server.port)} id {server_id}"
-        f" maxconn {max_concurrency}"
+        f"{_weight(server)} maxconn {max_concurrency}"
     )
     if server.gateway is None:
         agent = f"agent-port {server.agent_port}"
@@ -1044,6 +1050,24 @@ def _server_line(
         f"{line}{_gateway_tls(server.gateway, settings)}"
         f" {agent} agent-send {agent_send(server.replica_id)}"
     )
+
+
+def _weight(server: BalancerServer) -> str:
+    """A server's weight when it is not the default's (a tier shared with a canary)."""
+    return "" if server.weight == SERVER_WEIGHT else f" weight {server.weight}"
+
+
+def _canary_note(servers: Sequence[BalancerServer]) -> list[str]:
+    """What share of new sessions a tier's canary replicas take, by their weights."""
+    canary = sum(server.weight for server in servers if server.canary)
+    if not canary:
+        return []
+    total = sum(server.weight for server in servers)
+    return [
+        "# Canary: its replicas take their weight's share of new sessions (weighted hash, or",
+        f"# round robin without X-Denv-Session): {canary} of {total}, {100 * canary / total:.1f} %."
+        " A session stays where it started.",
+    ]
 
 
 def _gateway_tls(gateway: str | None, settings: BalancerSettings) -> str:

@@ -28,6 +28,10 @@ GATEWAY_CLIENT_PATH = f"{CONFIG_DIR}/gateway-client.pem"
 CLIENT_SECRET_KEY_PATH = f"{CONFIG_DIR}/client-secret.map"
 
 
+# Every server's weight, unless a canary shares its tier: the agent's percentages scale it.
+SERVER_WEIGHT = 100
+
+
 @dataclass(frozen=True)
 class BalancerServer:
     """One replica as HAProxy sees it: where to send requests and where its node agent listens."""
@@ -42,6 +46,9 @@ class BalancerServer:
     # Set when the replica is reached through a Kubernetes site's gateway over mutual TLS: the
     # name in the gateway's certificate, sent as SNI and verified (see spec.gateway_link).
     gateway: str | None = None
+    # Its share of the tier's new sessions against the other servers' (see balancer.canary).
+    weight: int = SERVER_WEIGHT
+    canary: bool = False  # a replica of the pool's canary, the recipe's new version
 
 
 @dataclass(frozen=True)

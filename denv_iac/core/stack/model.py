@@ -1,6 +1,6 @@
 """The validated model of a stack: sites, recipes, the balancer. Plain data, no Pulumi."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 SITE_KINDS = (
@@ -150,6 +150,30 @@ class SimulatedServer:
     transcription_slots: int = 4
 
 
+# A canary's pool is its recipe's name with this suffix: the replicas of the new version run as
+# a pool of their own on nodes and sites, and serve in the recipe's pool at the balancer.
+CANARY_SUFFIX = "-canary"
+# What a canary may run differently from its recipe: the fields that make a replica's version.
+CANARY_FIELDS = ("image", "command", "env", "simulate")
+
+
+@dataclass(frozen=True)
+class CanarySpec:
+    """A new version run beside a recipe's: `replicas` of it, taking `share` of new sessions.
+
+    Each field given replaces the recipe's whole field (`env` replaces every plain variable;
+    the recipe's `secure:` ones stay); None keeps the recipe's. Promotion copies the given
+    fields into the recipe and drops the block.
+    """
+
+    share: float  # fraction of new sessions, 0 < share < 1
+    replicas: int = 1
+    image: str | None = None
+    command: tuple[str, ...] | None = None
+    env: tuple[tuple[str, str], ...] | None = None
+    simulate: SimulatedServer | None = None
+
+
 @dataclass(frozen=True)
 class RecipeSpec:
     name: str
@@ -184,6 +208,9 @@ class RecipeSpec:
     # agent tells by the names it finds); None (`engine: none`): it reads none.
     engine: str | None = AUTO_ENGINE
     metrics_path: str = "/metrics"
+    canary: CanarySpec | None = None
+    # Set on a canary's own pool (see canary_recipe): the recipe whose new version it runs.
+    canary_of: str = ""
 
     def agent_engine(self, simulated: bool) -> str | None:
         """The engine the agent watches: the recipe's; on a simulated replica, unless the
@@ -277,3 +304,43 @@ class StackSpec:
 
     def site(self, name: str) -> SiteSpec:
         return next(s for s in self.sites if s.name == name)
+
+    @property
+    def pools(self) -> tuple[RecipeSpec, ...]:
+        """The pools the endpoint serves: every recipe but the canaries' own pools, which
+        serve inside their recipe's."""
+        return tuple(r for r in self.recipes if not r.canary_of)
+
+    def canary_pool(self, pool: str) -> RecipeSpec | None:
+        """The canary pool of a recipe, when it has one."""
+        return next((r for r in self.recipes if r.canary_of == pool), None)
+
+
+def replica_version(recipe: RecipeSpec) -> tuple[object, ...]:
+    """What tells two versions of a recipe's replicas apart: the fields a canary may change."""
+    return (
+        recipe.image,
+        recipe.command,
+        recipe.env,
+        recipe.secret_env,
+        recipe.simulate,
+    )
+
+
+def canary_recipe(recipe: RecipeSpec, canary: CanarySpec) -> RecipeSpec:
+    """The pool that runs a recipe's canary: the recipe with the canary's fields, `replicas`
+    replicas none of which is a warm minimum (a canary may go down without the recipe's pool
+    falling short), serving the recipe's model names."""
+    return replace(
+        recipe,
+        name=f"{recipe.name}{CANARY_SUFFIX}",
+        min_warm=0,
+        spare=canary.replicas,
+        models=recipe.model_names,
+        canary=None,
+        canary_of=recipe.name,
+        image=recipe.image if canary.image is None else canary.image,
+        command=recipe.command if canary.command is None else canary.command,
+        env=recipe.env if canary.env is None else canary.env,
+        simulate=recipe.simulate if canary.simulate is None else canary.simulate,
+    )

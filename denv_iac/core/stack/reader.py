@@ -1,9 +1,11 @@
 """Turn the `denv:` keys of a stack's config into a validated StackSpec, or all its problems."""
 
 import ipaddress
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from denv_iac.core.catalog import Catalog, load_catalog
@@ -11,6 +13,8 @@ from denv_iac.core.stack.fields import Fields, Problems, describe, is_secret
 from denv_iac.core.stack.model import (
     AUTO_ENGINE,
     BALANCER_HOST_KINDS,
+    CANARY_FIELDS,
+    CANARY_SUFFIX,
     COLD_START_BUDGET_S,
     DRAIN_TIMEOUT_S,
     ENGINES,
@@ -25,6 +29,7 @@ from denv_iac.core.stack.model import (
     WHOLE_GPU,
     BalancerSpec,
     BalancerTimers,
+    CanarySpec,
     DnsSpec,
     KeyScope,
     NodeSpec,
@@ -34,6 +39,8 @@ from denv_iac.core.stack.model import (
     SimulatedServer,
     SiteSpec,
     StackSpec,
+    canary_recipe,
+    replica_version,
 )
 from denv_iac.core.stack.overlay import overlay_problems, read_overlay
 from denv_iac.core.stack.ports import stack_port_problems
@@ -98,9 +105,33 @@ def read_stack(name: str, config: Mapping[str, Any], catalog: Catalog | None = N
     # References are checked even when fields were bad, so one run reports everything.
     stack = StackSpec(name, sites, recipes, balancer)
     _check_references(problems, stack, catalog)
+    _check_canaries(problems, stack)
     if problems:
         raise StackError(problems.lines)
-    return stack
+    canaries = tuple(canary_recipe(r, r.canary) for r in recipes if r.canary is not None)
+    return replace(stack, recipes=recipes + canaries)
+
+
+def _check_canaries(problems: Problems, stack: StackSpec) -> None:
+    """A canary's pool is named after its recipe, and runs where Kubernetes is not (yet)."""
+    names = {recipe.name: index for index, recipe in enumerate(stack.recipes)}
+    kinds = {site.name: site.kind for site in stack.sites}
+    for index, recipe in enumerate(stack.recipes):
+        if recipe.canary is None:
+            continue
+        pool = f"{recipe.name}{CANARY_SUFFIX}"
+        if pool in names:
+            problems.add(
+                f"recipes[{names[pool]}].name",
+                f'"{pool}" is the name of the pool of recipes[{index}].canary; rename this recipe',
+            )
+        on_kubernetes = [s for s in recipe.sites if kinds.get(s) == "kubernetes"]
+        if on_kubernetes:
+            problems.add(
+                f"recipes[{index}].canary",
+                f"a canary runs on nodes and local sites, not yet on Kubernetes sites"
+                f" ({', '.join(on_kubernetes)}); list only other sites, or remove canary",
+            )
 
 
 def _read_node(problems: Problems, path: str, raw: object, kind: str, catalog: Catalog) -> NodeSpec:
@@ -366,8 +397,95 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
             )
     for dup in _duplicates([d.rstrip("/") for d in recipe.cache_dirs]):
         f.problem("cache_dirs", f'"{dup}" is listed twice; one volume mounts at each path')
+    canary_fields = f.child("canary")
+    if canary_fields is not None:
+        recipe = replace(recipe, canary=_read_canary(canary_fields, recipe))
     f.finish()
     return recipe
+
+
+def _read_canary(f: Fields, recipe: RecipeSpec) -> CanarySpec:
+    """`canary:` the new version (the fields of CANARY_FIELDS it runs differently), its
+    `replicas` and the `share` of new sessions it takes."""
+    before = len(f.problems.lines)
+    f.known.update(CANARY_FIELDS)  # each may be left out
+    share = _canary_share(f)
+    replicas = f.integer("replicas", 1, 1, 10000)
+    sim = f.child("simulate")
+    simulate = None
+    if sim is not None:
+        simulate = _read_simulate(sim)
+        sim.finish()
+        _check_simulated_pace(f, simulate, recipe.stall_timeout_ms)
+    env = _canary_env(f, recipe) if f.has("env") else None
+    command = None
+    if f.has("command"):
+        command = f.text_list("command", list_example='[vllm, serve, "$MODEL"]')
+    canary = CanarySpec(
+        share=share,
+        replicas=replicas,
+        image=_image(f) if f.has("image") else None,
+        command=command,
+        env=env,
+        simulate=simulate,
+    )
+    f.finish()
+    if not f.ok or len(f.problems.lines) > before:
+        return canary
+    if replica_version(canary_recipe(recipe, canary)) == replica_version(recipe):
+        given = [name for name in CANARY_FIELDS if f.has(name)]
+        what = f"same {', '.join(given)}" if given else "it names none of the fields"
+        f.problems.add(
+            f.path,
+            f"runs what the recipe runs ({what}); give the {', '.join(CANARY_FIELDS)} the new"
+            " version differs in, or remove canary",
+        )
+    if not recipe.session_affinity:
+        f.problems.add(
+            f.path,
+            "needs session_affinity: true (the share is of new sessions, placed by the"
+            " balancer's weighted hash; least connections ignores weights while replicas are"
+            " idle); set session_affinity: true or remove canary",
+        )
+    return canary
+
+
+def _canary_env(f: Fields, recipe: RecipeSpec) -> tuple[tuple[str, str], ...]:
+    """A canary's plain env; its secrets are the recipe's `secure:` values, which it keeps."""
+    env, secret_env = f.env("env")
+    secrets = {name for name, _ in recipe.secret_env}
+    for name, _ in secret_env:
+        f.problem(
+            f"env.{name}",
+            "a canary runs with the recipe's secure: values and holds none of its own; put it"
+            " in the recipe's env as secure:, or give the canary a plain value",
+        )
+    for name, _ in env:
+        if name in secrets:
+            f.problem(
+                f"env.{name}",
+                "is a secure: value of the recipe's env, which the canary runs with; remove it"
+                " here, or remove it from the recipe's env",
+            )
+    return env
+
+
+CANARY_SHARE_RULE = "give the fraction of new sessions it takes, above 0 and below 1 (0.1 = 10 %)"
+
+
+def _canary_share(f: Fields) -> float:
+    f.known.add("share")
+    value = f.raw.get("share")
+    if value is None:
+        if f.ok:
+            f.problem("share", f"missing; {CANARY_SHARE_RULE}, e.g. share: 0.1")
+    elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        f.problem("share", f"expected a number, got {describe(value)}; {CANARY_SHARE_RULE}")
+    elif not 0 < value < 1:
+        f.problem("share", f"{value} is out of range; {CANARY_SHARE_RULE}")
+    else:
+        return float(value)
+    return 0.0
 
 
 def _engine(f: Fields) -> str | None:
