@@ -32,10 +32,13 @@ from denv_iac.ops.status import (
     replica_statuses,
     with_agent_health,
 )
-from tests.local.test_local_roll import VOICE, Load, _cmdline, _ready, _until
+from tests.local.test_local_roll import VOICE, Load, _cmdline, _ready
 from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import _stack_project, _supervised_up
 from tests.stacks import local_site
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.needs_haproxy
 
 SHARE = 0.25
 # New sessions sent one after another, and how far the canary's measured share may stray from
@@ -72,7 +75,7 @@ def running(tmp_path: Path) -> Iterator[LocalCluster]:
     cluster = LocalCluster(read_stack("t", _config()), tmp_path / "run", free_endpoint_port())
     cluster.up()
     try:
-        _until(lambda: len(_ready(cluster)) == 4, 15, "all 4 replicas UP")
+        eventually(lambda: len(_ready(cluster)) == 4, 15, "all 4 replicas UP")
         yield cluster
     finally:
         cluster.down()
@@ -145,7 +148,7 @@ def test_canary_share_stickiness_status_and_promotion(running: LocalCluster) -> 
         (pool,) = pool_statuses(cluster.stack, replicas)
         return pool
 
-    _until(lambda: all(v.probe_ttft_ms is not None for v in versions().versions), 10, "probed")
+    eventually(lambda: all(v.probe_ttft_ms is not None for v in versions().versions), 10, "probed")
     pool = versions()
     stable, canary = pool.versions
     assert (stable.version, stable.ready, stable.replicas) == ("stable", 3, 3)
@@ -162,10 +165,10 @@ def test_canary_share_stickiness_status_and_promotion(running: LocalCluster) -> 
     canary_replica = next(r for r in cluster.state.replicas if r.pool == "voice-canary")
     lines: list[str] = []
     with StableLoad(endpoint, cluster) as load:
-        _until(lambda: load.completed >= 10, 10, "serving")
+        eventually(lambda: load.completed >= 10, 10, "serving")
         report = roll(cluster, promoted, lines.append)
         done = load.completed
-        _until(lambda: load.completed >= done + 10, 10, "serving after the roll")
+        eventually(lambda: load.completed >= done + 10, 10, "serving after the roll")
     assert load.lost == [] and load.cut == [] and report.cut == 0
     assert min(load.ready_samples) >= 2  # min_warm, the recipe's own replicas
     assert [s.replica for s in report.steps] == [f"voice.local.n{i}.0" for i in range(3)]
@@ -222,7 +225,7 @@ def test_canary_brought_in_reweighted_and_retired_by_denv_local_roll(tmp_path: P
         assert {r.id: r.pid for r in now.replicas if r.pool == "voice"} == {
             r.id: r.pid for r in state.replicas
         }
-        _until(lambda: [v["ready"] for v in _versions(project)] == [3, 1], 15, "both ready")
+        eventually(lambda: [v["ready"] for v in _versions(project)] == [3, 1], 15, "both ready")
         # `denv status`, both versions side by side. (Its exit status says whether the agents
         # were heard, which a loaded machine can delay: tests/test_status.py checks it.)
         text = _denv(project, "status")
@@ -264,7 +267,7 @@ def test_a_canary_that_never_warms_stays_out_of_the_balancer(tmp_path: Path) -> 
     cluster.up()
     try:
         assert cluster.state is not None
-        _until(lambda: len(_ready(cluster)) == 3, 15, "all 3 replicas UP")
+        eventually(lambda: len(_ready(cluster)) == 3, 15, "all 3 replicas UP")
         pids = {r.id: r.pid for r in cluster.state.replicas}
         # Its first token comes after 20 s: never within the 10 s cold-start budget.
         changed = _config()
