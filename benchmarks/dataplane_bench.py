@@ -5,6 +5,9 @@ Figures (targets from the design's numbers):
   through the balancer against the same replicas called directly, requests interleaved so
   that drift and noise hit both alike (<= 1.05, <= 1 ms at p50).
 - streams_per_s: complete streams per second through the balancer at a fixed concurrency.
+- streams_per_s_ratio: the same through the balancer against the same home replicas called
+  directly by the same client, run after it: what the balancer costs in throughput, with the
+  client's and the replicas' own costs (and the machine's load) on both sides.
 - xid_to_out_ms: the agent starts answering `down #xid 79`; how long HAProxy still routes new
   requests to that replica (<= 500 ms). Worst of the trials.
 - first_after_death_errors, first_after_death_added_ms: a replica process is killed, and the
@@ -110,20 +113,21 @@ async def measure_ttft(plane: Dataplane) -> tuple[dict[str, float], float]:
     return figures, p50_b
 
 
-async def measure_throughput(plane: Dataplane) -> float:
+async def measure_throughput(ports: list[int]) -> float:
+    """Complete streams per second from THROUGHPUT_CONCURRENCY workers, spread over `ports`."""
     deadline = time.perf_counter() + THROUGHPUT_SECONDS
     completed = 0
 
-    async def worker() -> None:
+    async def worker(port: int) -> None:
         nonlocal completed
-        connection = _connection(plane.settings.port)
+        connection = _connection(port)
         while time.perf_counter() < deadline:
             if (await _stream(connection, 10)).ok:
                 completed += 1
         connection.close()
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(THROUGHPUT_CONCURRENCY)))
+    await asyncio.gather(*(worker(ports[n % len(ports)]) for n in range(THROUGHPUT_CONCURRENCY)))
     return completed / (time.perf_counter() - started)
 
 
@@ -215,7 +219,9 @@ def run() -> dict[str, float]:
 
 async def _measure(plane: Dataplane) -> dict[str, float]:
     figures, balanced_p50_s = await measure_ttft(plane)
-    figures["streams_per_s"] = await measure_throughput(plane)
+    figures["streams_per_s"] = await measure_throughput([plane.settings.port])
+    direct = await measure_throughput([plane.replicas[rid].process.port for rid in HOME])
+    figures["streams_per_s_ratio"] = figures["streams_per_s"] / direct
 
     xid_s = []
     for trial in range(XID_TRIALS):
