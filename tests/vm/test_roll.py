@@ -17,6 +17,7 @@ stayed drained before its restart (the wait for its in-flight work).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +50,6 @@ pytestmark = pytest.mark.vm
 # Sized for the bed: a stream lasts about a second, a realtime session one load round (5 s),
 # so none should outlive the drain bound; a simulated replica is warm within seconds.
 RECIPE = {"min_warm": 2, "spare": 2, "drain_timeout_s": 60, "cold_start_budget_s": 120}
-CHANGED = {**RECIPE, "env": {"DENV_ROLL": "2"}}
 LOAD = {"chat": CONCURRENCY, "realtime": 2}
 ROLL_STEP = "roll (drain, restart, warm, undrain)"
 
@@ -95,9 +95,14 @@ def drained_for(seen: list[tuple[float, dict[str, str]]], replica: str) -> float
     return None if end is None else end - start
 
 
-def test_a_recipe_change_rolls_under_load_keeping_min_warm(stack: Stack) -> None:
-    spec = read_stack("vm", stack_config(stack.nodes, CHANGED))
+def roll(stack: Stack, label: str, version: str, quiet_s: int | None = None) -> None:
+    """The recipe's env changed to DENV_ROLL=`version`, rolled under load; `quiet_s`: the
+    nodes' drains given that window instead of the product's."""
+    changed = {**RECIPE, "env": {"DENV_ROLL": version}}
+    spec = read_stack("vm", stack_config(stack.nodes, changed))
     placement, specs, rendered = deploy_inputs(spec, stack.nodes)
+    if quiet_s is not None:
+        specs = {name: dataclasses.replace(s, quiet_s=quiet_s) for name, s in specs.items()}
     assert {r.id for s in specs.values() for r in s.replicas} == set(stack.replicas)
     stack.spec, stack.specs, stack.rendered = spec, specs, rendered
     diffs = {
@@ -116,25 +121,34 @@ def test_a_recipe_change_rolls_under_load_keeping_min_warm(stack: Stack) -> None
 
     def update(name: str) -> list[str]:
         inputs = stack.inputs(name)
-        outs = provider(stack.bed, "update", stack.ids[name], stack.state[name], inputs)["outs"]
+        args = (stack.ids[name], stack.state[name], inputs)
+        try:
+            outs = provider(stack.bed, "update", *args)["outs"]
+        except AssertionError as error:
+            # The emulated machines on shared cores: pyinfra's connect may time out. Nothing ran
+            # then (the engine would fail the up; `pulumi up` again is the operator's retry).
+            if "CannotConnect" not in str(error):
+                raise
+            TIMINGS[f"{label}: {name}'s update could not connect; again"] = 0.0
+            outs = provider(stack.bed, "update", *args)["outs"]
         stack.state[name] = outs
         applied: list[str] = outs["applied"]
         return applied
 
-    with under_load(stack, "roll", load=LOAD) as counted:
+    with under_load(stack, label, load=LOAD) as counted:
         runs = in_engine_order(after, update)
         roll_s = max(end for _, end, _ in runs.values()) - min(s for s, _, _ in runs.values())
         stack.wait(stack.at_full_strength, "every replica UP after the roll")
     (done,) = counted
     min_warm = RECIPE["min_warm"]
-    TIMINGS[f"a: rollout of 4 replicas on 2 nodes under load ({done.line})"] = roll_s
+    TIMINGS[f"{label}: rollout of 4 replicas on 2 nodes under load ({done.line})"] = roll_s
     for name, (start, end, _) in runs.items():
-        TIMINGS[f"a: {name}'s deploy (provider update)"] = end - start
+        TIMINGS[f"{label}: {name}'s deploy (provider update)"] = end - start
     for replica in sorted(stack.replicas):
-        waited = drained_for(done.seen, replica)
-        TIMINGS[f"a: {replica} drained before its restart (to a 0.5 s sample)"] = waited or -1.0
+        waited = drained_for(done.seen, replica) or -1.0
+        TIMINGS[f"{label}: {replica} drained before its restart (to a 0.5 s sample)"] = waited
     TIMINGS[
-        f"a: samples of HAProxy's view {len(done.ready)}, fewest replicas in rotation"
+        f"{label}: samples of HAProxy's view {len(done.ready)}, fewest replicas in rotation"
         f" {min(done.ready, default=-1)} (min_warm {min_warm})"
     ] = 0.0
     assert runs["node2"][0] >= runs["node1"][1], "node2's deploy started before node1's ended"
@@ -144,14 +158,21 @@ def test_a_recipe_change_rolls_under_load_keeping_min_warm(stack: Stack) -> None
     assert (done.lost, done.cut, done.replayed) == ([], 0, 0), done.why
     assert done.ready and min(done.ready) >= min_warm, (done.ready, done.why)
     for replica, (name, _) in stack.replicas.items():
-        pid = (
-            stack.nodes[name]
-            .ssh(f"systemctl show -p MainPID --value denv-replica-{replica}.service")
-            .strip()
-        )
+        unit = f"denv-replica-{replica}.service"
+        pid = stack.nodes[name].ssh(f"systemctl show -p MainPID --value {unit}").strip()
         env = stack.nodes[name].ssh(f"tr '\\0' '\\n' < /proc/{pid}/environ")
-        assert "DENV_ROLL=2" in env.splitlines(), (replica, env)
+        assert f"DENV_ROLL={version}" in env.splitlines(), (replica, env)
 
 
-def test_b_a_second_run_of_every_deploy_applies_nothing(stack: Stack) -> None:
-    assert_second_run_changes_nothing(stack, "b")
+def test_a_a_roll_whose_drains_wait_for_every_open_connection(stack: Stack) -> None:
+    # As before idle connections were told apart: every established connection counted, idle
+    # or not (a window longer than any connection here lives). The figures to compare with b.
+    roll(stack, "a (every connection counted)", "1", quiet_s=3600)
+
+
+def test_b_a_recipe_change_rolls_under_load_keeping_min_warm(stack: Stack) -> None:
+    roll(stack, "b", "2")
+
+
+def test_c_a_second_run_of_every_deploy_applies_nothing(stack: Stack) -> None:
+    assert_second_run_changes_nothing(stack, "c")
