@@ -72,7 +72,8 @@ def in_engine_order(
             ended[before].wait()
         start = time.monotonic()
         try:
-            times[node] = (start, time.monotonic(), run(node))
+            result = run(node)
+            times[node] = (start, time.monotonic(), result)
         finally:
             times.setdefault(node, (start, time.monotonic(), None))
             ended[node].set()
