@@ -1,5 +1,6 @@
 """What each placed node of a stack runs: the node deploys' input, built from the stack."""
 
+import math
 from dataclasses import asdict
 
 from denv_iac.core.agent_config import recipe_probe
@@ -12,6 +13,7 @@ from denv_iac.core.sites import CLOUD_SITE_KINDS, cache_root, node_id
 from denv_iac.core.stack.model import (
     COLD_START_BUDGET_S,
     DRAIN_TIMEOUT_S,
+    QUIET_CONNECTION_S,
     SSH_SITE_KINDS,
     RecipeSpec,
     StackSpec,
@@ -69,6 +71,11 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
         pools = [recipes[r.pool] for r in placement.replicas if (r.site, r.node) == here]
         drain_s = max((p.drain_timeout_s for p in pools), default=DRAIN_TIMEOUT_S)
         ready_s = max((p.cold_start_budget_s for p in pools), default=COLD_START_BUDGET_S)
+        # What a drain counts as idle: quiet longer than any live stream of its pools may be.
+        silence_ms = max(
+            (max(p.first_token_timeout_ms, p.stall_timeout_ms) for p in pools), default=0
+        )
+        quiet_s = max(QUIET_CONNECTION_S, math.ceil(silence_ms / 1000))
         name = node_id(node.site, node.name)
         site = stack.site(node.site)
         root = cache_root(stack.name, site)
@@ -85,6 +92,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 drain_timeout_s=drain_s,
                 ready_timeout_s=ready_s,
                 rejoin_s=rejoin_s(balancer_settings(stack)),
+                quiet_s=quiet_s,
             )
         except NodeSpecError as error:
             where = f"sites: {node.site}.{node.name}"

@@ -105,7 +105,9 @@ class _Repair:
         ports = [r.port for r in self.spec.replicas]
         if not ports:
             raise _Skip("no replicas on this node")
-        return self._run(session, wait_streams_command(ports, self.spec.drain_timeout_s))
+        return self._run(
+            session, wait_streams_command(ports, self.spec.drain_timeout_s, self.spec.quiet_s)
+        )
 
     def _units(self, facts: NodeFacts) -> list[str]:
         return sorted({r.unit for r in self.spec.replicas} | facts.replica_units)

@@ -216,7 +216,7 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
     )
     return (
         f"denv-agent drain --replica {who} >/dev/null || echo {who}: no agent drained it; "
-        f"{wait_streams_command([replica.port], spec.drain_timeout_s)}; "
+        f"{wait_streams_command([replica.port], spec.drain_timeout_s, spec.quiet_s)}; "
         f"systemctl restart {replica.unit}; "
         f"{set_deadline('ready', spec.ready_timeout_s)}; "
         f"until curl -fsS -o /dev/null --max-time 5 {health}; do "

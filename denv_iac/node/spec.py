@@ -17,6 +17,7 @@ from denv_iac.core.stack.model import (
     COLD_START_BUDGET_S,
     DRAIN_TIMEOUT_S,
     ENGINES,
+    QUIET_CONNECTION_S,
     WIREGUARD_PORT,
 )
 from denv_iac.core.stack.values import (
@@ -164,6 +165,9 @@ class NodeDeploySpec:
     # After a rolled replica is undrained, how long the balancers take to count it UP again
     # (denv_iac.core.balancer.haproxy.rejoin_ms of the stack's timers), waited before the next goes.
     rejoin_s: int = 3
+    # A connection with no byte either way for this long is idle, not waited for by a drain
+    # (QUIET_CONNECTION_S, or the node's pools' longest silence budget where longer).
+    quiet_s: int = QUIET_CONNECTION_S
 
     def __post_init__(self) -> None:
         problems = _problems(self)
@@ -235,6 +239,8 @@ def _problems(spec: NodeDeploySpec) -> list[str]:
             "drain_timeout_s / ready_timeout_s / rejoin_s: give seconds, drain and rejoin 0 or "
             "more, ready 1+"
         )
+    if spec.quiet_s < 1:
+        problems.append(f"quiet_s {spec.quiet_s}: give seconds, 1 or more")
     return problems
 
 
@@ -394,6 +400,8 @@ def spec_to_json(spec: NodeDeploySpec) -> dict[str, Any]:
         del data["admin_cidrs"]
     if data["ssh_port"] == NodeDeploySpec.ssh_port:
         del data["ssh_port"]
+    if data["quiet_s"] == NodeDeploySpec.quiet_s:
+        del data["quiet_s"]
     if not data["listen_address"]:  # off the overlay: neither its address nor its port
         for key in ("listen_address", "overlay_port", "overlay_senders"):
             del data[key]

@@ -122,20 +122,46 @@ def before_deadline(var: str) -> str:
     return f'[ "$(date +%s)" -le "${var}" ]'
 
 
-def wait_streams_command(ports: list[int], timeout_s: int) -> str:
-    """Shell: wait until no connection is established to `ports`, at most `timeout_s` (by the
+# Reads `ss -Htni` (a connection's line, then its TCP info line) and prints how many
+# connections carry work, how many are idle, then each busy peer's address and count. Busy:
+# bytes queued either way, or a byte sent or received within `quiet` ms (`lastsnd`/`lastrcv`,
+# left out by ss when 0).
+_BUSY_AWK = r"""
+function done_one() {
+  if (!have) return
+  if (rq > 0 || sq > 0 || snd < quiet || rcv < quiet) {
+    busy++; sub(/:[0-9]+$/, "", peer); by[peer]++
+  } else idle++
+  have = 0
+}
+/^[0-9]/ { done_one(); have = 1; rq = $1; sq = $2; peer = $4; snd = 0; rcv = 0; next }
+{ for (i = 1; i <= NF; i++) {
+    if ($i ~ /^lastsnd:/) snd = substr($i, 9) + 0
+    if ($i ~ /^lastrcv:/) rcv = substr($i, 9) + 0
+} }
+END { done_one(); printf "%d %d", busy, idle; for (p in by) printf " %s x%d", p, by[p]; print "" }
+"""
+
+
+def wait_streams_command(ports: list[int], timeout_s: int, quiet_s: int) -> str:
+    """Shell: wait until no connection to `ports` carries work, at most `timeout_s` (by the
     clock, not by rounds: a round takes longer on a busy machine); past it, say how many are
-    left and who held them (peer address and count): those get cut."""
+    left and who held them (peer address and count): those get cut. A connection that moved no
+    byte either way for `quiet_s` is idle (QUIET_CONNECTION_S: a balancer's connection kept
+    for reuse), not waited for: it closes with the replica, and the end names how many."""
     match = " or ".join(f"sport = :{port}" for port in ports)
-    established = f"ss -Htn state established '( {match} )'"
+    count = (
+        f"ss -Htni state established '( {match} )'"
+        f" | awk -v quiet={quiet_s * 1000} {shlex.quote(_BUSY_AWK)}"
+    )
+    idle_note = f"idle connection(s), quiet for {quiet_s} s or more, left to close with it"
     return (
         "command -v ss >/dev/null || { echo 'ss missing: not waited'; exit 0; }; "
         f"{set_deadline('end', timeout_s)}; while :; do "
-        f"n=$({established} | wc -l); "
-        '[ "$n" -eq 0 ] && { echo "no streams open"; break; }; '
+        f"set -- $({count}); n=$1 idle=$2; shift 2; "
+        '[ "$n" -eq 0 ] && { if [ "$idle" -eq 0 ]; then echo "no streams open"; '
+        f'else echo "no streams open; $idle {idle_note}"; fi; break; }}; '
         f"{before_deadline('end')} || {{ "
-        f"peers=$({established} | awk '{{sub(/:[0-9]+$/, \"\", $4); print $4}}'"
-        " | sort | uniq -c | awk '{printf \" %s x%s\", $2, $1}'); "
-        f'echo "$n connections still open after {timeout_s} s (from$peers): cut"; break; }}; '
+        f'echo "$n connections still open after {timeout_s} s (from $*): cut"; break; }}; '
         "sleep 1; done"
     )

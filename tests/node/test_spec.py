@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.model import QUIET_CONNECTION_S
+from denv_iac.core.stack.reader import read_stack
 from denv_iac.node import NodeDeploySpec, NodeSpecError, ReplicaSpec, load_spec, spec_from_json
+from denv_iac.node.from_stack import node_deploy_specs
+from denv_iac.node.spec import spec_to_json
+from tests.components import stacks
 
 
 def problems(**fields: object) -> list[str]:
@@ -33,6 +39,7 @@ def test_bad_fields_are_named_with_their_fix() -> None:
     bounds = "drain_timeout_s / ready_timeout_s / rejoin_s: give seconds, drain and rejoin 0 or "
     for bad in ({"drain_timeout_s": -1}, {"ready_timeout_s": 0}, {"rejoin_s": -1}):
         assert problems(**bad) == [bounds + "more, ready 1+"], bad
+    assert problems(quiet_s=0) == ["quiet_s 0: give seconds, 1 or more"]
     own_env = (ReplicaSpec("a", "img", 8000, 0, env={"HF_HOME": "/x"}),)
     assert problems(replicas=own_env) == ["replica 'a' env HF_HOME: set by the deploy; remove it"]
 
@@ -57,3 +64,21 @@ def test_spec_file_round_trip_and_unknown_field(tmp_path: Path) -> None:
     path.write_text("{")
     with pytest.raises(NodeSpecError, match=r"not JSON \(line 1"):
         load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("stall_timeout_ms", "quiet_s"),
+    [(None, QUIET_CONNECTION_S), (QUIET_CONNECTION_S * 1000 - 1, QUIET_CONNECTION_S), (90_500, 91)],
+)
+def test_a_drain_counts_as_idle_what_is_quieter_than_any_live_stream_of_its_pools(
+    stall_timeout_ms: int | None, quiet_s: int
+) -> None:
+    args = stacks.multicloud()
+    if stall_timeout_ms is not None:
+        args["recipes"][2]["stall_timeout_ms"] = stall_timeout_ms  # on the Hetzner boxes
+    stack = read_stack("prod", {f"denv:{k}": args[k] for k in ("sites", "recipes", "balancer")})
+    spec = node_deploy_specs(stack, place_replicas(stack))["hetzner-fsn.gex-1"]
+    assert spec.quiet_s == quiet_s
+    # Left out of the node's inputs at its default: a stack's state from before stays as it was.
+    assert ("quiet_s" in spec_to_json(spec)) == (quiet_s != QUIET_CONNECTION_S)
+    assert spec_from_json(spec_to_json(spec)).quiet_s == quiet_s

@@ -39,13 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import websockets
 
 from denv_iac.core.balancer import RenderedConfig, render_haproxy_config
 from denv_iac.core.balancer.model import CONFIG_DIR
 from denv_iac.core.balancer.stats import parse_stats_csv
 from denv_iac.core.dataplane import balancer_pools
 from denv_iac.core.endpoint import balancer_settings, endpoint_url
-from denv_iac.core.placement import PlacedReplica
+from denv_iac.core.placement import PlacedReplica, Placement
 from denv_iac.core.plan import make_plan
 from denv_iac.core.stack.model import StackSpec
 from denv_iac.core.stack.reader import read_stack
@@ -93,6 +94,7 @@ BED_SILENCE_MS = 5000
 CONCURRENCY = 4
 FULL_STRENGTH_S = 300.0
 MACHINES = ("balancer", *NODES)
+CUT_ERRORS = ("aborted", "closed")
 
 pytestmark = pytest.mark.vm
 
@@ -116,9 +118,9 @@ exec "$@"
 """
 
 
-def stack_config(nodes: dict[str, Vm]) -> dict[str, Any]:
+def stack_config(nodes: dict[str, Vm], recipe: dict[str, Any] | None = None) -> dict[str, Any]:
     """A balancer host made on AWS, TLS on and API keys checked, in front of an office of two
-    machines of two GPUs each; the overlay off."""
+    machines of two GPUs each; the overlay off. `recipe`: fields that replace the pool's."""
     access = {"admin_cidrs": [f"{HOST}/32"], "ssh_private_key": SECRET}
     return {
         "denv:sites": [
@@ -150,6 +152,7 @@ def stack_config(nodes: dict[str, Vm]) -> dict[str, Any]:
                 "sites": [OFFICE],
                 "first_token_timeout_ms": BED_SILENCE_MS,
                 "stall_timeout_ms": BED_SILENCE_MS,
+                **(recipe or {}),
             }
         ],
         "denv:balancer": {
@@ -265,36 +268,19 @@ def _prepare_node(bed: Bed, vm: Vm, sim: Path) -> None:
 def _simulator_code(workdir: Path) -> Path:
     """The product's package as it is here, for the simulator to run from in the VMs."""
     folder = workdir / "sim"
-    shutil.copytree(
-        ROOT / "denv_iac", folder / "denv_iac", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    skip = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copytree(ROOT / "denv_iac", folder / "denv_iac", ignore=skip)
+    # Its one package from outside the standard library, pure Python (its C speedups left out:
+    # it falls back without them); the VMs have no way out to install it.
+    shutil.copytree(Path(websockets.__file__).parent, folder / "websockets", ignore=skip)
     return folder
 
 
-def _parallel(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        futures = {name: pool.submit(call) for name, call in calls.items()}
-        return {name: future.result() for name, future in futures.items()}
-
-
-@pytest.fixture(scope="module")
-def stack(bed: Bed) -> Stack:
-    start = time.monotonic()
-    balancer = bed.start("balancer1")
-    nodes = {name: bed.start(name) for name in NODES}
-    _parallel({vm.name: vm.wait_ssh for vm in (balancer, *nodes.values())})
-    TIMINGS["stack: 3 VMs boot to SSH (in parallel)"] = time.monotonic() - start
-
-    start = time.monotonic()
-    sim = _simulator_code(bed.workdir)
-    calls: dict[str, Callable[[], Any]] = {
-        name: lambda vm=vm: _prepare_node(bed, vm, sim) for name, vm in nodes.items()
-    }
-    calls["balancer"] = lambda: offer_packages(balancer, bed.workdir, "haproxy")
-    _parallel(calls)
-    TIMINGS["stack: stand-in GPUs and package repositories"] = time.monotonic() - start
-
-    spec = read_stack("vm", stack_config(nodes))
+def deploy_inputs(
+    spec: StackSpec, nodes: dict[str, Vm]
+) -> tuple[Placement, dict[str, NodeDeploySpec], RenderedConfig]:
+    """The stack placed, each node's deploy spec (by node name) and the balancer's config, as
+    the components make them, with the VMs' addresses as the machines'."""
     placement = make_plan(spec).placement
     by_id = node_deploy_specs(spec, placement)
     # The VMs have no way out: the driver comes from the stand-in NVIDIA repository in each.
@@ -313,6 +299,40 @@ def stack(bed: Bed) -> Stack:
     rendered = render_haproxy_config(
         balancer_pools(spec, placement, locate), balancer_settings(spec), CONFIG_DIR
     )
+    return placement, specs, rendered
+
+
+def _parallel(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def stack(bed: Bed) -> Stack:
+    return build_stack(bed)
+
+
+def build_stack(bed: Bed, recipe: dict[str, Any] | None = None) -> Stack:
+    """The three VMs booted, prepared and deployed by the provider, every replica UP;
+    `recipe` as in stack_config."""
+    start = time.monotonic()
+    balancer = bed.start("balancer1")
+    nodes = {name: bed.start(name) for name in NODES}
+    _parallel({vm.name: vm.wait_ssh for vm in (balancer, *nodes.values())})
+    TIMINGS["stack: 3 VMs boot to SSH (in parallel)"] = time.monotonic() - start
+
+    start = time.monotonic()
+    sim = _simulator_code(bed.workdir)
+    calls: dict[str, Callable[[], Any]] = {
+        name: lambda vm=vm: _prepare_node(bed, vm, sim) for name, vm in nodes.items()
+    }
+    calls["balancer"] = lambda: offer_packages(balancer, bed.workdir, "haproxy")
+    _parallel(calls)
+    TIMINGS["stack: stand-in GPUs and package repositories"] = time.monotonic() - start
+
+    spec = read_stack("vm", stack_config(nodes, recipe))
+    _, specs, rendered = deploy_inputs(spec, nodes)
     made = Stack(
         spec,
         bed,
@@ -358,6 +378,8 @@ class Counted:
     # HAProxy's own log of servers going down or up while the load ran (its journal on the
     # balancer host): what the samples above miss between two of them.
     log: list[str]
+    # The pool's replicas in rotation (UP, weight above 0) at each sample of HAProxy's view.
+    ready: list[int] = field(default_factory=list)
 
     @property
     def why(self) -> str:
@@ -373,6 +395,10 @@ class Counted:
         )
 
 
+def _in_rotation(row: dict[str, str]) -> bool:
+    return row["status"].startswith("UP") and row["weight"] != "0"
+
+
 def _state(row: dict[str, str]) -> str:
     """A server's status and weight; for one not UP, why (its last check's and agent's)."""
     state = f"{row['status']} {row['weight']}"
@@ -382,16 +408,19 @@ def _state(row: dict[str, str]) -> str:
 
 
 @contextmanager
-def under_load(stack: Stack, label: str, max_s: float = 900.0) -> Iterator[list[Counted]]:
-    """Closed-loop streamed load through the endpoint while the body runs; afterwards the one
-    item of the list it yields holds the counts."""
+def under_load(
+    stack: Stack, label: str, max_s: float = 900.0, load: dict[str, int] | None = None
+) -> Iterator[list[Counted]]:
+    """Closed-loop load through the endpoint while the body runs, `load` workers of each
+    protocol (streamed chat alone by default); afterwards the one item of the list it yields
+    holds the counts."""
     folder = stack.bed.workdir / f"load-{label.replace(' ', '-')}"
     folder.mkdir()
     call = {
         "url": stack.url,
         "pool": POOL,
         "api_key": API_KEY,
-        "concurrency": CONCURRENCY,
+        "load": load or {"chat": CONCURRENCY},
         "stop_file": str(folder / "stop"),
         "max_s": max_s,
     }
@@ -405,12 +434,15 @@ def under_load(stack: Stack, label: str, max_s: float = 900.0) -> Iterator[list[
     t0 = time.monotonic()
     since = stack.balancer.ssh("date +%s").strip()
     states: list[tuple[float, dict[str, str]]] = []
+    ready: list[int] = []
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
             with contextlib.suppress(Exception):  # a slow SSH round: the next one tells
-                now = {r: _state(row) for r, row in stack.servers().items()}
+                rows = stack.servers()
+                ready.append(sum(map(_in_rotation, rows.values())))
+                now = {r: _state(row) for r, row in rows.items()}
                 if not states or states[-1][1] != now:
                     states.append((round(time.monotonic() - t0, 1), now))
             done.wait(0.5)
@@ -433,15 +465,16 @@ def under_load(stack: Stack, label: str, max_s: float = 900.0) -> Iterator[list[
         for row in json.loads((folder / "out.json").read_text())
     ]
     seen = stack.seen_by_replicas()
-    cut = [r for r in results if r.error == "aborted"]
-    lost = [r for r in results if r.error and r.error != "aborted"]
+    # Ended early after it started: a stream cut, or a realtime session closed mid-turn.
+    cut = [r for r in results if r.error in CUT_ERRORS]
+    lost = [r for r in results if r.error and r.error not in CUT_ERRORS]
     log = stack.balancer.ssh(
         f"journalctl -u haproxy.service -o short-precise --since @{since}"
         " | grep -E 'Server .* is (DOWN|UP)|no server available' | tail -n 40",
         check=False,
     ).splitlines()
     replayed = count_replayed(results, seen)
-    counted.append(Counted(results, lost, len(cut), replayed, states, log))
+    counted.append(Counted(results, lost, len(cut), replayed, states, log, ready))
 
 
 def test_a_traffic_reaches_replicas_on_both_nodes(stack: Stack) -> None:
@@ -541,21 +574,29 @@ def test_d_every_repair_level_under_load_loses_nothing(stack: Stack, level: str)
     assert (done.lost, done.cut, done.replayed) == ([], 0, 0), done.why
 
 
-def test_e_a_second_run_of_every_deploy_changes_nothing(stack: Stack) -> None:
-    def again(machine: str) -> tuple[dict[str, Any], list[str], float]:
-        inputs = stack.inputs(machine)
-        olds, id_ = stack.state[machine], stack.ids[machine]
-        diff = provider(stack.bed, "diff", id_, olds, inputs)
-        begin = time.monotonic()
-        outs = provider(stack.bed, "update", id_, olds, inputs)["outs"]
-        stack.state[machine] = outs
-        return diff, outs["applied"], time.monotonic() - begin
+def run_again(stack: Stack, machine: str) -> tuple[dict[str, Any], list[str], float]:
+    """The engine's diff of the machine's deploy, then its update anyway: (the diff, the steps
+    the update applied, the update's seconds)."""
+    inputs = stack.inputs(machine)
+    olds, id_ = stack.state[machine], stack.ids[machine]
+    diff = provider(stack.bed, "diff", id_, olds, inputs)
+    begin = time.monotonic()
+    outs = provider(stack.bed, "update", id_, olds, inputs)["outs"]
+    stack.state[machine] = outs
+    return diff, outs["applied"], time.monotonic() - begin
 
-    runs = _parallel({m: lambda m=m: again(m) for m in MACHINES})
+
+def assert_second_run_changes_nothing(stack: Stack, label: str) -> None:
+    """Every machine's deploy run again at once: no diff, no step applied."""
+    runs = _parallel({m: lambda m=m: run_again(stack, m) for m in MACHINES})
     for machine, (diff, applied, seconds) in runs.items():
-        TIMINGS[f"e: second run {machine} (provider update, in parallel)"] = seconds
+        TIMINGS[f"{label}: second run {machine} (provider update, in parallel)"] = seconds
         assert diff == {"changes": False, "replaces": []}, (machine, diff)
         assert applied == [], (machine, applied)
+
+
+def test_e_a_second_run_of_every_deploy_changes_nothing(stack: Stack) -> None:
+    assert_second_run_changes_nothing(stack, "e")
 
 
 def test_f_delete_leaves_no_unit_rule_or_mount_on_the_nodes(stack: Stack) -> None:

@@ -43,6 +43,14 @@ CONNECT_TIMEOUT_MS = 80
 # How long a rollout waits for a drained replica's streams and realtime sessions to end before it
 # restarts the replica anyway (and names what it cut): a voice call of a couple of minutes.
 DRAIN_TIMEOUT_S = 120
+# A connection to a drained replica that moved no byte either way for this long carries no work
+# the drain must wait for: HAProxy keeps an idle connection to a drained server for reuse (2.6:
+# one per server, for minutes, `used_conn_cur` 0 and `scur` 0), and a server that never closes
+# idle keep-alive connections holds it open. A started stream silent past its budget is cut by
+# the balancer; realtime clients ping every 20-30 s; a request still waiting for its first
+# byte is retried on another replica when its connection closes. Raised to a pool's
+# longest silence budget where that is longer.
+QUIET_CONNECTION_S = 40
 # How long a replica may take from start to serving: weights loaded, kernels compiled.
 COLD_START_BUDGET_S = 900
 # How long a model server is given to stop once asked (SIGTERM, then SIGKILL), after its drain.
