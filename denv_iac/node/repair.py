@@ -106,7 +106,10 @@ class _Repair:
         if not ports:
             raise _Skip("no replicas on this node")
         return self._run(
-            session, wait_streams_command(ports, self.spec.drain_timeout_s, self.spec.quiet_s)
+            session,
+            wait_streams_command(
+                ports, self.spec.drain_timeout_s, self.spec.quiet_s, self.spec.rejoin_s
+            ),
         )
 
     def _units(self, facts: NodeFacts) -> list[str]:

@@ -214,9 +214,10 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
         f"{spec.ready_timeout_s} s after its restart: left drained, the rollout stopped, the "
         "pool's other replicas serve the old version"
     )
+    wait = wait_streams_command([replica.port], spec.drain_timeout_s, spec.quiet_s, spec.rejoin_s)
     return (
         f"denv-agent drain --replica {who} >/dev/null || echo {who}: no agent drained it; "
-        f"{wait_streams_command([replica.port], spec.drain_timeout_s, spec.quiet_s)}; "
+        f"{wait}; "
         f"systemctl restart {replica.unit}; "
         f"{set_deadline('ready', spec.ready_timeout_s)}; "
         f"until curl -fsS -o /dev/null --max-time 5 {health}; do "

@@ -143,12 +143,15 @@ END { done_one(); printf "%d %d", busy, idle; for (p in by) printf " %s x%d", p,
 """
 
 
-def wait_streams_command(ports: list[int], timeout_s: int, quiet_s: int) -> str:
-    """Shell: wait until no connection to `ports` carries work, at most `timeout_s` (by the
-    clock, not by rounds: a round takes longer on a busy machine); past it, say how many are
-    left and who held them (peer address and count): those get cut. A connection that moved no
-    byte either way for `quiet_s` is idle (QUIET_CONNECTION_S: a balancer's connection kept
-    for reuse), not waited for: it closes with the replica, and the end names how many."""
+def wait_streams_command(ports: list[int], timeout_s: int, quiet_s: int, settle_s: int) -> str:
+    """Shell, run right after a drain: first `settle_s`, the time the balancers take to hear
+    the drain at their next agent check (a node's `rejoin_s` bounds it), so that no request
+    they still send lands after the count; then wait until no connection to `ports` carries
+    work, at most `timeout_s` (by the clock, not by rounds: a round takes longer on a busy
+    machine); past it, say how many are left and who held them (peer address and count): those
+    get cut. A connection that moved no byte either way for `quiet_s` is idle
+    (QUIET_CONNECTION_S: a balancer's connection kept for reuse), not waited for: it closes with
+    the replica, and the end names how many."""
     match = " or ".join(f"sport = :{port}" for port in ports)
     count = (
         f"ss -Htni state established '( {match} )'"
@@ -157,7 +160,7 @@ def wait_streams_command(ports: list[int], timeout_s: int, quiet_s: int) -> str:
     idle_note = f"idle connection(s), quiet for {quiet_s} s or more, left to close with it"
     return (
         "command -v ss >/dev/null || { echo 'ss missing: not waited'; exit 0; }; "
-        f"{set_deadline('end', timeout_s)}; while :; do "
+        f"sleep {settle_s}; {set_deadline('end', timeout_s)}; while :; do "
         f"set -- $({count}); n=$1 idle=$2; shift 2; "
         '[ "$n" -eq 0 ] && { if [ "$idle" -eq 0 ]; then echo "no streams open"; '
         f'else echo "no streams open; $idle {idle_note}"; fi; break; }}; '

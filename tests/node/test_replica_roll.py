@@ -107,3 +107,15 @@ def test_a_node_waits_after_each_undrain_as_long_as_its_balancers_take_to_count_
     node = dataclasses.replace(spec(), rejoin_s=7)
     command = replicas.roll_command(node, node.replicas[0])
     assert "undrain --replica voice.hetzner.gex44-1.0 >/dev/null; sleep 7;" in command
+
+
+def test_a_drained_replica_is_counted_only_once_its_balancers_heard_the_drain() -> None:
+    # A request the balancers send before their next agent check would land after a count of
+    # none and be cut by the restart: the count waits `rejoin_s`, which bounds that check.
+    node = dataclasses.replace(spec(), rejoin_s=7)
+    command = replicas.roll_command(node, node.replicas[0])
+    drain = command.index("denv-agent drain --replica voice.hetzner.gex44-1.0")
+    settle = command.index("sleep 7; ")
+    count = command.index("ss -Htni")
+    restart = command.index("systemctl restart")
+    assert drain < settle < count < restart
