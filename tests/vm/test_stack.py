@@ -90,6 +90,11 @@ COMMAND = (
 # 1.3 s, the first after 1.1 s and the rest at once, as when both replicas of the node left
 # serving are marked down by one slow connect each. So the bed's connect timeout is 3 s.
 BED_TIMERS = {"connect_timeout_ms": 3000, "check_timeout_ms": 2000, "check_inter_ms": 2000}
+# The node agents check their replicas' health too, and with the production 1 s timeout a
+# starved machine marked replicas that no fault touched DOWN (agent) three at once during a
+# roll (`health check failed 3x: timeout`), cutting their sessions: the same slack as the
+# balancer's checks, for the same reason.
+BED_AGENT = {"intervals": {"health_timeout_s": 2.0, "health_s": 2.0}}
 BED_SILENCE_MS = 5000
 CONCURRENCY = 4
 FULL_STRENGTH_S = 300.0
@@ -286,7 +291,9 @@ def deploy_inputs(
     # The VMs have no way out: the driver comes from the stand-in NVIDIA repository in each.
     specs = {
         name: dataclasses.replace(
-            by_id[f"{OFFICE}.{name}"], nvidia_repo=f"file://{standin.REPO_IN_ROOT}"
+            by_id[f"{OFFICE}.{name}"],
+            nvidia_repo=f"file://{standin.REPO_IN_ROOT}",
+            agent=dataclasses.replace(by_id[f"{OFFICE}.{name}"].agent, config=BED_AGENT),
         )
         for name in NODES
     }
