@@ -42,7 +42,9 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "status": (
         "denv_iac.cli.status:status",
         "Per pool, site and replica: state, weight, reason, active streams, last probe TTFT;"
-        " per pool, its slots in use, queued, spilled and shed requests.",
+        " per pool, its slots in use, queued, spilled and shed requests; for a pool with a"
+        " canary, both versions side by side (ready, share of new sessions, probe TTFT,"
+        " request time).",
     ),
 }
 PACKAGES = ("denv-iac", "denv-agent")
