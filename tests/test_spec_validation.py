@@ -287,7 +287,7 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
     (
         "engine unknown",
         lambda c: recipe(c, 0).update(engine="triton"),
-        'recipes[0].engine: "triton" is not one of auto, vllm, sglang, tgi, none',
+        'recipes[0].engine: "triton" is not one of auto, vllm, sglang, tgi, llamacpp, none',
     ),
     (
         "simulated queue limit negative",

@@ -78,7 +78,7 @@ class Probe:
 
 # Engine families whose Prometheus metrics the agent reads (see engine_metrics.ENGINE_NAMES);
 # AUTO: whichever of them the metrics show, told by their names at each read.
-ENGINES = ("vllm", "sglang", "tgi")
+ENGINES = ("vllm", "sglang", "tgi", "llamacpp")
 AUTO = "auto"
 DEFAULT_STALL_BUDGET_MS = 1000.0
 

@@ -27,8 +27,11 @@ class EngineNames:
 
 
 # The sample names of each engine family (vLLM's and SGLang's "Production Metrics" pages, TGI's
-# metrics reference). TGI exports generated tokens only as a histogram observed when a request
-# ends, which does not move while a long stream decodes: for TGI only the queue is read.
+# metrics reference, llama.cpp's server with --metrics). TGI exports generated tokens only as a
+# histogram observed when a request ends, which does not move while a long stream decodes: for
+# TGI only the queue is read. llama.cpp's own token counter (`tokens_predicted_total`) moves only
+# when a request ends too; its count of llama_decode() calls moves with every token of every
+# running request, so that is its progress.
 ENGINE_NAMES: dict[str, EngineNames] = {
     "vllm": EngineNames(
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total"
@@ -37,6 +40,9 @@ ENGINE_NAMES: dict[str, EngineNames] = {
         "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:generation_tokens_total"
     ),
     "tgi": EngineNames("tgi_batch_current_size", "tgi_queue_size", None),
+    "llamacpp": EngineNames(
+        "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:n_decode_total"
+    ),
 }
 
 

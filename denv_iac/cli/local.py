@@ -56,7 +56,7 @@ def _cluster(stack_name: str, port: int | None) -> tuple[LocalCluster, StackLock
             )
         # A state file whose processes are all gone (a crash, a reboot) is left over: drop it.
         (directory / STATE_FILE).unlink(missing_ok=True)
-        return LocalCluster(stack, directory, port), lock
+        return LocalCluster(stack, directory, port, project=stacks.parent), lock
     except StackError as error:
         lock.abandon()
         fail(error.problems)

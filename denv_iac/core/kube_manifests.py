@@ -56,6 +56,7 @@ from denv_iac.core.balancer.gateway import (
 from denv_iac.core.balancer.haproxy import rejoin_s
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.placement import PlacedReplica
+from denv_iac.core.stack.command import ANY_ADDRESS, render_command
 from denv_iac.core.stack.gateway_link import gateway_tls_on
 from denv_iac.core.stack.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.core.stack.ports import AGENT_PORT, PORTS_PER_GPU, replica_port
@@ -618,7 +619,8 @@ def _server_container(recipe: RecipeSpec, site: SiteSpec, agent_inter_ms: int) -
         ],
     }
     if recipe.command:
-        container["args"] = list(recipe.command)  # arguments to the image's entrypoint
+        # arguments to the image's entrypoint
+        container["args"] = list(render_command(recipe.command, port=recipe.port, host=ANY_ADDRESS))
     return container
 
 

@@ -43,8 +43,7 @@ from denv_iac.core.rollout import (
 from denv_iac.core.stack.model import RecipeSpec, StackSpec
 from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy.runtime import stats_command
-from denv_iac.local.replica_sim import ReplicaSimConfig
-from denv_iac.local.runner import LocalCluster, ReplicaState, write_private
+from denv_iac.local.runner import LocalCluster, ReplicaConfig, ReplicaState, write_private
 
 Progress = Callable[[str], None]
 # What a local roll applies: what the simulated replica runs (model names, ports and health
@@ -332,7 +331,7 @@ class _Step:
     def _old_recipe(self) -> RecipeSpec:
         return next(r for r in self.cluster.stack.recipes if r.name == self.step.pool)
 
-    def _put_back(self, config: ReplicaSimConfig) -> None:
+    def _put_back(self, config: ReplicaConfig) -> None:
         try:
             self.cluster.restart_replica(self.replica.id, config)
             wait_warm(

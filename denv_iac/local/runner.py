@@ -1,9 +1,10 @@
 """`denv local up`: the whole data plane of a stack on this machine.
 
-Simulated replicas (or the recipe's own command), one real `denv-agent --simulate` per node and a
-real HAProxy, all on 127.0.0.1 unless each site is given a Host of its own (a network namespace,
-see denv_iac.local.netns). Run state lives in `.denv/<stack>/`, with `state.json` for
-scripts: the endpoint, the admin socket, and each replica's id, address, port, agent port and pid.
+Simulated replicas (or the recipe's own command, see denv_iac.local.command_replica), one real
+`denv-agent --simulate` per node and a real HAProxy, all on 127.0.0.1 unless each site is given
+a Host of its own (a network namespace, see denv_iac.local.netns). Run state lives in
+`.denv/<stack>/`, with `state.json` for scripts: the endpoint, the admin socket, and each
+replica's id, address, port, agent port and pid.
 Everything started is recorded there by pid so that `denv local down` stops exactly that.
 """
 
@@ -24,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from denv_agent.engine_metrics import ENGINE_NAMES
+
 from denv_iac.core.agent_config import AgentConfig, AgentReplica, agent_config_toml, recipe_probe
 from denv_iac.core.balancer import BalancerPool, BalancerSettings, render_haproxy_config
 from denv_iac.core.balancer.client_secrets import key_map
@@ -36,10 +39,14 @@ from denv_iac.core.stack.reader import StackError
 from denv_iac.core.stack.stackfile import check_stack_name
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
+from denv_iac.local.command_replica import REPLICA_ENV, CommandConfig, CommandReplica
 from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
 
 HOST = "127.0.0.1"
 Progress = Callable[[str], None]
+# What a local replica runs: the simulator, or the recipe's own command.
+ReplicaConfig = ReplicaSimConfig | CommandConfig
+LocalReplica = ReplicaProcess | CommandReplica
 STATE_FILE = "state.json"
 # Restarts of a supervised process that died: the first at once, then each one that follows
 # soon after doubles the wait, up to a ceiling, so a process that dies at start cannot spin.
@@ -72,6 +79,10 @@ class ReplicaState:
     port: int
     agent_port: int
     pid: int
+    # What its /proc cmdline holds while it runs, and whether it leads a process group of its
+    # own (a recipe's command does, with whatever it starts).
+    mark: str = ""
+    group: bool = False
 
     @property
     def url(self) -> str:
@@ -305,15 +316,18 @@ class LocalCluster:
         port: int | None = None,
         hosts: Mapping[str, Host] | None = None,
         balancer: Host = LOOPBACK,
+        project: Path | None = None,
     ) -> None:
         check_local_only(stack)
+        # Where a recipe's command runs (relative paths in it start there).
+        self.project = project
         self.stack = stack
         self.directory = directory
         self.port = port or stack.balancer.port
         self.hosts = dict(hosts or {})
         self.balancer = balancer
         self.placement = place_replicas(stack)
-        self._replicas: dict[str, ReplicaProcess] = {}
+        self._replicas: dict[str, LocalReplica] = {}
         self._agents: list[subprocess.Popen[bytes]] = []
         self._agent_commands: list[list[str]] = []
         self._haproxy: HaproxyProcess | None = None
@@ -354,8 +368,14 @@ class LocalCluster:
     def host_of(self, site: str) -> Host:
         return self.hosts.get(site, LOOPBACK)
 
-    def replica_config(self, recipe: RecipeSpec, replica: PlacedReplica) -> ReplicaSimConfig:
-        """What the simulated replica of `recipe` runs, on its site's host."""
+    def replica_config(self, recipe: RecipeSpec, replica: PlacedReplica) -> ReplicaConfig:
+        """What the replica of `recipe` runs on its site's host: the recipe's command, or the
+        simulated replica when it has none."""
+        if recipe.command:
+            config = command_config(recipe, replica.id, self.host_of(replica.site).address)
+            return dataclasses.replace(
+                config, workdir=None if self.project is None else str(self.project)
+            )
         sim = recipe.simulate
         return ReplicaSimConfig(
             replica.id,
@@ -389,11 +409,11 @@ class LocalCluster:
             progress(f"replica {replica.id} ready on {process.config.host}:{port}")
         return states
 
-    def _spawn_replica(self, recipe: RecipeSpec, replica: PlacedReplica) -> ReplicaProcess:
+    def _spawn_replica(self, recipe: RecipeSpec, replica: PlacedReplica) -> LocalReplica:
         """Start the replica's process on its site's host; wait_ready() then gives its port."""
         log = self.directory / "logs" / f"{replica.id}.log"
         config = self.replica_config(recipe, replica)
-        process = ReplicaProcess(config, log, self.host_of(replica.site).prefix)
+        process = replica_process(config, log, self.host_of(replica.site).prefix)
         process.spawn()
         return process
 
@@ -605,7 +625,7 @@ class LocalCluster:
         self._write_balancer_config()
         self._haproxy.reload()
 
-    def restart_replica(self, replica_id: str, config: ReplicaSimConfig | None = None) -> None:
+    def restart_replica(self, replica_id: str, config: ReplicaConfig | None = None) -> None:
         """Start a replica again on its old port, as a supervisor would after a crash; with
         `config`, running that from now on (a rollout), else what it ran."""
         with self._lock:
@@ -614,12 +634,13 @@ class LocalCluster:
             old = self._replicas[replica_id]
             old.stop()
             config = dataclasses.replace(config or old.config, port=state.port)
-            process = ReplicaProcess(config, old.log_path, old.command_prefix)
+            process = replica_process(config, old.log_path, old.command_prefix)
             self._replicas[replica_id] = process
             process.spawn()
             process.wait_ready()
             assert process.pid is not None
             state.pid = process.pid
+            state.mark, state.group = _marks(process)
             self._save_state()
 
     def adopt(self, stack: StackSpec) -> None:
@@ -744,11 +765,46 @@ class LocalCluster:
             state_file.unlink()
 
 
+def command_config(recipe: RecipeSpec, replica_id: str, host: str) -> CommandConfig:
+    """How a recipe's command runs as a local replica: on a free port of `host`, ready within
+    the recipe's cold-start budget; for an engine named in the recipe, once its metrics read."""
+    family = recipe.agent_engine(simulated=False)
+    names = ENGINE_NAMES.get(family or "")
+    return CommandConfig(
+        replica_id=replica_id,
+        recipe=recipe.name,
+        command=recipe.command,
+        host=host,
+        port=free_port(),
+        health_path=recipe.health_path,
+        metrics_path=recipe.metrics_path,
+        metrics_names=(names.running,) if names is not None else (),
+        env=recipe.env,
+        ready_timeout_s=float(recipe.cold_start_budget_s),
+    )
+
+
+def replica_process(
+    config: ReplicaConfig, log: Path | None, prefix: tuple[str, ...]
+) -> LocalReplica:
+    if isinstance(config, CommandConfig):
+        return CommandReplica(config, log, prefix)
+    return ReplicaProcess(config, log, prefix)
+
+
+def _marks(process: LocalReplica) -> tuple[str, bool]:
+    """What state.json records to find the process again: its cmdline mark, its group."""
+    if isinstance(process, CommandReplica):
+        return process.config.mark, True
+    return REPLICA_MARK, False
+
+
 def _replica_state(
-    replica: PlacedReplica, process: ReplicaProcess, port: int, agent_port: int
+    replica: PlacedReplica, process: LocalReplica, port: int, agent_port: int
 ) -> ReplicaState:
     """What the run state records of a started replica."""
     assert process.pid is not None
+    mark, group = _marks(process)
     return ReplicaState(
         replica.id,
         replica.pool,
@@ -759,6 +815,8 @@ def _replica_state(
         port,
         agent_port,
         process.pid,
+        mark,
+        group,
     )
 
 
@@ -783,19 +841,23 @@ REPLICA_MARK = "-m denv_iac.local.replica_sim --id="
 
 
 def ours(pid: int, marker: str) -> bool:
-    """Whether `pid` still runs one of our commands (a recycled pid must not be signalled)."""
+    """Whether `pid` still runs one of our commands (a recycled pid must not be signalled): its
+    command line holds `marker`; for a recipe's own command, its environment holds it."""
+    environment = marker.startswith(f"{REPLICA_ENV}=")
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        raw = Path(f"/proc/{pid}/{'environ' if environment else 'cmdline'}").read_bytes()
     except OSError:
         return False
-    return marker in cmdline
+    if environment:
+        return marker.encode() in raw.split(b"\0")
+    return marker in raw.replace(b"\0", b" ").decode(errors="replace")
 
 
 def _recorded_processes(state: RunState) -> list[tuple[int, str, bool]]:
     """(pid, command-line mark, whether it leads a process group) of each recorded process."""
     targets = [(state.haproxy_pid, HAPROXY_MARK, True)]
     targets += [(a.pid, AGENT_MARK, False) for a in state.agents]
-    targets += [(r.pid, REPLICA_MARK, False) for r in state.replicas]
+    targets += [(r.pid, r.mark or REPLICA_MARK, r.group) for r in state.replicas]
     return targets
 
 

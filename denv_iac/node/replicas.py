@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from denv_iac.core.stack.command import ANY_ADDRESS, render_command
 from denv_iac.core.stack.model import SERVER_STOP_S
 from denv_iac.node import mig, overlay
 from denv_iac.node.facts import NodeFacts
@@ -79,7 +80,7 @@ def unit(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
         env_file(spec, replica).path,
         *mounts,
         replica.image,
-        *replica.command,
+        *render_command(replica.command, port=replica.port, host=ANY_ADDRESS),
     ]
     # A MIG instance exists only once the boot unit has recreated it: without it the replica
     # would crash-loop on a device that is not there.

@@ -124,10 +124,11 @@ MIG_STRATEGIES = ("mixed", "single")
 # What answers /v1/audio/speech on a simulated replica: a tone paced like tokens, or espeak-ng's
 # real synthesized speech (Debian's espeak-ng, on the CPU).
 SIMULATED_SPEECH = ("tone", "espeak-ng")
-# Engines whose Prometheus metrics the node agent reads (queue, running, generated tokens), and
-# whose names a simulated replica serves at /metrics.
-ENGINES = ("vllm", "sglang", "tgi")
-SIMULATED_ENGINES = ENGINES
+# Engines whose Prometheus metrics the node agent reads (queue, running, generated tokens)
+# (llama.cpp's llama-server: with --metrics), and those whose names a simulated replica serves
+# at /metrics (llama.cpp runs for real on a CPU: it needs no stand-in).
+ENGINES = ("vllm", "sglang", "tgi", "llamacpp")
+SIMULATED_ENGINES = ("vllm", "sglang", "tgi")
 # A recipe's `engine` by default: the agent reads `metrics_path` and knows the engine by its
 # metric names (any of ENGINES), so a zombie engine is taken out within 2 s on nodes
 # too, with no setting; a server that serves none of them is left to its health checks.
