@@ -234,13 +234,15 @@ def prepare_balancer(
     overlay_config: str | None = None,
     keys: SshKeys | None = None,
     client_secret_key: str | None = None,
+    ssh_wait_s: float = 0.0,
 ) -> list[Step]:
     """Converge a balancer host to `rendered` (and its TLS `certificate`, a secret PEM, and the
     `gateway` credentials) behind its firewall; returns the steps planned (run unless `dry`).
     The firewall comes first: the stats port never listens unguarded. `overlay_config`: the
     host's WireGuard config, its private key filled in (a secret), when it is on the overlay.
-    `client_secret_key`: the key that signs realtime client secrets (a secret), when on."""
-    with connect(target) as session:
+    `client_secret_key`: the key that signs realtime client secrets (a secret), when on.
+    `ssh_wait_s`: how long to wait for a machine just created to answer on its SSH port."""
+    with connect(target, ssh_wait_s) as session:
         query = fact_query(rendered) | firewall.balancer_fact_query() | overlay.fact_query()
         facts = session.facts(query | ssh_keys.fact_query(keys))
         steps = plan_host(
