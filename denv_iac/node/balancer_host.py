@@ -27,6 +27,7 @@ from denv_iac.node.steps import (
     FileContent,
     Step,
     apt_install,
+    cloud_init_wait,
     text_file,
     with_package_index,
 )
@@ -213,13 +214,16 @@ def plan_host(
     keys: SshKeys | None = None,
     client_secret_key: str | None = None,
 ) -> list[Step]:
-    """A balancer host's steps: the SSH login's keys (`keys`, when given), its firewall, then
-    its overlay interface (when it is on the overlay), then HAProxy, which reaches the nodes
-    through that interface."""
+    """A balancer host's steps: a wait for cloud-init's first boot when it still runs, the SSH
+    login's keys (`keys`, when given), its firewall, then its overlay interface (when it is on
+    the overlay), then HAProxy, which reaches the nodes through that interface."""
     steps = ssh_keys.plan(facts, keys) + firewall.plan_balancer_host(facts, access)
     steps += overlay.plan(facts, overlay_config)
-    return with_package_index(steps) + plan_balancer(
-        facts, rendered, certificate, gateway, client_secret_key
+    # cloud-init's first boot installs packages and writes files too: it finishes first.
+    return (
+        cloud_init_wait(facts.cloud_init)
+        + with_package_index(steps)
+        + plan_balancer(facts, rendered, certificate, gateway, client_secret_key)
     )
 
 
