@@ -13,6 +13,14 @@ rules discards everything the server sends. A rule name holds letters, spaces an
 only. A change is applied to the switch in about 30 s, during which the firewall reads
 `in process`. A failure is `{"error": {"status", "code", "message"}}` and becomes one
 `RobotApiError` line, never the credentials. No Pulumi here.
+
+Some failures pass, and are waited out within the call's wait (`wait_s`, counted in pauses):
+`403 RATE_LIMIT_EXCEEDED`, whose error also gives `max_request` and `interval` (at most that many
+requests per that many seconds), is tried again after `interval`, or fails at once saying when
+to run again where `interval` exceeds what is left of the wait; `409 FIREWALL_IN_PROCESS` (a
+change is being applied to the switch) is tried again every `poll_s`; a GET that got no answer
+(a transport error) is tried again TRANSPORT_RETRIES times, RETRY_S apart. A POST without an
+answer is not repeated: whether Robot took it is unknown, and the next `up` reads the firewall.
 """
 
 import time
@@ -40,15 +48,28 @@ RULE_FIELDS = (
 IN_PROCESS = "in process"
 WAIT_S = 300.0  # how long a change may stay `in process` before the call gives up
 POLL_S = 10.0
+RATE_LIMITED = "RATE_LIMIT_EXCEEDED"  # 403, with `max_request` and `interval` (seconds)
+FIREWALL_BUSY = "FIREWALL_IN_PROCESS"  # 409: an earlier change is still being applied
+TRANSPORT_RETRIES = 3
+RETRY_S = 5.0
 
 
 class RobotApiError(Exception):
     """One line: the operation, and what Robot said went wrong."""
 
-    def __init__(self, operation: str, message: str, status: int = 0, code: str = "") -> None:
+    def __init__(
+        self,
+        operation: str,
+        message: str,
+        status: int = 0,
+        code: str = "",
+        retry_s: float | None = None,
+    ) -> None:
         super().__init__(f"Hetzner Robot {operation}: {message}")
+        self.operation, self.message = operation, message
         self.status = status
         self.code = code
+        self.retry_s = retry_s  # when asking again may succeed: after this long; else None
 
 
 Rule = Mapping[str, str]
@@ -158,10 +179,37 @@ class RobotClient:
     def _call(
         self, operation: str, method: str, path: str, data: Mapping[str, str] | None = None
     ) -> Any:
+        """The answer's body. What passes (see the module's notes) is waited out within the
+        call's wait; past it, or past the tries, the last failure is raised, saying so."""
+        slept = SleptClock(self._sleep)
+        unanswered = 0
+        while True:
+            try:
+                return self._call_once(operation, method, path, data)
+            except RobotApiError as error:
+                if error.retry_s is None:
+                    raise
+                if not error.code:  # no answer, to a GET
+                    unanswered += 1
+                    if unanswered > TRANSPORT_RETRIES:
+                        message = f"{error.message} {unanswered} times"
+                        raise RobotApiError(operation, message) from None
+                elif error.retry_s > self._wait_s - slept.clock():
+                    waited = f" after waiting {slept.slept_s:.0f} s" if slept.slept_s else ""
+                    message = f"{error.message}{waited}; run again in {error.retry_s:.0f} s"
+                    raise RobotApiError(operation, message, error.status, error.code) from None
+                slept.sleep(error.retry_s)
+
+    def _call_once(
+        self, operation: str, method: str, path: str, data: Mapping[str, str] | None
+    ) -> Any:
         try:
             response = self._http.request(method, path, data=data)
         except httpx.HTTPError as e:
-            raise RobotApiError(operation, f"no answer ({type(e).__name__})") from None
+            # Asking again is safe for a GET only: a POST may have been taken.
+            again = method == "GET" and isinstance(e, httpx.TransportError)
+            message = f"no answer ({type(e).__name__})"
+            raise RobotApiError(operation, message, retry_s=RETRY_S if again else None) from None
         try:
             body = response.json()
         except ValueError:
@@ -170,7 +218,16 @@ class RobotClient:
             return body
         error = body.get("error", {}) if isinstance(body, dict) else {}
         message = str(error.get("message") or f"HTTP {response.status_code}")
-        raise RobotApiError(operation, message, response.status_code, str(error.get("code", "")))
+        code = str(error.get("code", ""))
+        retry_s: float | None = None
+        if response.status_code == 403 and code == RATE_LIMITED:
+            interval = error.get("interval")
+            if isinstance(interval, int | float) and interval > 0:
+                retry_s = float(interval)
+                message += f" (at most {error.get('max_request')} requests per {interval:.0f} s)"
+        elif response.status_code == 409 and code == FIREWALL_BUSY:
+            retry_s = self._poll_s
+        raise RobotApiError(operation, message, response.status_code, code, retry_s)
 
 
 def _firewall(body: Any) -> Firewall:

@@ -5,12 +5,16 @@ checks every request against the documented firewall fields (robot.hetzner.com/d
 10 rules per direction, rules[input][n][...] and rules[output][n][...]; a rule name of letters,
 spaces and . - + _ @ only, as the community.hrobot firewall module documents it). The fake
 filters as Robot does since its 2023 change: both directions, a firewall without output rules
-discarding everything the box sends.
+discarding everything the box sends. It answers as Robot documents its passing failures (and as
+hrobot-rs and community.hrobot read them): `403 RATE_LIMIT_EXCEEDED` with `max_request` and
+`interval` in the error, `409 FIREWALL_IN_PROCESS` to a POST while an earlier change is still
+being applied; and it can drop requests unanswered, as a network does.
 """
 
 import base64
 import ipaddress
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl
@@ -81,6 +85,9 @@ class FakeRobot:
     process_reads: int = 1  # a change reads `in process` this many times, then applied
     pending: dict[int, int] = field(default_factory=dict)
     posts: list[dict[str, str]] = field(default_factory=list)
+    rate_limited: int = 0  # the next this many requests are over the account's rate limit
+    limit_interval: int = 3600  # the rate limit's interval, in seconds
+    dropped: dict[str, int] = field(default_factory=dict)  # method -> requests left unanswered
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -90,6 +97,19 @@ class FakeRobot:
         expected = "Basic " + base64.b64encode(f"{LOGIN}:{SECRET}".encode()).decode()
         if request.headers.get("Authorization") != expected:
             return _error(401, "UNAUTHORIZED", "Unauthorized")
+        if self.dropped.get(request.method):
+            self.dropped[request.method] -= 1
+            raise httpx.ConnectError("Connection reset by peer", request=request)
+        if self.rate_limited:
+            self.rate_limited -= 1
+            error = {
+                "status": 403,
+                "code": "RATE_LIMIT_EXCEEDED",
+                "message": "Rate limit exceeded",
+                "max_request": 200,
+                "interval": self.limit_interval,
+            }
+            return httpx.Response(403, json={"error": error})
         path = request.url.path
         if request.method == "GET" and path == "/server":
             return httpx.Response(
@@ -104,6 +124,9 @@ class FakeRobot:
         number = int(match[1])
         if number not in self.servers:
             return _error(404, "SERVER_NOT_FOUND", "Server not found")
+        if request.method == "POST" and self.pending.get(number, 0) > 1:
+            self.pending[number] -= 1  # the switch gets on with the earlier change meanwhile
+            return _error(409, "FIREWALL_IN_PROCESS", "The firewall is currently in process")
         if request.method == "POST":
             content_type = request.headers["Content-Type"]
             assert content_type == "application/x-www-form-urlencoded", content_type
@@ -484,6 +507,77 @@ def test_a_change_that_stays_in_process_gives_up_with_one_line() -> None:
             rules=[],
             output_rules=OUTPUT_RULES,
         )
+
+
+def _set(client: RobotClient) -> None:
+    client.set_firewall(
+        NUMBER, status="active", whitelist_hos=True, filter_ipv6=False, rules=[], output_rules=[]
+    )
+
+
+def _list(client: RobotClient) -> None:
+    assert client.server_number(BOX) == NUMBER
+
+
+PASSING = {
+    "rate limited, waited out at the interval Robot gives": (
+        FakeRobot(rate_limited=2, limit_interval=60),
+        _list,
+        [60.0, 60.0],
+        None,
+    ),
+    "rate limited for longer than the call may wait": (
+        FakeRobot(rate_limited=1, limit_interval=3600),
+        _list,
+        [],
+        "Hetzner Robot list servers: Rate limit exceeded (at most 200 requests per 3600 s); "
+        "run again in 3600 s",
+    ),
+    "a POST while another change is in process, tried again once applied": (
+        FakeRobot(process_reads=0, pending={NUMBER: 3}),
+        _set,
+        [10.0, 10.0],
+        None,
+    ),
+    "a change of someone else's in process for longer than the call may wait": (
+        FakeRobot(pending={NUMBER: 100}),
+        _set,
+        [10.0] * 30,
+        "Hetzner Robot set firewall: The firewall is currently in process after waiting 300 s; "
+        "run again in 10 s",
+    ),
+    "a GET unanswered twice": (FakeRobot(dropped={"GET": 2}), _list, [5.0, 5.0], None),
+    "a GET never answered": (
+        FakeRobot(dropped={"GET": 100}),
+        _list,
+        [5.0, 5.0, 5.0],
+        "Hetzner Robot list servers: no answer (ConnectError) 4 times",
+    ),
+    "a POST unanswered is not sent again": (
+        FakeRobot(dropped={"POST": 1}),
+        _set,
+        [],
+        "Hetzner Robot set firewall: no answer (ConnectError)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("robot", "call", "sleeps", "error"), PASSING.values(), ids=PASSING)
+def test_what_passes_is_waited_out_as_robot_says_and_bounded(
+    robot: FakeRobot,
+    call: Callable[[RobotClient], None],
+    sleeps: list[float],
+    error: str | None,
+) -> None:
+    slept: list[float] = []
+    client = RobotClient(LOGIN, SECRET, transport=robot.transport(), sleep=slept.append)
+    if error is None:
+        call(client)
+    else:
+        with pytest.raises(RobotApiError) as raised:
+            call(client)
+        assert str(raised.value) == error
+    assert slept == sleeps
 
 
 ADMIN_HOST, MIRROR, RESOLVER = "192.0.2.10", "151.101.2.132", "9.9.9.9"

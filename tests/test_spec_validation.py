@@ -674,6 +674,8 @@ def test_names_a_provider_would_cut_or_refuse() -> None:
     assert raised.value.problems == [
         f"sites[2].name: Lambda names of this site, like {stack}-lambda-use1-node-1, take 83 "
         "characters, past Lambda's 60; shorten the site or the stack name",
+        f"sites[3]: Nebius host names of this site, like {stack}-nebius-eun1-node-1, take 83 "
+        "characters, past Nebius's 63; shorten the site or the stack name",
         f'sites[6]: the stack name "{stack}" labels every object of this Kubernetes site, and a '
         "label value is at most 63 letters, digits, '-', '_' and '.'; use a shorter stack name",
     ]

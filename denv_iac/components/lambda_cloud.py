@@ -15,7 +15,7 @@ import pulumi
 import pulumi.dynamic as dynamic
 
 from denv_iac.components.dynamic_resource import DynamicResource
-from denv_iac.components.naming import child_name, machine_name, resolved
+from denv_iac.components.naming import child_name, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.core.ingress import (
@@ -29,7 +29,7 @@ from denv_iac.core.sites import cache_file_system_name
 from denv_iac.core.stack.model import RecipeSpec, SiteSpec
 
 # Re-exported: the name rule lives with the stack model, which checks names for their length.
-from denv_iac.core.stack.values import LAMBDA_NAME_LENGTH
+from denv_iac.core.stack.values import LAMBDA_NAME_LENGTH, machine_name
 from denv_iac.core.stack.values import lambda_name as lambda_name
 from denv_iac.lambda_api import (
     DEFAULT_RETRY,

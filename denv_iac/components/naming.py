@@ -10,6 +10,8 @@ from typing import cast
 
 import pulumi
 
+from denv_iac.core.stack.values import machine_name
+
 MANAGED_BY = "denv"
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -17,11 +19,6 @@ _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]")
 def child_name(parent: str, *parts: str) -> str:
     """A child resource's name: its parent component's name and what it is, dash-joined."""
     return "-".join((parent, *parts))
-
-
-def machine_name(stack: str, site: str, node: str) -> str:
-    """The host name and `Name` tag of a machine: unique across stacks sharing an account."""
-    return f"{stack}-{site}-{node}"
 
 
 def aws_tags(stack: str, site: str, role: str, node: str = "") -> dict[str, str]:

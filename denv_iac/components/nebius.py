@@ -7,7 +7,7 @@ import pulumi
 import pulumi_nebius as nebius
 import yaml
 
-from denv_iac.components.naming import child_name, machine_name, nebius_labels, resolved
+from denv_iac.components.naming import child_name, nebius_labels, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.core.ingress import (
@@ -19,6 +19,7 @@ from denv_iac.core.ingress import (
 from denv_iac.core.placement import PlacedNode
 from denv_iac.core.sites import CACHE_MOUNT_POINT, CLOUD_SSH_USER
 from denv_iac.core.stack.model import RecipeSpec, SiteSpec
+from denv_iac.core.stack.values import machine_name
 
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"
@@ -170,7 +171,11 @@ class NebiusSite(pulumi.ComponentResource):
                 ],
                 cloud_init_user_data=user_data,
                 labels=labels | {"denv-node": node.name},
-                opts=pulumi.ResourceOptions(parent=self, ignore_changes=list(KEPT_AT_LAUNCH)),
+                # Nebius refuses a second instance of the same name in a project: a replacement
+                # deletes the old instance before it creates the new one.
+                opts=pulumi.ResourceOptions(
+                    parent=self, ignore_changes=list(KEPT_AT_LAUNCH), delete_before_replace=True
+                ),
             )
             addresses[node.name] = instance.status.apply(public_address)
         self.node_addresses = resolved(addresses)

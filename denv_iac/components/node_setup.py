@@ -32,7 +32,13 @@ from denv_iac.node import (
     spec_from_json,
 )
 from denv_iac.node.balancer_host import GatewayCredentials
-from denv_iac.node.deploy import CannotConnect, NodeUnreachable, connect, quiet_progress
+from denv_iac.node.deploy import (
+    SSH_WAIT_S,
+    CannotConnect,
+    NodeUnreachable,
+    connect,
+    quiet_progress,
+)
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.node.spec import spec_to_json
@@ -63,8 +69,10 @@ def deploy_node(
     target: Target, spec: NodeDeploySpec, overlay_config: str | None, keys: SshKeys | None
 ) -> list[Step]:
     """The node deploy, with the node's overlay config (its private key filled in) if any, and
-    the SSH login's keys to keep."""
-    return prepare_node(target, spec, overlay_config=overlay_config, keys=keys)
+    the SSH login's keys to keep; a machine the same `up` just created is waited for."""
+    return prepare_node(
+        target, spec, overlay_config=overlay_config, keys=keys, ssh_wait_s=SSH_WAIT_S
+    )
 
 
 def deploy_balancer(
@@ -78,7 +86,7 @@ def deploy_balancer(
     keys: SshKeys | None,
 ) -> list[Step]:
     """The balancer host's deploy, with its overlay config (private key filled in) if any, and
-    the SSH login's keys to keep."""
+    the SSH login's keys to keep; a machine the same `up` just created is waited for."""
     return prepare_balancer(
         target,
         rendered,
@@ -88,6 +96,7 @@ def deploy_balancer(
         overlay_config=overlay_config,
         keys=keys,
         client_secret_key=client_secret_key,
+        ssh_wait_s=SSH_WAIT_S,
     )
 
 
@@ -261,8 +270,9 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
                 with ssh_target(props, login) as target:
                     steps = self._deploy(target, props, keys)
                 break
-            except CannotConnect:  # refused before anything ran: the next key may get in
-                if index == len(logins) - 1:
+            except CannotConnect as error:  # refused before anything ran: another key may get in
+                # ...but not where nothing answers at all, which the deploy waited for already.
+                if index == len(logins) - 1 or not error.answered:
                     raise
         outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
         return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}

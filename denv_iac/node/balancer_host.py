@@ -27,6 +27,7 @@ from denv_iac.node.steps import (
     FileContent,
     Step,
     apt_install,
+    cloud_init_wait,
     text_file,
     with_package_index,
 )
@@ -213,13 +214,16 @@ def plan_host(
     keys: SshKeys | None = None,
     client_secret_key: str | None = None,
 ) -> list[Step]:
-    """A balancer host's steps: the SSH login's keys (`keys`, when given), its firewall, then
-    its overlay interface (when it is on the overlay), then HAProxy, which reaches the nodes
-    through that interface."""
+    """A balancer host's steps: a wait for cloud-init's first boot when it still runs, the SSH
+    login's keys (`keys`, when given), its firewall, then its overlay interface (when it is on
+    the overlay), then HAProxy, which reaches the nodes through that interface."""
     steps = ssh_keys.plan(facts, keys) + firewall.plan_balancer_host(facts, access)
     steps += overlay.plan(facts, overlay_config)
-    return with_package_index(steps) + plan_balancer(
-        facts, rendered, certificate, gateway, client_secret_key
+    # cloud-init's first boot installs packages and writes files too: it finishes first.
+    return (
+        cloud_init_wait(facts.cloud_init)
+        + with_package_index(steps)
+        + plan_balancer(facts, rendered, certificate, gateway, client_secret_key)
     )
 
 
@@ -234,13 +238,15 @@ def prepare_balancer(
     overlay_config: str | None = None,
     keys: SshKeys | None = None,
     client_secret_key: str | None = None,
+    ssh_wait_s: float = 0.0,
 ) -> list[Step]:
     """Converge a balancer host to `rendered` (and its TLS `certificate`, a secret PEM, and the
     `gateway` credentials) behind its firewall; returns the steps planned (run unless `dry`).
     The firewall comes first: the stats port never listens unguarded. `overlay_config`: the
     host's WireGuard config, its private key filled in (a secret), when it is on the overlay.
-    `client_secret_key`: the key that signs realtime client secrets (a secret), when on."""
-    with connect(target) as session:
+    `client_secret_key`: the key that signs realtime client secrets (a secret), when on.
+    `ssh_wait_s`: how long to wait for a machine just created to answer on its SSH port."""
+    with connect(target, ssh_wait_s) as session:
         query = fact_query(rendered) | firewall.balancer_fact_query() | overlay.fact_query()
         facts = session.facts(query | ssh_keys.fact_query(keys))
         steps = plan_host(

@@ -284,9 +284,22 @@ class NodeSession:
                 raise StepFailed(step, "not run")
 
 
+# A cloud reports a machine running before its sshd listens (and before its firewall rules
+# apply): a deploy of a machine just created tries again while nothing answers on its SSH port,
+# every SSH_POLL_S, for up to SSH_WAIT_S (each try also waits up to pyinfra's CONNECT_TIMEOUT,
+# 10 s, for an answer). pulumi-command's remote connection waits about as long: 10 dials of 15 s.
+SSH_WAIT_S = 300.0
+SSH_POLL_S = 5.0
+
+
 @contextmanager
-def connect(target: Target) -> Iterator[NodeSession]:
-    """A connected session to the node; NodeUnreachable when the connection fails."""
+def connect(target: Target, ssh_wait_s: float = 0.0) -> Iterator[NodeSession]:
+    """A connected session to the node; NodeUnreachable when the connection fails.
+
+    With `ssh_wait_s`, a connection that nothing answers (refused, timed out, no route) is tried
+    again every SSH_POLL_S until that many seconds have passed; anything that answers (an SSH
+    server refusing the key, something that speaks no SSH) fails at once, as without it.
+    """
     # pyinfra logs progress and beta notices itself; the CLI reports steps its own way.
     logging.getLogger("pyinfra").setLevel(logging.ERROR)
     name, data = target.inventory()
@@ -297,25 +310,49 @@ def connect(target: Target) -> Iterator[NodeSession]:
         # pyinfra accepts a new machine's host key into ~/.ssh/known_hosts but cannot create
         # the folder: on a runner whose user never ran ssh, every connection failed.
         Path("~/.ssh").expanduser().mkdir(mode=0o700, exist_ok=True)
-    try:
-        host.connect(show_errors=False, raise_exceptions=True)
-    except ConnectError as error:
-        # pyinfra raises it while handling the socket's or paramiko's own error.
-        raise CannotConnect(
-            f"cannot connect to {target.host}: {error.args[0]}",
-            answered=not no_answer(error.__context__),
-        ) from None
-    except PyinfraError as error:  # a key paramiko cannot load; the message names the file only
-        raise CannotConnect(f"cannot connect to {target.host}: {error}") from None
-    except OSError as error:
-        raise CannotConnect(
-            f"cannot connect to {target.host}: {error}", answered=not no_answer(error)
-        ) from None
+    failure = wait_until(
+        lambda: _try_connect(host, target),
+        lambda failed: failed is None or failed.answered,
+        timeout_s=ssh_wait_s,
+        interval_s=SSH_POLL_S,
+        timed_out=lambda failed: _waited(failed, ssh_wait_s),
+    )
+    if failure is not None:
+        raise failure
     state.activate_host(host)
     try:
         yield NodeSession(state, host)
     finally:
         host.disconnect()
+
+
+def _try_connect(host: Host, target: Target) -> CannotConnect | None:
+    """One connection attempt: None when connected, else why not."""
+    try:
+        host.connect(show_errors=False, raise_exceptions=True)
+    except ConnectError as error:
+        # pyinfra raises it while handling the socket's or paramiko's own error.
+        return CannotConnect(
+            f"cannot connect to {target.host}: {error.args[0]}",
+            answered=not no_answer(error.__context__),
+        )
+    except PyinfraError as error:  # a key paramiko cannot load; the message names the file only
+        return CannotConnect(f"cannot connect to {target.host}: {error}")
+    except OSError as error:
+        return CannotConnect(
+            f"cannot connect to {target.host}: {error}", answered=not no_answer(error)
+        )
+    return None
+
+
+def _waited(failed: CannotConnect | None, wait_s: float) -> CannotConnect:
+    """The last attempt's error (never None: a connection that succeeded ends the wait), saying
+    how long the node's SSH port was waited for."""
+    if failed is not None and not wait_s:
+        return failed
+    return CannotConnect(
+        f"{failed}, after waiting {wait_s:.0f} s for its SSH port to answer", answered=False
+    )
 
 
 def no_answer(error: BaseException | None) -> bool:
@@ -339,14 +376,16 @@ def prepare_node(
     progress: Progress = quiet_progress,
     overlay_config: str | None = None,
     keys: SshKeys | None = None,
+    ssh_wait_s: float = 0.0,
 ) -> list[Step]:
     """Converge the node to `spec`: read facts, plan, run; returns the steps planned.
 
     With `dry`, facts are read (read-only commands) and nothing is changed. `overlay_config`:
     the node's WireGuard config, its private key filled in (see `plan_node`); `keys`: the SSH
-    login's keys to keep.
+    login's keys to keep; `ssh_wait_s`: how long to wait for a machine just created to answer
+    on its SSH port (see `connect`).
     """
-    with connect(target) as session:
+    with connect(target, ssh_wait_s) as session:
         facts = session.facts(fact_query(spec) | key_query(keys))
         steps = plan_node(facts, spec, overlay_config, keys)
         if not dry:

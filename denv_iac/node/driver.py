@@ -138,7 +138,7 @@ def keyring_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     url = f"{repo_url(facts, spec)}/{KEYRING_DEB}"
     commands = (
         f"curl -fsSL -o /tmp/{KEYRING_DEB} {shlex.quote(url)}",
-        f"dpkg -i /tmp/{KEYRING_DEB}",
+        apt_install(f"/tmp/{KEYRING_DEB}"),  # through apt: it waits for the package lock
         f"rm -f /tmp/{KEYRING_DEB}",
         APT_UPDATE,
     )

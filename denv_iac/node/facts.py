@@ -74,6 +74,7 @@ class NodeFacts:
     ssh_port: int = 0
     # The asked-about `user:blob` keys found in that user's authorized_keys.
     ssh_keys: frozenset[str] = frozenset()
+    cloud_init: str | None = None  # what `cloud-init status` says; None: no cloud-init
 
     @property
     def driver_branch(self) -> str:
@@ -163,6 +164,9 @@ if [ -d /run/systemd/system ]; then
 fi
 if grep -qs '"nvidia"' {DOCKER_DAEMON_JSON}; then echo runtime; fi
 if command -v docker >/dev/null 2>&1; then echo docker_cli; fi
+if command -v cloud-init >/dev/null 2>&1; then
+  printf 'cloud_init\t%s\n' "$(cloud-init status 2>/dev/null | sed -n 's/^status: //p')"
+fi
 if [ -r /sys/module/nvidia/version ]; then
   printf 'module\\t%s\\n' "$(cat /sys/module/nvidia/version)"
 fi
@@ -205,7 +209,7 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
             flags.add(kind)
         elif kind == "os" and len(parts) == 2:
             values["os_id"], values["os_version"] = parts
-        elif kind in ("kernel", "arch", "smi_rc", "agent", "ssh", "module"):
+        elif kind in ("kernel", "arch", "smi_rc", "agent", "ssh", "module", "cloud_init"):
             values[kind] = rest
         elif kind == "pci" and len(parts) in (2, 3):
             pci.append((parts[0], parts[1], parts[2] if len(parts) == 3 else ""))
@@ -270,6 +274,7 @@ def parse_facts(lines: Iterable[str]) -> NodeFacts:
         ssh_client=ssh_client,
         ssh_port=ssh_port,
         ssh_keys=frozenset(ssh_keys),
+        cloud_init=values.get("cloud_init"),
     )
 
 

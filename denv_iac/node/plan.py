@@ -21,7 +21,13 @@ from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
 from denv_iac.node.holders import STOP_ORDER
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.ssh_keys import SshKeys
-from denv_iac.node.steps import Step, apt_install, wants_link, with_package_index
+from denv_iac.node.steps import (
+    Step,
+    apt_install,
+    cloud_init_wait,
+    wants_link,
+    with_package_index,
+)
 
 # Tools the deploy itself runs on the node: curl (the keyring), venv (the agent), nft, ss.
 BASE_PACKAGES = ("ca-certificates", "curl", "python3", "python3-venv", "nftables", "iproute2")
@@ -93,7 +99,8 @@ def plan_node(
     steps += runtime.plan(facts, spec)
     steps += agent.plan(facts, spec)
     steps += replicas.plan(facts, spec)
-    return with_package_index(steps)
+    # cloud-init's first boot installs packages and writes files too: it finishes first.
+    return cloud_init_wait(facts.cloud_init) + with_package_index(steps)
 
 
 def removal_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:

@@ -12,12 +12,24 @@ from denv_iac.core.stack.values import control_character
 UNIT_DIR = "/etc/systemd/system"
 PACKAGE_UNIT_DIR = "/lib/systemd/system"
 WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+# A fresh cloud machine runs unattended-upgrades (and apt-daily's index refresh) at first boot:
+# apt would fail at once on the lock they hold. Installs wait for dpkg's lock up to this long
+# (`DPkg::Lock::Timeout`); `apt-get update` takes no lock timeout (apt 2.6 fails at once on a
+# held lists lock whatever DPkg::Lock::Timeout or Acquire::Lock::Timeout say), so it is tried
+# again every APT_RETRY_S while the lock is the reason, as long.
+APT_LOCK_WAIT_S = 300
+APT_RETRY_S = 5
 # Keep the node's own edits of conffiles and never stop on a debconf question.
 APT = (
     "DEBIAN_FRONTEND=noninteractive apt-get -y -q "
-    "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold"
+    "-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "
+    f"-o DPkg::Lock::Timeout={APT_LOCK_WAIT_S}"
 )
-APT_UPDATE = "DEBIAN_FRONTEND=noninteractive apt-get -q update"
+# cloud-init's states (`cloud-init status`) while its boot stages still run: they install
+# packages and write files a deploy also writes. sshd starts after its first stage, so a
+# machine that answers SSH shows one of these or a finished state.
+CLOUD_INIT_RUNNING = frozenset({"running", "degraded running"})
+CLOUD_INIT_WAIT_S = 900
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,20 @@ class Step:
 
 def text_file(path: str, text: str, mode: str = "0644") -> FileContent:
     return FileContent(path, text.encode(), mode)
+
+
+def cloud_init_wait(status: str | None) -> list[Step]:
+    """A wait for cloud-init's boot stages to finish, when they still run (`status`: what
+    `cloud-init status` says; None where there is no cloud-init); bounded by
+    CLOUD_INIT_WAIT_S. Whether they succeeded is cloud-init's own business: the deploy goes on."""
+    if status not in CLOUD_INIT_RUNNING:
+        return []
+    command = (
+        f"timeout {CLOUD_INIT_WAIT_S} cloud-init status --wait >/dev/null; "
+        f'[ "$?" -ne 124 ] || {{ echo "cloud-init still running after {CLOUD_INIT_WAIT_S} s"; '
+        "exit 1; }"
+    )
+    return [Step("base", "wait for cloud-init's first boot to finish", (command,))]
 
 
 def with_package_index(steps: list[Step]) -> list[Step]:
@@ -120,6 +146,17 @@ def set_deadline(var: str, seconds: int) -> str:
 def before_deadline(var: str) -> str:
     """A shell test: the deadline in `var` has not passed."""
     return f'[ "$(date +%s)" -le "${var}" ]'
+
+
+# apt's messages in English (LC_ALL=C), so that its "Could not get lock" is found in them.
+APT_UPDATE = (
+    f"{set_deadline('end', APT_LOCK_WAIT_S)}; "
+    "until out=$(LC_ALL=C DEBIAN_FRONTEND=noninteractive apt-get -q update 2>&1); do "
+    'case "$out" in *"Could not get lock"*) ;; *) printf \'%s\\n\' "$out"; exit 1 ;; esac; '
+    f"{before_deadline('end')} || {{ printf '%s\\n' \"$out\" "
+    f'"package index lock still held after {APT_LOCK_WAIT_S} s"; exit 1; }}; '
+    f"sleep {APT_RETRY_S}; done"
+)
 
 
 # Reads `ss -Htni` (a connection's line, then its TCP info line) and prints how many

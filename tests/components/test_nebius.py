@@ -243,6 +243,46 @@ def test_an_unknown_preset_is_one_line_and_nothing_is_registered() -> None:
 
 
 @pytest.mark.parametrize(
+    ("stack", "problem"),
+    [
+        (
+            "Prod_eu.1",
+            'sites[0]: the stack name "Prod_eu.1" begins the host name of each machine of this '
+            "Nebius site (Prod_eu.1-nebius-eun1-node-3), which Nebius takes in lower-case "
+            "letters, digits and '-' only; use a stack name of those",
+        ),
+        (
+            "p" * 45,
+            f"sites[0]: Nebius host names of this site, like {'p' * 45}-nebius-eun1-node-3, take "
+            "64 characters, past Nebius's 63; shorten the site or the stack name",
+        ),
+    ],
+)
+def test_a_host_name_nebius_would_refuse_is_one_line_and_nothing_is_registered(
+    stack: str, problem: str
+) -> None:
+    run = Run()
+    with pytest.raises(StackError) as error:
+        run_program(lambda: cluster_outputs(nebius_stack(), stack), preview=False, run=run)
+    assert error.value.problems == [problem]
+    assert run.registrations == []
+
+
+def test_a_host_name_of_63_characters_is_taken() -> None:
+    stack = "p" * 44  # 44 + "-nebius-eun1-node-3"
+    run = run_program(lambda: cluster_outputs(nebius_stack(), stack), preview=False)
+    hosts = [r.inputs["hostname"] for r in run.of_type(INSTANCE)]
+    assert hosts and max(map(len, hosts)) == 63
+
+
+@PREVIEW
+def test_an_instance_is_deleted_before_its_replacement_is_created(preview: bool) -> None:
+    # Nebius refuses a second instance of one name in a project, and the name stays the same.
+    instances = _run(preview).of_type(INSTANCE)
+    assert instances and all(instance.delete_before_replace for instance in instances)
+
+
+@pytest.mark.parametrize(
     ("ports", "groups"),
     [
         ((22, 22), [[22]]),

@@ -21,7 +21,13 @@ from paramiko.ssh_exception import NoValidConnectionsError
 
 from denv_iac.components.aws import ebs_device
 from denv_iac.components.cluster import validate_cluster
-from denv_iac.components.node_setup import DeployRunner, NodeSetup, NodeSetupProvider
+from denv_iac.components.node_setup import (
+    DeployRunner,
+    NodeSetup,
+    NodeSetupProvider,
+    deploy_balancer,
+    deploy_node,
+)
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.components.secrets import public_key_of
@@ -39,7 +45,7 @@ from denv_iac.node import (
     Target,
 )
 from denv_iac.node.balancer_host import GatewayCredentials
-from denv_iac.node.deploy import CannotConnect, NodeUnreachable, no_answer
+from denv_iac.node.deploy import SSH_WAIT_S, CannotConnect, NodeUnreachable, no_answer
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
@@ -418,6 +424,41 @@ def test_a_machine_that_takes_neither_key_fails_the_deploy_naming_it() -> None:
     with pytest.raises(NodeUnreachable, match=r"192\.0\.2\.10"):
         NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
     assert len(machine.keys) == 2 and not any(key.path.exists() for key in machine.keys)
+
+
+def test_a_rotated_key_is_not_retried_with_the_old_one_where_nothing_answers() -> None:
+    # The deploy waited for the machine's SSH port already: another key gets in no better.
+    class Silent(Recorder):
+        def runner(self) -> DeployRunner:
+            def node(target: Target, *_: Any) -> list[Step]:
+                self.keys.append(KeyFile(Path(), 0, ""))
+                raise CannotConnect("cannot connect to 192.0.2.10: refused", answered=False)
+
+            return DeployRunner(node=node)
+
+    machine = Silent()
+    news = {**NODE, "ssh_private_key": stacks.SSH_KEYS["aws-use1"]}
+    with pytest.raises(CannotConnect, match="refused"):
+        NodeSetupProvider(machine.runner()).update("id", dict(NODE), news)
+    assert len(machine.keys) == 1
+
+
+@pytest.mark.parametrize(
+    ("deploy", "prepare"),
+    [(deploy_node, "prepare_node"), (deploy_balancer, "prepare_balancer")],
+)
+def test_the_providers_deploys_wait_for_a_new_machines_ssh(
+    deploy: Callable[..., list[Step]], prepare: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits: list[float] = []
+
+    def record(*_: Any, ssh_wait_s: float = 0.0, **__: Any) -> list[Step]:
+        waits.append(ssh_wait_s)
+        return []
+
+    monkeypatch.setattr(f"denv_iac.components.node_setup.{prepare}", record)
+    deploy(*[None] * 8 if prepare == "prepare_balancer" else [None] * 4)
+    assert waits == [SSH_WAIT_S] and SSH_WAIT_S >= 150  # pulumi-command's: 10 dials of 15 s
 
 
 def test_a_machine_lost_after_the_login_is_not_retried_with_the_old_key() -> None:

@@ -16,7 +16,7 @@ from denv_iac.node import (
     plan_node,
 )
 from denv_iac.node.mig import MigLayoutError
-from denv_iac.node.steps import wants_link
+from denv_iac.node.steps import APT_UPDATE, wants_link
 
 from .fixtures import DEBIAN_12, UBUNTU_2204, UBUNTU_2404, converged, node_facts
 
@@ -69,7 +69,7 @@ def test_fresh_pcie_node_gets_the_pinned_open_driver_from_nvidias_repository(
     assert "systemctl enable --now nvidia-persistenced.service" in text
     assert "install --no-install-recommends docker.io nvidia-container-toolkit" in text
     assert "nvidia-ctk runtime configure --runtime=docker" in text
-    assert steps[0].commands == ("DEBIAN_FRONTEND=noninteractive apt-get -q update",)
+    assert steps[0].commands == (APT_UPDATE,)
     order = titles(steps)
     # The driver is verified before anything that needs it.
     verify = order.index("driver: verify branch 580 through NVML")

@@ -56,6 +56,7 @@ from denv_iac.core.stack.values import (
     USER_RULE,
     is_host,
     lambda_full_name,
+    nebius_host_problem,
     nebius_image_family,
 )
 
@@ -752,7 +753,8 @@ def _check_references(problems: Problems, stack: StackSpec, catalog: Catalog) ->
 
 
 def _check_provider_names(problems: Problems, stack: StackSpec) -> None:
-    """Names a provider would cut or refuse: Lambda's 60 characters, Kubernetes label values."""
+    """Names a provider would cut or refuse: Lambda's 60 characters, Nebius host names,
+    Kubernetes label values."""
     for i, site in enumerate(stack.sites):
         if site.kind == "lambda":
             names = [
@@ -767,6 +769,13 @@ def _check_provider_names(problems: Problems, stack: StackSpec) -> None:
                     f"Lambda names of this site, like {longest}, take {len(longest)} characters, "
                     f"past Lambda's {LAMBDA_NAME_LENGTH}; shorten the site or the stack name",
                 )
+        if site.kind == "nebius":
+            nodes = [n.name for n in site.nodes] or [f"node-{max(site.max_nodes - 1, 0)}"]
+            problem = next(
+                (p for n in nodes if (p := nebius_host_problem(stack.name, site.name, n))), ""
+            )
+            if problem:
+                problems.add(f"sites[{i}]", problem)
         if site.kind == "kubernetes" and not LABEL_VALUE.fullmatch(stack.name):
             problems.add(
                 f"sites[{i}]",

@@ -52,6 +52,35 @@ def lambda_name(*parts: str) -> str:
     return lambda_full_name(*parts)[:LAMBDA_NAME_LENGTH].rstrip("-")
 
 
+# A Nebius instance's host name (`{stack}-{site}-{node}`), as its API takes it.
+NEBIUS_HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,61}[a-z0-9]$")
+_NEBIUS_CHARACTERS = re.compile(r"^[a-z0-9-]*$")
+
+
+def machine_name(stack: str, site: str, node: str) -> str:
+    """The host name and `Name` tag of a machine: unique across stacks sharing an account."""
+    return f"{stack}-{site}-{node}"
+
+
+def nebius_host_problem(stack: str, site: str, node: str) -> str:
+    """Why Nebius would refuse the host name of this node, in words naming the fix; "" if not.
+    Site and node names are lower-case letters, digits and '-' already: the stack name's
+    characters and the length are what can be wrong."""
+    host = machine_name(stack, site, node)
+    if NEBIUS_HOST_NAME.fullmatch(host):
+        return ""
+    if not _NEBIUS_CHARACTERS.fullmatch(stack):
+        return (
+            f'the stack name "{stack}" begins the host name of each machine of this Nebius site '
+            f"({host}), which Nebius takes in lower-case letters, digits and '-' only; use a "
+            "stack name of those"
+        )
+    return (
+        f"Nebius host names of this site, like {host}, take {len(host)} characters, past "
+        "Nebius's 63; shorten the site or the stack name"
+    )
+
+
 # Nebius boot images with drivers, by GPU: CUDA 12 families for Hopper; Blackwell (B200) needs
 # a driver branch the CUDA 12 families do not carry, so the CUDA 13 family. Public Nebius
 # examples use `ubuntu22.04-cuda12`, `ubuntu24.04-cuda12` and `ubuntu24.04-cuda13.0`; the
