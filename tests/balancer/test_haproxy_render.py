@@ -174,7 +174,7 @@ def test_defaults_hold_the_streaming_and_retry_policy() -> None:
         "retries 2",
         "retry-on conn-failure empty-response response-timeout",
         "option redispatch 1",
-        "http-reuse always",
+        "option http-server-close",
     ):
         assert directive in lines
     errors = [line.split(" content-type ")[0] for line in lines if line.startswith("http-error")]
