@@ -50,6 +50,10 @@ class MetricsError(ValueError):
     pass
 
 
+class MetricsTimeout(MetricsError):
+    """The server took the connection and did not answer within the timeout."""
+
+
 def engine_names(family: str, text: str) -> EngineNames:
     """The names to read: the family's; for AUTO, those of the first family whose running
     gauge the text has (MetricsError when it has none: not an engine the agent knows)."""
@@ -152,18 +156,25 @@ def observe(
     )
 
 
-def failed(watch: EngineWatch, error: str, now: float, stall_budget_ms: float) -> EngineWatch:
+def failed(
+    watch: EngineWatch, error: str, now: float, stall_budget_ms: float, unanswered: bool = False
+) -> EngineWatch:
     """A poll that got no metrics: the health check judges an unreachable server; a stall
-    already seen stands. Where requests were running without a token at the last read, a
-    read that fails shows no token either: past the budget that is a stall. An engine whose
-    metrics are served by its wedged decode loop (llama.cpp's are) answers its health path
-    and never its metrics, and would otherwise stay in rotation."""
-    stalled_ms = watch.stalled_ms
-    if watch.progress is not None and watch.running > 0 and watch.silent_since is not None:
-        silent_ms = (now - watch.silent_since) * 1000
+    already seen stands. A read that fails shows no token either, so the silence goes on where
+    requests were running without one at the last read, and where the read went `unanswered`
+    (the server took the connection and said nothing within the timeout): past the budget
+    that is a stall. An engine whose metrics are served by its decode loop (llama.cpp's are)
+    answers its health path and never its metrics once that loop is wedged, and would
+    otherwise stay in rotation, each request sent to it waiting out the first-token budget.
+    A refused read or one with no engine metrics (a server the agent does not know) is a
+    note only."""
+    silent_since, stalled_ms = watch.silent_since, watch.stalled_ms
+    if watch.progress is not None and (watch.running > 0 or unanswered):
+        silent_since = now if silent_since is None else silent_since
+        silent_ms = (now - silent_since) * 1000
         if silent_ms > stall_budget_ms:
             stalled_ms = silent_ms
-    return replace(watch, error=error, stalled_ms=stalled_ms)
+    return replace(watch, error=error, silent_since=silent_since, stalled_ms=stalled_ms)
 
 
 def recovered(watch: EngineWatch) -> EngineWatch:

@@ -19,6 +19,7 @@ from denv_agent.config import Engine, Intervals, Probe, Replica, Thresholds
 from denv_agent.engine_metrics import (
     EngineWatch,
     MetricsError,
+    MetricsTimeout,
     engine_conditions,
     engine_names,
     failed,
@@ -90,6 +91,8 @@ def fetch_metrics(url: str, timeout_s: float) -> str:
         return response.read(_MAX_METRICS).decode("utf-8", "replace")
     except MetricsError:
         raise
+    except TimeoutError as e:
+        raise MetricsTimeout(describe_failure(e)) from e
     except Exception as e:
         raise MetricsError(describe_failure(e)) from e
     finally:
@@ -382,10 +385,12 @@ class ReplicaMonitor:
             load = parse_load(text, engine_names(engine.family, text))
         except MetricsError as e:
             error, now = str(e), time.monotonic()
-            budget = engine.stall_budget_ms
+            budget, unanswered = engine.stall_budget_ms, isinstance(e, MetricsTimeout)
             self._update(
                 replica_id,
-                lambda old: replace(old, engine=failed(_watch(old), error, now, budget)),
+                lambda old: replace(
+                    old, engine=failed(_watch(old), error, now, budget, unanswered)
+                ),
             )
             return
         now = time.monotonic()

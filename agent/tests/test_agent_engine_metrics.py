@@ -213,25 +213,41 @@ def test_a_failed_poll_keeps_what_was_seen_and_only_notes_the_error() -> None:
 
 
 @pytest.mark.parametrize(
-    ("polls", "failed_at", "reply"),
+    ("polls", "failures", "unanswered", "reply"),
     [
         # Requests ran without a token, then its metrics stopped answering (llama.cpp serves
         # them from its decode loop): past the budget, stalled.
-        ([(0, 2, 0, 40), (0.25, 2, 0, 40)], 1.1, "down #engine stalled"),
+        ([(0, 2, 0, 40), (0.25, 2, 0, 40)], [1.1], True, "down #engine stalled"),
+        ([(0, 2, 0, 40), (0.25, 2, 0, 40)], [1.1], False, "down #engine stalled"),
         # Tokens moved at the last read: the silence counts from there.
-        ([(0, 2, 0, 40), (0.5, 2, 0, 48)], 1.1, "up 100%"),
-        ([(0, 2, 0, 40), (0.5, 2, 0, 48)], 1.6, "down #engine stalled"),
-        # Idle at the last read: a failed read says nothing about tokens.
-        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], 5.0, "up 100%"),
+        ([(0, 2, 0, 40), (0.5, 2, 0, 48)], [1.1], True, "up 100%"),
+        ([(0, 2, 0, 40), (0.5, 2, 0, 48)], [1.6], True, "down #engine stalled"),
+        # Idle at the last read, then reads the server takes and never answers (requests sent
+        # to a wedged engine since): timed from the first such read.
+        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.5, 1.0, 1.4], True, "up 100%"),
+        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.5, 1.0, 1.6], True, "down #engine stalled"),
+        # Idle and refused, or no engine metrics: a note only, however long.
+        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.5, 5.0], False, "up 100%"),
         # No token counter (TGI): never judged on tokens.
-        ([(0, 2, 0, None), (0.25, 2, 0, None)], 5.0, "up 100%"),
+        ([(0, 2, 0, None), (0.25, 2, 0, None)], [5.0], True, "up 100%"),
     ],
-    ids=["running-then-unreadable", "moved-inside-budget", "moved-then-past", "idle", "tgi"],
+    ids=[
+        "running-then-unanswered",
+        "running-then-refused",
+        "moved-inside-budget",
+        "moved-then-past",
+        "idle-unanswered-inside-budget",
+        "idle-unanswered-past-budget",
+        "idle-refused",
+        "tgi",
+    ],
 )
-def test_metrics_that_stop_answering_while_requests_run_are_a_stall(
-    polls: list[Poll], failed_at: float, reply: str
+def test_metrics_that_stop_answering_are_a_stall_where_tokens_are_owed(
+    polls: list[Poll], failures: list[float], unanswered: bool, reply: str
 ) -> None:
-    watch = failed(_watch(polls), "timed out", 100.0 + failed_at, BUDGET_MS)
+    watch = _watch(polls)
+    for at in failures:
+        watch = failed(watch, "timed out", 100.0 + at, BUDGET_MS, unanswered)
     assert _reply(watch).startswith(reply)
 
 

@@ -709,9 +709,11 @@ class _Worker:
         api_key: str | None,
         timeout_s: float,
         via: Via,
+        max_tokens: int | None = None,
     ) -> None:
         self.connection = Connection(endpoint, timeout_s, CONNECT_TIMEOUT_S)
         self.protocol, self.pool, self.api_key, self.via = protocol, pool, api_key, via
+        self.max_tokens = max_tokens
         self.realtime = RealtimeSession(self.connection, pool, api_key)
 
     async def request(self, session: str | None, new_session: bool, t0: float) -> StreamResult:
@@ -720,7 +722,7 @@ class _Worker:
                 await self.realtime.close()
             return await self.realtime.turn(session, t0, self.via)
         request, read = {
-            "chat": (chat_request(self.pool, None), _read_chat),
+            "chat": (chat_request(self.pool, self.max_tokens), _read_chat),
             "speech": (speech_request(self.pool), _read_speech),
             "transcription": (transcription_request(self.pool), _read_transcript),
         }[self.protocol]
@@ -820,13 +822,17 @@ class _Clients:
         pool: str,
         api_key: str | None,
         timeout_s: float,
+        max_tokens: int | None = None,
     ) -> None:
         # The key is the endpoint's: a replica called directly never sees it.
         self.through = [
-            _Worker(e, protocol, pool, api_key, timeout_s, "endpoint") for e in endpoints
+            _Worker(e, protocol, pool, api_key, timeout_s, "endpoint", max_tokens)
+            for e in endpoints
         ]
         self.direct = (
-            [] if direct is None else [_Worker(direct, protocol, pool, None, timeout_s, "direct")]
+            []
+            if direct is None
+            else [_Worker(direct, protocol, pool, None, timeout_s, "direct", max_tokens)]
         )
         self.session: str | None = None
 
@@ -868,6 +874,7 @@ async def run_load(
     session_share: float = 0.0,
     seed: int = 0,
     stop: asyncio.Event | None = None,
+    max_tokens: int | None = None,
 ) -> LoadReport:
     """Closed-loop load by default: `concurrency` workers, each sending its next request when
     one ends. With `session_turns`, each worker is a conversation of that many turns sharing one
@@ -885,7 +892,8 @@ async def run_load(
     which path goes first, without `api_key`: that key is the endpoint's, and a replica must
     never see it. The run ends when the requests or the duration are used up and every request
     sent has its answer (or its `timeout_s`). With `stop`, no request is sent once it is set
-    (those under way end first).
+    (those under way end first). `max_tokens` bounds each chat answer (a real engine decodes
+    to its end-of-text otherwise).
     """
     if duration_s is None and requests is None:
         raise ValueError("give duration_s or requests")
@@ -899,7 +907,7 @@ async def run_load(
     def clients() -> _Clients:
         direct = directs[made[0] % len(directs)] if directs else None
         made[0] += 1
-        return _Clients(endpoints, direct, protocol, pool, api_key, timeout_s)
+        return _Clients(endpoints, direct, protocol, pool, api_key, timeout_s, max_tokens)
 
     t0 = time.perf_counter()
     if rate is None:

@@ -172,7 +172,7 @@ def test_defaults_hold_the_streaming_and_retry_policy() -> None:
     for directive in (
         "option http-no-delay",
         "retries 2",
-        "retry-on conn-failure empty-response response-timeout",
+        "retry-on conn-failure empty-response response-timeout 503",
         "option redispatch 1",
         "option http-server-close",
     ):
