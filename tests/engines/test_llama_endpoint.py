@@ -23,7 +23,7 @@ from denv_agent.control import drain, undrain
 
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import roll
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port
 from denv_iac.ops.llama import DecodeLoopFreeze, LlamaEngine, build_engine
 from denv_iac.ops.loadgen import LoadReport, run_load
 from tests.waiting import eventually
@@ -65,6 +65,10 @@ def cluster(
 def state_of(cluster: LocalCluster) -> RunState:
     assert cluster.state is not None
     return cluster.state
+
+
+def chat_replicas(cluster: LocalCluster) -> list[ReplicaState]:
+    return [r for r in state_of(cluster).replicas if r.pool == POOL]
 
 
 def rows(cluster: LocalCluster) -> dict[str, dict[str, str]]:
@@ -121,13 +125,23 @@ def test_a_real_model_streams_through_the_endpoint_with_the_openai_sdk(
         )
         assert text.strip(), "the model answered nothing"
     # Least loaded with ties broken in turn: both replicas served.
-    assert set(served) == {r.id for r in state_of(cluster).replicas}
+    assert set(served) == {r.id for r in chat_replicas(cluster)}
+
+
+def test_completions_and_embeddings_route_to_their_pools(cluster: LocalCluster) -> None:
+    client = openai.OpenAI(base_url=f"{state_of(cluster).endpoint}/v1", api_key="none")
+    completion = client.completions.create(model=POOL, prompt="The sky is", max_tokens=8)
+    assert completion.choices[0].text.strip()
+    raw = client.embeddings.with_raw_response.create(model="embed", input="a voice agent")
+    assert raw.headers["x-denv-replica"].startswith("embed.")
+    vector = raw.parse().data[0].embedding
+    assert len(vector) >= 64 and any(value != 0 for value in vector)
 
 
 def test_the_agent_and_status_read_the_engines_own_figures(cluster: LocalCluster) -> None:
     full_strength(cluster)
     state = state_of(cluster)
-    replica = state.replicas[0]
+    replica = chat_replicas(cluster)[0]
     agent = state.agent_of(f"{replica.site}/{replica.node}")
     busy = threading.Thread(target=load, args=(cluster, 4, 4.0))
     busy.start()
@@ -164,7 +178,7 @@ def test_a_killed_engine_costs_only_its_streams_in_flight_and_comes_back(
     cluster: LocalCluster,
 ) -> None:
     full_strength(cluster)
-    victim = state_of(cluster).replicas[0]
+    victim = chat_replicas(cluster)[0]
     old_pid = victim.pid
     timer = threading.Timer(2.0, os.killpg, args=(old_pid, signal.SIGKILL))
     timer.start()
@@ -175,12 +189,12 @@ def test_a_killed_engine_costs_only_its_streams_in_flight_and_comes_back(
     assert sum(errors.values()) <= 2 and set(errors) <= {"aborted"}, errors
     assert sum(1 for r in report.results if r.ok) >= 4
     full_strength(cluster)
-    assert state_of(cluster).replicas[0].pid != old_pid  # the supervisor started it again
+    assert chat_replicas(cluster)[0].pid != old_pid  # the supervisor started it again
 
 
 def test_a_stopped_engine_ends_its_stream_within_the_stall_budget(cluster: LocalCluster) -> None:
     full_strength(cluster)
-    victim = state_of(cluster).replicas[0]
+    victim = chat_replicas(cluster)[0]
     timer = threading.Timer(2.0, os.killpg, args=(victim.pid, signal.SIGSTOP))
     timer.start()
     try:
@@ -200,7 +214,7 @@ def test_a_stopped_engine_ends_its_stream_within_the_stall_budget(cluster: Local
 
 def test_a_wedged_decode_loop_is_out_of_rotation_within_2_s(cluster: LocalCluster) -> None:
     full_strength(cluster)
-    victim = state_of(cluster).replicas[0]
+    victim = chat_replicas(cluster)[0]
     busy = threading.Thread(target=load, args=(cluster, FAULT_LOAD, 6.0))
     busy.start()
     time.sleep(1.5)  # requests running on it
@@ -223,7 +237,7 @@ def test_a_drained_engine_finishes_its_streams_and_takes_no_new_ones(
 ) -> None:
     full_strength(cluster)
     state = state_of(cluster)
-    victim = state.replicas[0]
+    victim = chat_replicas(cluster)[0]
     agent = state.agent_of(f"{victim.site}/{victim.node}")
     served_before = int(rows(cluster)[victim.id]["stot"])
     drain(agent.url, state.control_token, victim.id)
@@ -242,14 +256,15 @@ def test_a_rollout_that_changes_the_commands_arguments_loses_nothing(
 ) -> None:
     full_strength(cluster)
     stack = cluster.stack
-    (recipe,) = stack.recipes
+    recipe = next(r for r in stack.recipes if r.name == POOL)
     context = recipe.command.index("-c")
     command = list(recipe.command)
     command[context + 1] = "1024"  # a smaller context per slot: a new version of the server
-    after = dataclasses.replace(
-        stack, recipes=(dataclasses.replace(recipe, command=tuple(command)),)
+    recipes = tuple(
+        dataclasses.replace(r, command=tuple(command)) if r is recipe else r for r in stack.recipes
     )
-    old_pids = {r.id: r.pid for r in state_of(cluster).replicas}
+    after = dataclasses.replace(stack, recipes=recipes)
+    old_pids = {r.id: r.pid for r in chat_replicas(cluster)}
     results: list[LoadReport] = []
     busy = threading.Thread(target=lambda: results.append(load(cluster, 2, 12.0)))
     busy.start()
@@ -258,7 +273,7 @@ def test_a_rollout_that_changes_the_commands_arguments_loses_nothing(
     busy.join()
     assert report.cut == 0
     assert results[0].errors() == Counter(), results[0].errors()
-    for replica in state_of(cluster).replicas:
+    for replica in chat_replicas(cluster):
         assert replica.pid != old_pids[replica.id]
         cmdline = Path(f"/proc/{replica.pid}/cmdline").read_bytes().split(b"\0")
         assert cmdline[cmdline.index(b"-c") + 1] == b"1024"
