@@ -166,18 +166,20 @@ class BalancerHost(pulumi.ComponentResource):
             site.region,
         )
         self._security = security
-        key = site_key_pair(self, name, stack, site, args["public_key"])
+        key_name, key = site_key_pair(self, name, stack, site, args["public_key"])
         instance = aws.ec2.Instance(
             child_name(name, "vm"),
             ami=pinned_ami(AWS_AMI_PARAMETER, site.region, self),
             instance_type=AWS_INSTANCE_TYPE,
             region=site.region,
-            key_name=key.key_name,
+            key_name=key_name,
             subnet_id=site.subnet_id or None,
             vpc_security_group_ids=[security.group.id],
             metadata_options=aws.ec2.InstanceMetadataOptionsArgs(http_tokens="required"),
             tags=tags,
-            opts=pulumi.ResourceOptions(parent=self, ignore_changes=list(KEPT_AT_LAUNCH)),
+            opts=pulumi.ResourceOptions(
+                parent=self, ignore_changes=list(KEPT_AT_LAUNCH), depends_on=[key]
+            ),
         )
         return elastic_ip(self, child_name(name, "vm"), instance, site.region, tags)
 
@@ -230,15 +232,19 @@ class BalancerHost(pulumi.ComponentResource):
         checked = pulumi.Output.all(
             public_key, project.ssh_keys, *(k.public_key for k in uploaded)
         ).apply(unique)
+        # A rotated key replaces the SshKey under the same name, so the old one goes first
+        # (Hetzner refuses a second key of one name); the server names it, not its id, and
+        # waits for it without taking an input from it, so the engine never counts the server
+        # among what that deletion replaces.
         key = hcloud.SshKey(
             key_name,
             name=key_name,
             public_key=checked,
             labels=labels,
-            opts=pulumi.ResourceOptions(parent=self),
+            opts=pulumi.ResourceOptions(parent=self, delete_before_replace=True),
         )
         self.hcloud_key = HcloudKey(site.name, key_name, public_key, key)
-        return key.id, []
+        return key_name, [key]
 
     def _hetzner(
         self, name: str, args: BalancerHostArgs, uploaded: Sequence[HcloudKey]
@@ -266,8 +272,10 @@ class BalancerHost(pulumi.ComponentResource):
             # or a refresh records both and the next `up` detaches the overlay's.
             ignore_remote_firewall_ids=True,
             labels=labels,
-            # Keys are read at creation only: a rotated key (a new SshKey, made before the old
-            # goes) reaches the host through its deploy, not by rebuilding it.
+            # Keys are read at creation only, and named: the name holds the current key after a
+            # rotation, so a rotation changes nothing here (it reaches the host through its
+            # deploy) and a replacement is made with the current key. Ignored still, so that a
+            # server made when ssh_keys held the key's id is not rebuilt for the name.
             opts=pulumi.ResourceOptions(
                 parent=self, ignore_changes=["ssh_keys"], depends_on=made_first
             ),

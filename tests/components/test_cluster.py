@@ -191,7 +191,7 @@ def test_no_secret_plaintext_in_any_registered_input(preview: bool) -> None:
             for line in secret.splitlines()[1:-1]:  # the key material, not its armour
                 assert not any(line in s for s in strings), registration.name
     # the public half is shown, so previews of the key pair stay readable
-    key = run.named("prod-aws-use1-key").inputs
+    key = run.named("prod-aws-use1-ssh-key").inputs
     if not preview:
         assert key["publicKey"] == public_key_of(stacks.SSH_KEYS["aws-use1"])
 
