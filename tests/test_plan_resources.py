@@ -82,7 +82,7 @@ def test_json_lists_each_resource_with_its_parent_and_inputs(tmp_path: Path) -> 
     assert node["inputs"]["instanceType"] == "p5.4xlarge"
     assert by_name["mc-aws-use1"]["parent"] == "mc"
     # Offline a key cannot be decrypted: its public half is unknown, never read from ciphertext.
-    assert by_name["mc-aws-use1-key"]["inputs"]["publicKey"] == "[unknown]"
+    assert by_name["mc-aws-use1-ssh-key"]["inputs"]["publicKey"] == "[unknown]"
     assert CIPHERTEXT not in out.read_text() and CIPHERTEXT not in result.output
 
 
@@ -110,7 +110,7 @@ def test_secrets_given_to_the_components_stay_masked_in_tree_and_json() -> None:
     for line in _secret_lines():
         assert line not in printed and line not in dumped
     # The public half of a key is no secret and is shown as derived.
-    key = next(r for r in resources if r.name == "prod-aws-use1-key")
+    key = next(r for r in resources if r.name == "prod-aws-use1-ssh-key")
     assert key.inputs["publicKey"].startswith("ssh-ed25519 ")
 
 

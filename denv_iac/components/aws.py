@@ -14,8 +14,9 @@ from denv_iac.core.stack.model import RecipeSpec, SiteSpec
 CACHE_DEVICE = "/dev/sdf"  # the name at attach; see ebs_device for where the node sees it
 ROOT_VOLUME_GB = 200  # the Deep Learning AMI and container images
 # Instance arguments that replace the instance when changed, left as they were at launch: a
-# newer AMI behind the parameter, and a rotated site key (a new key pair is made before the old
-# goes, and the node deploy puts the new key in authorized_keys) must not replace a warm node.
+# newer AMI behind the parameter must not replace a warm node, nor the switch of key_name to the
+# site key pair's own name (`site_key_pair`) a node launched before it. A rotated key changes no
+# instance input at all: the key pair's name stays, and holds the current key.
 KEPT_AT_LAUNCH = ("ami", "key_name")
 
 
@@ -97,15 +98,26 @@ def pinned_ami(parameter: str, region: str, parent: pulumi.Resource) -> pulumi.O
 
 def site_key_pair(
     parent: pulumi.Resource, name: str, stack: str, site: SiteSpec, public_key: pulumi.Input[str]
-) -> aws.ec2.KeyPair:
-    """The SSH key pair a site's machines are created with, named and tagged from the site."""
-    return aws.ec2.KeyPair(
-        child_name(name, "key"),
+) -> tuple[str, aws.ec2.KeyPair]:
+    """The SSH key pair a site's machines are launched with, and its name, tagged from the site.
+
+    The name is the resource's own and never changes: a rotated key replaces the key pair under
+    it (the old one goes first, EC2 names being unique per region), so an instance launched
+    after a rotation, a replacement included, gets the current key. Instances take the name as
+    a plain value and wait for the key pair: with no input taken from it, the engine never
+    counts them among what its deletion replaces. (`ssh-key`: the key pairs of earlier versions,
+    `key`, had generated names; they go, and no instance is replaced for it.)
+    """
+    key_name = child_name(name, "ssh-key")
+    key = aws.ec2.KeyPair(
+        key_name,
+        key_name=key_name,
         public_key=public_key,
         region=site.region,
         tags=aws_tags(stack, site.name, "ssh-key"),
-        opts=pulumi.ResourceOptions(parent=parent),
+        opts=pulumi.ResourceOptions(parent=parent, delete_before_replace=True),
     )
+    return key_name, key
 
 
 def vpc_of(subnet_id: str, region: str, parent: pulumi.Resource) -> pulumi.Output[str] | None:
@@ -193,7 +205,7 @@ class AwsSite(pulumi.ComponentResource):
             vpc_of(site.subnet_id, site.region, self),
             site.region,
         )
-        key = site_key_pair(self, name, stack, site, args["public_key"])
+        key_name, key = site_key_pair(self, name, stack, site, args["public_key"])
         ami = pinned_ami(site.image, site.region, self)
         addresses: dict[str, pulumi.Output[str]] = {}
         devices: dict[str, pulumi.Output[str]] = {}
@@ -207,7 +219,7 @@ class AwsSite(pulumi.ComponentResource):
                 ami=ami,
                 instance_type=node.offering,
                 region=site.region,
-                key_name=key.key_name,
+                key_name=key_name,
                 subnet_id=site.subnet_id or None,
                 vpc_security_group_ids=[security.group.id],
                 metadata_options=aws.ec2.InstanceMetadataOptionsArgs(http_tokens="required"),
@@ -215,7 +227,9 @@ class AwsSite(pulumi.ComponentResource):
                     volume_size=ROOT_VOLUME_GB, volume_type="gp3", encrypted=True
                 ),
                 tags=tags,
-                opts=pulumi.ResourceOptions(parent=self, ignore_changes=list(KEPT_AT_LAUNCH)),
+                opts=pulumi.ResourceOptions(
+                    parent=self, ignore_changes=list(KEPT_AT_LAUNCH), depends_on=[key]
+                ),
             )
             cache = aws.ebs.Volume(
                 child_name(node_name, "cache"),

@@ -7,7 +7,7 @@ import pulumi
 
 from denv_iac.components.aws import AwsSite, AwsSiteArgs
 from denv_iac.components.balancer import GlobalBalancer, GlobalBalancerArgs, HostAccess
-from denv_iac.components.balancer_host import BalancerHost, BalancerHostArgs
+from denv_iac.components.balancer_host import BalancerHost, BalancerHostArgs, HcloudKey
 from denv_iac.components.gateway_tls import GatewayTls
 from denv_iac.components.hetzner_robot import hetzner_site
 from denv_iac.components.joined import JoinedSite, LocalSite
@@ -222,6 +222,7 @@ class Cluster(pulumi.ComponentResource):
         """Balancer site -> host address; made first, since every site's rules name them."""
         hosts = {}
         self._host_components: dict[str, BalancerHost] = {}
+        uploaded: list[HcloudKey] = []  # Hetzner Cloud takes one key of a fingerprint once
         for site_name in self._stack.balancer.sites:
             site = self._stack.site(site_name)
             args: BalancerHostArgs = {
@@ -237,7 +238,10 @@ class Cluster(pulumi.ComponentResource):
                 child_name(self._name, "balancer", site_name),
                 args,
                 pulumi.ResourceOptions(parent=self),
+                uploaded=tuple(uploaded),
             )
+            if host.hcloud_key is not None:
+                uploaded.append(host.hcloud_key)
             hosts[site_name] = host.address
             self._host_components[site_name] = host
         return hosts

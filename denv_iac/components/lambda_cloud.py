@@ -166,10 +166,16 @@ def _same_launch(instance: Instance, props: Mapping[str, Any]) -> bool:
 
 
 class LambdaInstanceProvider(_LambdaProvider):
-    """One Lambda instance; its type, region, SSH keys and filesystems are fixed at launch."""
+    """One Lambda instance; its type, region, SSH keys and filesystems are fixed at launch.
+
+    SSH keys are read at launch only, yet a change of them relaunches nothing: it is recorded,
+    so that a later launch (another type, region or filesystem) is made with the current keys,
+    and a rotated key reaches the running instance through its node deploy (authorized_keys).
+    An `ignore_changes` would keep the launch's keys for a replacement too: deleted ones.
+    """
 
     inputs = INSTANCE_INPUTS
-    replace_on = ("region", "instance_type", "ssh_key_names", "file_system_names")
+    replace_on = ("region", "instance_type", "file_system_names")
 
     def diff(self, id_: str, olds: dict[str, Any], news: dict[str, Any]) -> dynamic.DiffResult:
         # A ruleset attaches only at launch, and its rules are patched in place: an instance
@@ -494,10 +500,9 @@ class LambdaSite(pulumi.ComponentResource):
                     "file_system_names": [cache.name],
                     "firewall_rulesets": [ruleset.id],
                 },
-                # Keys are read at launch only: a rotated key reaches a running instance
-                # through the node deploy, never by relaunching it (a billed GPU, warm
-                # caches lost).
-                pulumi.ResourceOptions(parent=self, ignore_changes=["ssh_key_names"]),
+                # A rotated key is recorded, never a relaunch (a billed GPU, warm caches
+                # lost): see LambdaInstanceProvider.
+                pulumi.ResourceOptions(parent=self),
             )
             addresses[node.name] = instance.ip
         self.node_addresses = resolved(addresses)

@@ -54,8 +54,10 @@ def _address(name: str) -> str:
 
 
 class RecordingMocks(pulumi.runtime.Mocks):
-    def __init__(self) -> None:
+    def __init__(self, hcloud_keys: Sequence[Mapping[str, Any]] = ()) -> None:
         self.invokes: list[tuple[str, dict[str, Any]]] = []
+        # The SSH keys the Hetzner Cloud project holds (none, offline), as getSshKeys lists them.
+        self.hcloud_keys = [dict(key) for key in hcloud_keys]
 
     def new_resource(
         self, args: pulumi.runtime.MockResourceArgs
@@ -116,6 +118,8 @@ class RecordingMocks(pulumi.runtime.Mocks):
             }, []
         if args.token == "aws:ec2/getSubnet:getSubnet":
             return {"id": args.args["id"], "vpcId": "vpc-0example"}, []
+        if args.token == "hcloud:index/getSshKeys:getSshKeys":
+            return {"id": "ssh-keys", "sshKeys": self.hcloud_keys}, []
         if args.token == "nebius:index/getVpcV1Subnet:getVpcV1Subnet":
             return {"id": args.args["id"], "networkId": "vpcnetwork-e00example"}, []
         # An unanswered invoke would silently yield None and a wrong graph: refuse it.
@@ -185,15 +189,20 @@ def _ensure_event_loop() -> None:
 
 
 def run_program(
-    program: Callable[[], dict[str, pulumi.Output[Any]]], *, preview: bool, run: Run | None = None
+    program: Callable[[], dict[str, pulumi.Output[Any]]],
+    *,
+    preview: bool,
+    run: Run | None = None,
+    hcloud_keys: Sequence[Mapping[str, Any]] = (),
 ) -> Run:
     """Run `program` under fresh mocks; its returned Outputs are resolved into `outputs`.
 
-    Pass `run` to keep what was registered when the program raises.
+    Pass `run` to keep what was registered when the program raises, and `hcloud_keys` for the
+    SSH keys the Hetzner Cloud project holds already (fingerprint, id, labels, name, publicKey).
     """
     run = run or Run()
     _ensure_event_loop()
-    mocks = RecordingMocks()
+    mocks = RecordingMocks(hcloud_keys)
     monitor = RecordingMonitor(mocks)
     monitor.registrations = run.registrations
     mocks.invokes = run.invokes

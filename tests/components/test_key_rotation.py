@@ -1,10 +1,12 @@
 """What a running machine keeps when the stack changes around it, read from what each provider
 reads only at creation: a rotated SSH key (and the Nebius address kind and image family) never
 replaces a GPU; the key reaches the machine through its deploy (tests/node/test_ssh_keys.py).
+And what a machine launched after a rotation gets, a replacement included: the current key.
 
 Under Pulumi's mocks the engine's diff does not run: the options each component sets are what
 the engine uses to keep an input as it was (`ignore_changes`), and each Lambda provider's own
-diff is called directly.
+diff is called directly. A replacement is made from the new inputs with every ignored one put
+back as it was (the engine's processIgnoreChanges, before its diff), which `_replacement` does.
 """
 
 import copy
@@ -18,6 +20,7 @@ from denv_iac.components.lambda_cloud import (
     LambdaSshKeyProvider,
     ssh_key_name,
 )
+from denv_iac.components.preview import Registration
 from denv_iac.components.secrets import public_key_of
 from denv_iac.core.stack.exposure import stack_warnings
 from denv_iac.core.stack.reader import read_stack
@@ -28,14 +31,17 @@ from tests.components.test_lambda import LAMBDA_SITE, lambda_stack
 from tests.components.test_nebius import NEBIUS_SITE, nebius_stack
 
 # Each kind of machine the stack creates, and the argument its provider reads the SSH key from
-# (as ignore_changes names it).
+# (as ignore_changes names it). Lambda's is not ignored: its own diff keeps it from relaunching.
 KEY_ARGUMENTS = {
     "aws:ec2/instance:Instance": "keyName",
     "hcloud:index/server:Server": "sshKeys",
     "pulumi-python:dynamic/lambda:Instance": "ssh_key_names",
     "nebius:index/computeV1Instance:ComputeV1Instance": "cloudInitUserData",
 }
+IGNORED = set(KEY_ARGUMENTS) - {"pulumi-python:dynamic/lambda:Instance"}
+AWS_INSTANCE = "aws:ec2/instance:Instance"
 HCLOUD_SERVER = "hcloud:index/server:Server"
+LAMBDA_INSTANCE = "pulumi-python:dynamic/lambda:Instance"
 NEBIUS_INSTANCE = "nebius:index/computeV1Instance:ComputeV1Instance"
 
 
@@ -53,7 +59,7 @@ def test_no_machine_is_replaced_for_a_rotated_key(preview: bool) -> None:
         for type_, argument in KEY_ARGUMENTS.items():
             for machine in run.of_type(type_):
                 seen.add(type_)
-                assert argument in machine.ignore_changes, machine.name
+                assert (argument in machine.ignore_changes) == (type_ in IGNORED), machine.name
                 # Only Nebius, whose instance names are unique, deletes before it replaces.
                 assert machine.delete_before_replace == (type_ == NEBIUS_INSTANCE), machine.name
     assert seen == set(KEY_ARGUMENTS)  # every kind was looked at
@@ -67,12 +73,12 @@ def test_a_rotated_lambda_key_is_a_new_key_made_before_the_old_one_goes() -> Non
     # Names are unique per account: the new key has its own, so it can exist beside the old.
     assert olds["name"] != news["name"]
     assert diff.replaces == ["name", "public_key"] and diff.delete_before_replace is False
-    # The instance would be relaunched for its keys: only ignore_changes keeps it (above).
+    # The instance records its new keys and is not relaunched for them.
     instance = {API_KEY: "k", "name": "n", "region": "us-east-1", "instance_type": "t"}
-    relaunch = LambdaInstanceProvider().diff(
+    rotated = LambdaInstanceProvider().diff(
         "i0", {**instance, "ssh_key_names": [olds["name"]]}, {**instance, "ssh_key_names": []}
     )
-    assert relaunch.replaces == ["ssh_key_names"]
+    assert rotated.changes and rotated.replaces == []
 
 
 def test_a_lambda_key_name_keeps_its_digest_within_lambdas_length() -> None:
@@ -157,3 +163,89 @@ def test_a_lambda_site_in_us_south_1_is_warned_of_its_unfiltered_firewall(
         (line,) = lines
         assert line.startswith("sites[0].region: Lambda applies no firewall rules in us-south-1")
         assert "\n" not in line
+
+
+def _replacement(old: Registration, new: Registration) -> dict[str, Any]:
+    """The inputs the engine creates a replacement of `old` with, as `new` registers it: the
+    new inputs, each ignored top-level one put back as it was (processIgnoreChanges)."""
+    kept = {path: old.inputs[path] for path in new.ignore_changes if path in old.inputs}
+    return {**new.inputs, **kept}
+
+
+def _rotated(args: Any, site: str, **changes: Any) -> Any:
+    """`args` with the site's key rotated (another key) and `changes` made to the site."""
+    rotated = copy.deepcopy(args)
+    entry = next(s for s in rotated["sites"] if s["name"] == site)
+    entry.update(changes, ssh_private_key={"secure": stacks.SSH_KEYS["office"]})
+    return rotated
+
+
+NEW_KEY = public_key_of(stacks.SSH_KEYS["office"])
+
+
+def _before_after(args: Any, site: str, preview: bool, **changes: Any) -> tuple[Run, Run]:
+    before = run_program(lambda: cluster_outputs(copy.deepcopy(args)), preview=False)
+    rotated = _rotated(args, site, **changes)
+    after = run_program(lambda: cluster_outputs(rotated), preview=preview)
+    return before, after
+
+
+def _pairs(before: Run, after: Run, type_: str) -> list[tuple[Registration, Registration]]:
+    olds = {r.urn: r for r in before.of_type(type_)}
+    pairs = [(olds[r.urn], r) for r in after.of_type(type_) if r.urn in olds]
+    assert pairs, type_
+    return pairs
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_an_aws_replacement_after_a_rotation_launches_with_the_current_key(preview: bool) -> None:
+    # Whatever replaces an instance (a subnet, a type), the key it launches with.
+    before, after = _before_after(stacks.multicloud(), "aws-use1", preview)
+    key_pairs = {
+        r.inputs["keyName"]: r.inputs["publicKey"] for r in after.of_type("aws:ec2/keyPair:KeyPair")
+    }
+    for old, new in _pairs(before, after, AWS_INSTANCE):
+        if "-aws-use1-" not in new.name:
+            continue
+        assert old.inputs["keyName"] == new.inputs["keyName"], new.name  # rotation: no change
+        assert key_pairs[_replacement(old, new)["keyName"]] == NEW_KEY, new.name
+    for pair in after.of_type("aws:ec2/keyPair:KeyPair"):
+        assert pair.delete_before_replace, pair.name  # EC2 names are unique per region
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_an_hcloud_replacement_after_a_rotation_is_made_with_the_current_key(
+    preview: bool,
+) -> None:
+    # Another location replaces the balancer host's server; its key was rotated before.
+    before, after = _before_after(stacks.multicloud(), "hetzner-fsn", preview, location="nbg1")
+    keys = {
+        r.inputs["name"]: r.inputs["publicKey"] for r in after.of_type("hcloud:index/sshKey:SshKey")
+    }
+    ((old, new),) = _pairs(before, after, HCLOUD_SERVER)
+    assert old.inputs["location"] != new.inputs["location"]  # a new server
+    assert old.inputs["sshKeys"] == new.inputs["sshKeys"]  # the rotation alone: no change
+    (name,) = _replacement(old, new)["sshKeys"]
+    assert keys[name] == NEW_KEY
+    for key in after.of_type("hcloud:index/sshKey:SshKey"):
+        assert key.delete_before_replace, key.name  # Hetzner names are unique per project
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_a_lambda_replacement_after_a_rotation_launches_with_the_current_key(
+    preview: bool,
+) -> None:
+    before, after = _before_after(lambda_stack(), "lambda-use1", preview)
+    names = {
+        r.inputs["name"]: r.inputs["public_key"]
+        for r in after.of_type("pulumi-python:dynamic/lambda:SshKey")
+    }
+    provider = LambdaInstanceProvider()
+    for old, new in _pairs(before, after, LAMBDA_INSTANCE):
+        olds, news = old.inputs, _replacement(old, new)
+        # The rotation alone is recorded, not relaunched...
+        assert not provider.diff("i0", olds, news).replaces
+        # ...so another instance type launches with the current key's name.
+        bigger = {**news, "instance_type": "gpu_8x_h100_sxm5"}
+        assert provider.diff("i0", olds, bigger).replaces == ["instance_type"]
+        assert [names[n] for n in bigger["ssh_key_names"]] == [NEW_KEY]

@@ -7,6 +7,7 @@ import pytest
 
 from denv_iac.components import BalancerHost, GlobalBalancer, JoinedSite, WarmPool
 from denv_iac.components.pool import ReplicaEndpointArgs
+from denv_iac.components.secrets import public_key_of
 from denv_iac.core.catalog import load_catalog
 from denv_iac.core.placement import PlacedNode, place_replicas
 from denv_iac.core.stack.model import BalancerSpec, SiteSpec
@@ -109,7 +110,8 @@ def _hetzner_balancer_host(location: str, preview: bool) -> Run:
                 "stack": "prod",
                 "site": site,
                 "balancer": BalancerSpec(("hetzner-fsn",), port=443),
-                "public_key": "ssh-ed25519 AAAAexample",
+                # Hetzner's key is found by its fingerprint first: a real public key.
+                "public_key": public_key_of(stacks.SSH_KEYS["hetzner-fsn"]),
             },
         )
         return {"address": host.address}

@@ -104,6 +104,9 @@ class SiteSpec:
     # firewall is set, and the node's nftables alone filter).
     robot_user: Secret | None = None
     robot_password: Secret | None = None
+    # Hetzner: the name of an SSH key already in the Hetzner Cloud project that holds the site's
+    # public key; the balancer host is made with it and no key is uploaded ("": one is).
+    hcloud_ssh_key: str = ""
     namespace: str = ""
     # Kubernetes: the GPU operator's MIG strategy as installed on the cluster ("" when unstated).
     mig_strategy: str = ""

@@ -191,6 +191,7 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
         if kind == "hetzner":
             extra["region"] = f.choice("location", HETZNER_LOCATIONS, "fsn1")
             extra.update(_robot_credentials(f))
+            extra["hcloud_ssh_key"] = f.text("hcloud_ssh_key", "")
         site = SiteSpec(name, kind, **common, **extra)
     elif kind in ("aws", "lambda", "nebius"):
         site = _read_cloud_site(f, name, kind, catalog, common)
