@@ -46,12 +46,15 @@ bench: setup llama
 # change rolled under chat streams and realtime calls, three times; writes
 # benchmarks/results/rollout_reliability.json. Then open-loop overload at 0.5x-2x of a pool's
 # capacity, with a fallback tier, and a zombie engine with the stack's defaults; writes
-# benchmarks/results/overload_reliability.json.
+# benchmarks/results/overload_reliability.json. Then real engines (llama.cpp on the CPU) at 2x
+# their slots beside the engines called directly, killed, stopped, wedged, drained and rolled;
+# writes benchmarks/results/llama_reliability.json.
 reliability: setup llama
 	$(BIN)/python -m benchmarks.reliability
 	$(BIN)/python -m benchmarks.realtime_reliability
 	$(BIN)/python -m benchmarks.rollout_reliability
 	$(BIN)/python -m benchmarks.overload
+	$(BIN)/python -m benchmarks.llama_reliability
 
 # Ten minutes of load with a fault cycle every 20 s; agent and balancer memory must stay flat.
 soak: setup

@@ -21,7 +21,7 @@ import openai
 import pytest
 from denv_agent.control import drain, undrain
 
-from denv_iac.haproxy.runtime import stats_command
+from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.rollout import roll
 from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port
 from denv_iac.ops.llama import DecodeLoopFreeze, LlamaEngine, build_engine
@@ -73,11 +73,8 @@ def chat_replicas(cluster: LocalCluster) -> list[ReplicaState]:
 
 def rows(cluster: LocalCluster) -> dict[str, dict[str, str]]:
     """`show stat` of the chat pool's servers, by replica id."""
-    text = stats_command(Path(state_of(cluster).admin_socket), "show stat")
-    header, *lines = text.strip().splitlines()
-    names = header.lstrip("# ").split(",")
-    found = [dict(zip(names, line.split(","), strict=False)) for line in lines]
-    return {r["svname"]: r for r in found if r["pxname"] == f"{POOL}.tier10" and "." in r["svname"]}
+    servers = server_stats(Path(state_of(cluster).admin_socket))
+    return {name: row for name, row in servers.items() if row["pxname"] == f"{POOL}.tier10"}
 
 
 def in_rotation(cluster: LocalCluster) -> set[str]:
