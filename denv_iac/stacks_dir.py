@@ -72,7 +72,7 @@ def load_lock(stacks_dir: Path, name: str) -> list[str]:
     path = lock_path(stacks_dir, name)
     if not path.is_file():
         return []
-    return parse_lock(path.read_text(encoding="utf-8"), path.name)
+    return parse_lock(path.read_bytes(), path.name)
 
 
 def check_lock_writable(stacks_dir: Path, name: str) -> None:

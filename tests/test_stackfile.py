@@ -17,9 +17,17 @@ def test_a_lock_reads_back_the_ids_it_was_written_with_sorted() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "not json", "[]", '{"ids": []}', '{"replicas": "voice.a.n0.0"}', '{"replicas": [1]}'],
+    [
+        "",
+        "not json",
+        "[]",
+        '{"ids": []}',
+        '{"replicas": "voice.a.n0.0"}',
+        '{"replicas": [1]}',
+        b'\xff\xfe{"replicas": []}',  # not UTF-8 (a file saved as UTF-16)
+    ],
 )
-def test_what_is_not_a_lock_is_refused_in_one_line(text: str) -> None:
+def test_what_is_not_a_lock_is_refused_in_one_line(text: str | bytes) -> None:
     with pytest.raises(StackError) as error:
         parse_lock(text, LOCK)
     assert error.value.problems == [NOT_A_LOCK]

@@ -111,8 +111,9 @@ def stack_config(document: Any, file_name: str) -> dict[str, Any]:
     return config
 
 
-def parse_lock(text: str, file_name: str) -> list[str]:
-    """Replica ids of a placement lock's text; StackError when it is not a lock."""
+def parse_lock(text: str | bytes, file_name: str) -> list[str]:
+    """Replica ids of a placement lock's text (or its bytes, as the file holds them); StackError
+    when it is not a lock, bytes that are not UTF-8 included."""
     try:
         ids = json.loads(text)["replicas"]
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
