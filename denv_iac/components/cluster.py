@@ -332,6 +332,8 @@ class Cluster(pulumi.ComponentResource):
                 args["secret_env"] = secret_env
             if nodes.cache_devices is not None:
                 args["cache_device"] = nodes.cache_devices.apply(_node_cache_device(node.name))
+            if site.kind in CLOUD_SITE_KINDS:  # its provider deletes the machine with the node
+                args["deleted_by"] = site.kind
             key = node_id(site.name, node.name)
             setup = NodeSetup(
                 child_name(self._name, site.name, node.name, "setup"),

@@ -8,6 +8,7 @@ and leaves its driver. Under Pulumi's unit-test mocks the provider is never call
 
 import dataclasses
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -63,6 +64,11 @@ UPDATE_ON = (
     "overlay_port",
 )
 REPLACE_ON = ("host",)
+# Kept in the state for `delete` alone: no reason to re-run a deploy.
+KEPT = ("deleted_by",)
+# Node ids, comma- or space-separated: nodes whose removal in this `pulumi up` (or `destroy`)
+# may forget a machine it cannot reach, as the user says (see docs/node.md).
+FORGET_ENV = "DENV_FORGET_NODES"
 
 
 def deploy_node(
@@ -100,10 +106,33 @@ def deploy_balancer(
     )
 
 
-def node_gone_warning(node: str, error: NodeUnreachable) -> str:
-    return (
-        f"node {node}: {error}; nothing answers there, so the machine is taken as gone and its "
-        "deploy is forgotten; if it still runs, stop its denv-replica units by hand"
+def forget_named() -> frozenset[str]:
+    """The node ids the user allows this run to forget unreached (FORGET_ENV)."""
+    return frozenset(re.split(r"[\s,]+", os.environ.get(FORGET_ENV, "").strip())) - {""}
+
+
+def node_forgotten_warning(node: str, error: NodeUnreachable, deleted_by: str) -> str:
+    """Why a node that cannot be reached leaves the state: its provider deletes the machine
+    (`deleted_by`), or the user said to forget it."""
+    if deleted_by:
+        why = f"its {deleted_by} machine is deleted by its provider in this same update"
+    else:
+        why = f"{FORGET_ENV} names it; if its machine still runs, stop its denv-replica units"
+    return f"node {node}: {error}; forgotten: {why}"
+
+
+def node_kept_error(node: str, error: NodeUnreachable) -> NodeUnreachable:
+    """The one line that keeps an unreached node in the state: what happened and the fix."""
+    if error.answered:
+        happened = "no sign that the machine is gone"
+        fix = "fix the SSH access from here (key, host key, network)"
+    else:
+        happened = "nothing answers, and no provider deletes this machine: its replicas may run on"
+        fix = "let this machine reach its SSH port (admin_cidrs, its network)"
+    return NodeUnreachable(
+        f"node {node}: {error}; {happened}; {fix} and run again, or run with "
+        f"{FORGET_ENV}={node} to forget it",
+        error.answered,
     )
 
 
@@ -274,7 +303,7 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
                 # ...but not where nothing answers at all, which the deploy waited for already.
                 if index == len(logins) - 1 or not error.answered:
                     raise
-        outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON) if key in props}
+        outs = {key: props[key] for key in (*REPLACE_ON, *UPDATE_ON, *KEPT) if key in props}
         return outs | {"applied": [f"{s.area}: {s.title}" for s in steps]}
 
     def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
@@ -296,22 +325,30 @@ class NodeSetupProvider(pulumi.dynamic.ResourceProvider):
         return pulumi.dynamic.UpdateResult(outs=self._converge(news, olds))
 
     def delete(self, id_: str, props: dict[str, Any]) -> None:
+        """Stop a node's replicas. A node that cannot be reached leaves the state only where
+        its machine goes with it (a cloud's, deleted by its provider in the same update, when
+        nothing answers there) or where the user named it in FORGET_ENV; otherwise one line
+        says what happened and how to go on, and the node stays."""
         # A balancer host goes with its BalancerHost, or keeps serving as a joined machine.
         if props.get("node") is None:
             return
+        deleted_by = str(props.get("deleted_by") or "")
         with ssh_target(props) as target:
             try:
                 self.runner.stop(target, _node_spec(props))
             except NodeUnreachable as error:
-                # Nothing answers at the address (refused, timed out, no route): the machine is
-                # gone (preempted, terminated, dead), and its replicas with it. Raising would keep
-                # the resource and fail every later `up` until the state is edited by hand. An
-                # SSH server that answers but refuses the key or shows another host key fails
-                # loudly instead: a live machine whose access changed (a rotated key, a
-                # reinstall, someone in the middle) is for a person to look at.
-                if error.answered:
-                    raise
-                pulumi.log.warn(node_gone_warning(id_, error))
+                # Raising keeps the node in the state, and every later `up` fails on it until
+                # the machine answers or the user says to forget it. A joined or Hetzner box is
+                # deleted by no provider: silence there (a timeout, a firewall dropping SSH) may
+                # be a live machine whose replicas still serve. An SSH server that answers but
+                # refuses the key or shows another host key is a live machine whose access
+                # changed (a rotated key, a reinstall, someone in the middle), wherever it is.
+                if id_ in forget_named():
+                    pulumi.log.warn(node_forgotten_warning(id_, error, ""))
+                elif deleted_by and not error.answered:
+                    pulumi.log.warn(node_forgotten_warning(id_, error, deleted_by))
+                else:
+                    raise node_kept_error(id_, error) from None
 
 
 class NodeDeployment(DynamicResource, module="denv", name="NodeDeployment"):
@@ -373,6 +410,11 @@ class NodeSetupArgs(TypedDict):
     # balancer host, that port (a node's is in its spec).
     overlay_senders: NotRequired[pulumi.Input[Sequence[str]]]
     overlay_port: NotRequired[int]
+    # A node whose machine its site's provider deletes when the node leaves the stack ("aws",
+    # "lambda", "nebius"): its removal forgets the deploy where nothing answers any more.
+    # Left out (a joined or Hetzner machine, which nothing deletes), a removal that cannot reach
+    # the machine fails, unless the node is named in DENV_FORGET_NODES.
+    deleted_by: NotRequired[str]
 
 
 class NodeSetup(pulumi.ComponentResource):
@@ -415,6 +457,8 @@ class NodeSetup(pulumi.ComponentResource):
                 props["cache_device"] = args["cache_device"]
             if "secret_env" in args:
                 props["secret_env"] = pulumi.Output.secret(args["secret_env"])
+            if "deleted_by" in args:
+                props["deleted_by"] = args["deleted_by"]
         else:
             props["balancer"] = args["balancer"]
             firewall = args.get("balancer_firewall")

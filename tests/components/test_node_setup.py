@@ -507,18 +507,131 @@ def _delete_within(props: dict[str, Any], bound_s: float = 60.0) -> BaseExceptio
     return raised[0] if raised else None
 
 
-def test_delete_of_a_node_whose_machine_is_gone_succeeds_with_a_warning(
+def test_delete_of_a_cloud_node_whose_machine_is_gone_succeeds_with_a_warning(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As in the provider's own process, which has no engine to log to: the warning goes to
     # stderr (an earlier test's mocks may have left one set in this process).
     monkeypatch.setattr(pulumi.log, "get_engine", lambda: None)
     port = _closed_port()
-    assert _delete_within({**NODE, "host": f"127.0.0.1:{port}"}) is None
+    props = {**NODE, "host": f"127.0.0.1:{port}", "deleted_by": "aws"}
+    assert _delete_within(props) is None
     warning = capsys.readouterr().err
     assert "node office.rack-1: cannot connect to 127.0.0.1" in warning, warning
-    assert "taken as gone" in warning and "stop its denv-replica units by hand" in warning
+    assert "forgotten: its aws machine is deleted by its provider in this same update" in warning
     assert "PRIVATE KEY" not in warning
+
+
+def test_delete_of_a_joined_node_where_nothing_answers_fails_naming_the_host_and_the_fix() -> None:
+    """No provider deletes a joined or Hetzner machine: one that does not answer may still
+    serve, so its removal fails and the node stays in the state until the user says."""
+    port = _closed_port()
+    raised = _delete_within({**NODE, "host": f"127.0.0.1:{port}"})
+    assert isinstance(raised, NodeUnreachable) and not raised.answered, raised
+    message = str(raised)
+    assert "\n" not in message and "PRIVATE KEY" not in message
+    assert message.startswith("node office.rack-1: cannot connect to 127.0.0.1"), message
+    assert "no provider deletes this machine" in message
+    assert "admin_cidrs" in message and "DENV_FORGET_NODES=office.rack-1" in message
+
+
+def _unreached(error: NodeUnreachable) -> DeployRunner:
+    """A deploy runner whose removal meets `error` on connecting."""
+
+    def stop(*_: Any) -> list[Step]:
+        raise error
+
+    return DeployRunner(stop=stop)
+
+
+TIMED_OUT = CannotConnect("cannot connect to 192.0.2.10: timed out", answered=False)
+NO_ROUTE = CannotConnect("cannot connect to 192.0.2.10: No route to host", answered=False)
+REFUSED_KEY = CannotConnect("cannot connect to 192.0.2.10: Authentication failed.")
+
+
+@pytest.mark.parametrize("error", [TIMED_OUT, NO_ROUTE], ids=["timeout", "no-route"])
+@pytest.mark.parametrize("forget", [None, "", "office.rack-2", "office.rack"])
+def test_delete_of_a_silent_joined_node_fails_unless_the_user_names_it(
+    error: NodeUnreachable, forget: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A firewall that drops SSH (the deployer's address left admin_cidrs) times out.
+    if forget is not None:
+        monkeypatch.setenv("DENV_FORGET_NODES", forget)
+    else:
+        monkeypatch.delenv("DENV_FORGET_NODES", raising=False)
+    with pytest.raises(NodeUnreachable) as raised:
+        NodeSetupProvider(_unreached(error)).delete("office.rack-1", dict(NODE))
+    assert str(raised.value).startswith(f"node office.rack-1: {error}; nothing answers")
+    assert "DENV_FORGET_NODES=office.rack-1 to forget it" in str(raised.value)
+
+
+@pytest.mark.parametrize("error", [TIMED_OUT, REFUSED_KEY], ids=["timeout", "answered"])
+@pytest.mark.parametrize(
+    "forget", ["office.rack-1", "office.rack-2,office.rack-1", " office.rack-2  office.rack-1 "]
+)
+@pytest.mark.parametrize("deleted_by", [None, "lambda"])
+def test_delete_forgets_a_node_the_user_names_whatever_kept_it_out(
+    error: NodeUnreachable,
+    forget: str,
+    deleted_by: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(pulumi.log, "get_engine", lambda: None)
+    monkeypatch.setenv("DENV_FORGET_NODES", forget)
+    props = dict(NODE) if deleted_by is None else {**NODE, "deleted_by": deleted_by}
+    NodeSetupProvider(_unreached(error)).delete("office.rack-1", props)
+    warning = capsys.readouterr().err
+    assert f"node office.rack-1: {error}; forgotten: DENV_FORGET_NODES names it" in warning
+
+
+def test_delete_of_a_cloud_node_whose_ssh_server_refuses_it_fails_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A live machine whose access changed: its provider is not deleting it away from anyone.
+    monkeypatch.delenv("DENV_FORGET_NODES", raising=False)
+    with pytest.raises(NodeUnreachable) as raised:
+        NodeSetupProvider(_unreached(REFUSED_KEY)).delete(
+            "aws-use1.node-0", {**NODE, "deleted_by": "aws"}
+        )
+    assert raised.value.answered
+    assert str(raised.value) == (
+        "node aws-use1.node-0: cannot connect to 192.0.2.10: Authentication failed.; no sign "
+        "that the machine is gone; fix the SSH access from here (key, host key, network) and "
+        "run again, or run with DENV_FORGET_NODES=aws-use1.node-0 to forget it"
+    )
+
+
+def test_which_provider_deletes_a_nodes_machine_stays_in_the_state_for_its_removal() -> None:
+    provider = NodeSetupProvider(Recorder().runner())
+    created = provider.create({**NODE, "deleted_by": "nebius"}).outs
+    assert created is not None and created["deleted_by"] == "nebius"
+    # Not a reason to re-run the deploy.
+    assert not provider.diff("id", created, {**created, "deleted_by": "aws"}).changes
+    updated = provider.update("id", created, {**created, "node": _changed_node()["node"]}).outs
+    assert updated is not None and updated["deleted_by"] == "nebius"
+    assert "deleted_by" not in (provider.create(dict(NODE)).outs or {})
+
+
+@pytest.mark.parametrize(
+    ("stack", "expected"),
+    [
+        (stacks.multicloud, {"aws-use1": "aws", "hetzner-fsn": None, "office": None}),
+        (lambda_stack, {"lambda-use1": "lambda", "hetzner-fsn": None}),
+        (nebius_stack, {"nebius-eun1": "nebius", "hetzner-fsn": None}),
+    ],
+    ids=["multicloud", "lambda", "nebius"],
+)
+def test_only_nodes_whose_machine_a_provider_deletes_say_so(
+    stack: Callable[[], Any], expected: dict[str, str | None]
+) -> None:
+    run = run_program(lambda: cluster_outputs(stack()), preview=False)
+    deleted_by: dict[str, set[str | None]] = {}
+    for deployment in run.of_type(DEPLOYMENT):
+        if "node" in deployment.inputs:
+            site = deployment.inputs["node"]["node_id"].split(".")[0]
+            deleted_by.setdefault(site, set()).add(deployment.inputs.get("deleted_by"))
+    assert deleted_by == {site: {kind} for site, kind in expected.items()}
 
 
 def test_delete_fails_when_something_answers_but_lets_no_deploy_in() -> None:
@@ -536,7 +649,8 @@ def test_delete_fails_when_something_answers_but_lets_no_deploy_in() -> None:
         threading.Thread(target=hang_up, daemon=True).start()
         raised = _delete_within({**NODE, "host": f"127.0.0.1:{port}"})
     assert isinstance(raised, NodeUnreachable) and raised.answered, raised
-    assert str(raised).startswith("cannot connect to 127.0.0.1")
+    assert str(raised).startswith("node office.rack-1: cannot connect to 127.0.0.1"), raised
+    assert str(raised).endswith("or run with DENV_FORGET_NODES=office.rack-1 to forget it")
 
 
 @pytest.mark.parametrize(

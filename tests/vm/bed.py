@@ -114,6 +114,7 @@ class Vm:
     console: Path
     behind_nat: bool = False
     tap: str = ""  # its port on its bridge (the bed's namespace, or the NAT router's)
+    argv: list[str] = field(default_factory=list)  # how QEMU was started: again on power-on
 
     def ssh_args(self, *command: str) -> list[str]:
         return [
@@ -151,15 +152,36 @@ class Vm:
     def boot_id(self) -> str:
         return self.ssh(f"cat {BOOT_ID}").strip()
 
+    def close_shared_connection(self) -> None:
+        """Close the SSH connection that commands share: after a reboot or a power-off it would
+        answer from the old boot, then hang once that is gone."""
+        *options, login = self.ssh_args()
+        subprocess.run([*options, "-O", "exit", login], capture_output=True, timeout=30)
+
+    def power_cycle(self) -> float:
+        """Power the VM off, then start it again from its own disk and return at once, as a
+        cloud reports a new instance running: nothing is waited for. When QEMU started."""
+        self.ssh("systemctl poweroff", check=False)
+        self.close_shared_connection()
+        try:
+            self.proc.wait(timeout=BOOT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"{self.name}: still running {BOOT_TIMEOUT_S:.0f} s after poweroff:"
+                f" {self.console_tail()}"
+            ) from None
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        return time.monotonic()
+
     def reboot(self) -> float:
         """Reboot the VM and wait until SSH answers from the new boot; when the reboot began."""
         before = self.boot_id()
         self.ssh("systemctl reboot", check=False)
         start = time.monotonic()
-        # The shared SSH connection would answer from the old boot, then hang once it is gone:
-        # close it, and ask each time over a connection of its own until the new boot answers.
-        *options, login = self.ssh_args()
-        subprocess.run([*options, "-O", "exit", login], capture_output=True, timeout=30)
+        # Ask each time over a connection of its own until the new boot answers.
+        self.close_shared_connection()
         own = [
             "ControlPath=none" if arg.startswith("ControlPath=") else arg
             for arg in self.ssh_args(f"cat {BOOT_ID}")
@@ -326,6 +348,6 @@ class Bed:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        vm = Vm(self, name, address, proc, console, behind_nat, tap)
+        vm = Vm(self, name, address, proc, console, behind_nat, tap, argv)
         self.vms.append(vm)
         return vm

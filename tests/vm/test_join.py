@@ -2,6 +2,10 @@
 changes nothing, delete leaves no replica unit or node firewall behind. Called as the engine
 calls it.
 
+The join is the first deploy of a machine as unkind as a fresh cloud instance (tests/vm/
+first_boot.py): started and reported running at once, its sshd 30 s late, cloud-init's stages
+still running, and the package locks held for 60 s from early in its boot.
+
 The joined node is also its site's balancer host, as on a joined site: its firewall is proven
 from both sides of the bridge, the test's own address (admin and balancer) and the outside one.
 """
@@ -25,6 +29,7 @@ from denv_iac.node.spec import spec_to_json
 from tests.node import standin
 from tests.vm.bed import HOST, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
+from tests.vm.first_boot import FirstBoot, first_boot_ahead, first_boot_record
 from tests.vm.standin_vm import make_gpu_machine, set_nvml_faults
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[2]
 STATS_PORT = 8405  # the balancer's prometheus_port
 ENDPOINT_PORT = 8080  # the balancer's port: open to everyone
 REACH_TIMEOUT_S = 4.0
+# cloud-init's stages end before the locks are let go: the deploy meets each wait on its own.
+FIRST_BOOT = FirstBoot(ssh_late_s=30, cloud_init_s=40, lock_s=60)
+CLOUD_INIT_WAIT = "base: wait for cloud-init's first boot to finish"
 
 
 def in_netns(bed: Bed, module: str, call: Any, timeout: float = 900) -> tuple[int, str, str]:
@@ -143,11 +151,20 @@ def test_create_joins_then_a_second_run_changes_nothing_and_delete_cleans_up(
     assert f"admin_cidrs: this deploy reaches the machine from {HOST}, which admin_cidrs" in err
     assert units(node) == [], "a refused deploy changes nothing"
 
-    start = time.monotonic()
+    # The machine boots again as a new cloud instance boots, and the first deploy starts as
+    # soon as it is reported running.
+    first_boot_ahead(node, FIRST_BOOT)
+    start = node.power_cycle()
     created = provider(bed, "create", inputs)
-    TIMINGS["join (provider create)"] = time.monotonic() - start
+    TIMINGS["join from reported running (provider create)"] = time.monotonic() - start
     assert created["id"] == "joined.node1"
     assert created["outs"]["applied"], "a fresh machine needs steps"
+    # What it met: sshd held back, cloud-init still running when the deploy read the facts,
+    # and the package locks still held once cloud-init was done, when apt came first.
+    met = first_boot_record(node)  # uptimes, in hundredths: 58.8 - 28.8 is 29.999... as floats
+    assert round(met["sshd-up"] - met["sshd-held"], 1) >= FIRST_BOOT.ssh_late_s, met
+    assert CLOUD_INIT_WAIT in created["outs"]["applied"]
+    assert met["locks-released"] - met["cloud-init-done"] >= 10, met
     assert "ssh_private_key" in created["outs"]
     replicas = [u for u in units(node) if u.startswith("denv-replica-")]
     assert len(replicas) == 2, units(node)

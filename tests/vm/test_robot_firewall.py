@@ -43,8 +43,7 @@ def node(bed: Bed) -> Vm:
     TIMINGS["boot to SSH"] = vm.wait_ssh()
     make_gpu_machine(vm, bed.workdir)
     # The bed's SSH connection would outlive a filter change: each check below dials anew.
-    *options, login = vm.ssh_args()
-    subprocess.run([*options, "-O", "exit", login], capture_output=True, timeout=30)
+    vm.close_shared_connection()
     return vm
 
 
