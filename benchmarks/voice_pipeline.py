@@ -1,5 +1,6 @@
 """The Pipecat pipeline of the voice-to-voice benchmark (see voice_to_voice): STT, LLM and TTS,
-each through the endpoint, fed a turn as a transport and its VAD feed one."""
+each through the endpoint (or a server of each), fed a turn as a transport and its VAD feed
+one."""
 
 from __future__ import annotations
 
@@ -8,18 +9,16 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from itertools import product
 from types import TracebackType
 from typing import Any
 
-__all__ = ["POOLS", "REPLICAS", "SERVICES", "VoicePipeline", "session_replica"]
+__all__ = ["VoicePipeline"]
 
 import httpx
 import openai
 from loguru import logger
 
-from benchmarks.voice_to_voice import Turn
-from tests.dataplane.dataplane_harness import PoolLayout, SimulatedReplica, session_replica
+from benchmarks.voice_to_voice import SPEECH, Turn
 
 # Pipecat logs every frame through loguru at DEBUG from its import on.
 logger.remove()
@@ -47,12 +46,6 @@ with warnings.catch_warnings():
     from pipecat.services.openai.tts import OpenAITTSService
     from pipecat.workers.runner import WorkerRunner
 
-SITES = ("home-a", "home-b")
-SERVICES = ("stt", "llm", "tts")  # a pool each, named for the service
-POOLS = tuple(PoolLayout(pool, ((10, SITES),)) for pool in SERVICES)
-REPLICAS = tuple(
-    f"{layout.name}.{site}.n{index}.0" for index, (layout, site) in enumerate(product(POOLS, SITES))
-)
 FRAME_S = 0.02  # a transport's input audio frame
 # How long a turn may take before it is called lost; a turn that reported an error is over
 # once nothing more has come for QUIET_S (the framework may still speak a partial answer).
@@ -114,14 +107,21 @@ class _LLMService(OpenAILLMService):
 class VoicePipeline:
     """One conversation's pipeline, running for all its turns."""
 
-    def __init__(self, urls: dict[str, str], session: dict[str, str], sample_rate: int) -> None:
-        """`urls`: each service's server, by pool (the endpoint for all three, or a replica of
-        each pool called directly)."""
+    def __init__(
+        self,
+        urls: dict[str, str],
+        session: dict[str, str],
+        sample_rate: int,
+        max_tokens: int,
+    ) -> None:
+        """`urls`: each service's server, by pool (`stt`, `llm`, `tts`: the endpoint for all
+        three, or a replica of each pool called directly). `max_tokens` bounds the answer, which
+        is decoded greedily (temperature 0): every turn gets the same one."""
         self._urls = {pool: f"{url}/v1" for pool, url in urls.items()}
-        self._session, self._rate = session, sample_rate
+        self._session, self._rate, self._max_tokens = session, sample_rate, max_tokens
         self._turn = Turn(speech_end_at=0.0)
         self._last_frame_at = 0.0
-        self._victim: SimulatedReplica | None = None
+        self._victim: Callable[[], None] | None = None
         self._killing: asyncio.Future[None] | None = None
         self._worker: PipelineWorker | None = None
         self._running: asyncio.Task[None] | None = None
@@ -135,7 +135,7 @@ class VoicePipeline:
         path = request.url.path
         self._turn.requests.append(path)
         self._turn.sent_at.append(time.monotonic())
-        if path.endswith("/audio/speech"):
+        if path == SPEECH:
             self._turn.spoken.append(str(json.loads(request.content)["input"]))
 
     def _seen(self, frame: Frame) -> None:
@@ -150,11 +150,14 @@ class VoicePipeline:
             turn.errors.append(str(frame.error))
 
     def _after_llm(self, frame: Frame) -> None:
-        """The fault, when asked: the victim dies once the answer has started arriving."""
-        if isinstance(frame, LLMTextFrame) and self._victim is not None:
-            victim, self._victim = self._victim, None
-            self._turn.killed_at = time.monotonic()
-            self._killing = asyncio.ensure_future(asyncio.to_thread(victim.kill))
+        """The answer's text, and the fault when asked: the victim is killed once the answer
+        has started arriving."""
+        if isinstance(frame, LLMTextFrame):
+            self._turn.answer.append(frame.text)
+            if self._victim is not None:
+                kill, self._victim = self._victim, None
+                self._turn.killed_at = time.monotonic()
+                self._killing = asyncio.ensure_future(asyncio.to_thread(kill))
         self._seen(frame)
 
     async def __aenter__(self) -> VoicePipeline:
@@ -168,7 +171,9 @@ class VoicePipeline:
             self._client(),
             api_key="unused",
             base_url=self._urls["llm"],
-            settings=OpenAILLMService.Settings(model="llm"),
+            settings=OpenAILLMService.Settings(
+                model="llm", temperature=0.0, max_tokens=self._max_tokens
+            ),
             default_headers=self._session,
         )
         tts = OpenAITTSService(
@@ -209,8 +214,8 @@ class VoicePipeline:
         await self._worker.cancel()
         await asyncio.wait_for(self._running, TURN_BOUND_S)
 
-    async def turn(self, pcm: bytes, kill: SimulatedReplica | None = None) -> Turn:
-        """The user says `pcm`; what the caller gets back. `kill` dies mid-turn (see
+    async def turn(self, pcm: bytes, kill: Callable[[], None] | None = None) -> Turn:
+        """The user says `pcm`; what the caller gets back. `kill` is called mid-turn (see
         _after_llm)."""
         assert self._worker is not None
         step = round(self._rate * FRAME_S) * 2

@@ -189,6 +189,10 @@ def unpack_model(pin: Pin, home: Path) -> Path:
 
 
 def link(target: Path, name: Path) -> None:
+    """`name` pointing at `target`; left alone when it already does (a server starting from it
+    meanwhile finds it in place)."""
+    if name.is_symlink() and name.readlink() == target:
+        return
     name.parent.mkdir(parents=True, exist_ok=True)
     if name.is_symlink() or name.exists():
         name.unlink()

@@ -31,6 +31,13 @@ ONE_SECOND = 48_000  # bytes of 24 kHz PCM16
             Turn(10.0, [], [STT, CHAT], [], ["connection refused"]),
             {"first_audio_ms": None, "heard_s": 0.0, "spoken_fraction": 0.0, "errors": 1.0},
         ),
+        # An answer of two sentences: a speech request each, nothing repeated.
+        (
+            Turn(
+                10.0, [(10.3, ONE_SECOND)], [STT, CHAT, SPEECH, SPEECH], ["tok0 tok1", "tok2 tok3"]
+            ),
+            {"repeated": 0.0, "spoken_fraction": 1.0},
+        ),
         # The TTS retried after partial audio: the speech request twice, the answer spoken twice.
         (
             Turn(10.0, [(10.3, ONE_SECOND)], [STT, CHAT, SPEECH, SPEECH], [WHOLE, WHOLE]),
@@ -67,11 +74,21 @@ def test_fault_summary_takes_the_worst_and_counts_silent_turns() -> None:
     assert math.isnan(audible["x_next_turn_first_audio_max_ms"])
 
 
-def test_stages_count_each_services_first_request_from_the_end_of_speech() -> None:
-    turn = Turn(10.0, requests=[STT, CHAT, SPEECH, SPEECH], sent_at=[10.01, 10.12, 10.4, 10.9])
+def test_stages_split_the_turn_from_the_end_of_speech_to_the_first_audio() -> None:
+    turn = Turn(
+        10.0,
+        audio=[(10.5, ONE_SECOND)],
+        requests=[STT, CHAT, SPEECH, SPEECH],
+        sent_at=[10.01, 10.12, 10.4, 10.9],
+    )
     stages = stage_ms(turn)
     assert stages == {
-        "stt_sent": pytest.approx(10.0),
-        "llm_sent": pytest.approx(120.0),
-        "tts_sent": pytest.approx(400.0),  # the first speech request, not the repeat
+        "pipeline": pytest.approx(10.0),
+        "stt": pytest.approx(110.0),
+        "llm": pytest.approx(280.0),
+        "tts": pytest.approx(100.0),  # from the first speech request, not the repeat
     }
+    assert sum(stages.values()) == pytest.approx(500.0)  # the turn's first audio
+    # A turn that never reached the LLM: the stages it had, and no more.
+    cut = Turn(10.0, requests=[STT], sent_at=[10.01])
+    assert stage_ms(cut) == {"pipeline": pytest.approx(10.0)}

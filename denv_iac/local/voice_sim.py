@@ -20,6 +20,9 @@ import math
 import struct
 from collections import deque
 from dataclasses import dataclass
+from email.message import EmailMessage
+from email.parser import BytesParser
+from email.policy import HTTP
 from typing import Any
 
 from websockets.frames import Frame, Opcode
@@ -70,40 +73,31 @@ class Upload:
 
 
 def parse_multipart(content_type: str, body: bytes) -> Upload:
-    """The form fields and the `file` part; ValueError when the body is not such a form."""
-    boundary = ""
-    for param in content_type.split(";")[1:]:
-        name, _, value = param.strip().partition("=")
-        if name.lower() == "boundary":
-            boundary = value.strip('"')
-    if not content_type.lower().startswith("multipart/form-data") or not boundary:
+    """The form fields and the `file` part, read by the standard library's MIME parser;
+    ValueError when the body is not such a form."""
+    if (
+        not content_type.lower().startswith("multipart/form-data")
+        or "boundary=" not in content_type
+    ):
+        raise ValueError("send multipart/form-data with a boundary")
+    head = f"Content-Type: {content_type}\r\n\r\n".encode("latin-1", "replace")
+    form = BytesParser(policy=HTTP).parsebytes(head + body)
+    if not isinstance(form, EmailMessage) or not form.is_multipart():
         raise ValueError("send multipart/form-data with a boundary")
     fields: dict[str, str] = {}
-    filename, audio = "", b""
-    found_file = False
-    for part in body.split(b"--" + boundary.encode())[1:]:
-        if part.startswith(b"--"):
-            break
-        head, sep, content = part.partition(b"\r\n\r\n")
-        if not sep:
-            raise ValueError("a form part has no header end")
-        content = content.removesuffix(b"\r\n")
-        disposition = ""
-        for line in head.decode("latin-1").split("\r\n"):
-            key, _, value = line.partition(":")
-            if key.strip().lower() == "content-disposition":
-                disposition = value
-        params = {}
-        for item in disposition.split(";")[1:]:
-            key, _, value = item.strip().partition("=")
-            params[key.lower()] = value.strip('"')
-        if params.get("name") == "file":
-            filename, audio, found_file = params.get("filename", ""), content, True
-        elif "name" in params:
-            fields[params["name"]] = content.decode("utf-8", "replace")
-    if not found_file:
+    upload: tuple[str, bytes] | None = None
+    for part in form.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        content = part.get_payload(decode=True)
+        if not isinstance(name, str) or not isinstance(content, bytes):
+            continue
+        if name == "file":
+            upload = (part.get_filename() or "", content)
+        else:
+            fields[name] = content.decode("utf-8", "replace")
+    if upload is None:
         raise ValueError("the form has no file part")
-    return Upload(fields, filename, audio)
+    return Upload(fields, *upload)
 
 
 def transcript_text(upload: Upload) -> str:
