@@ -102,3 +102,23 @@ def test_the_test_packages_are_read_from_the_list_setup_installs(tmp_path: Path)
     )
     assert check_test_packages(SYSTEM_PACKAGES).ok  # what `make setup` installed here
     assert check_test_packages(tmp_path / "absent.txt").detail == "not a checkout: no tests here"
+
+
+def test_a_local_recipes_program_is_found_in_the_project_or_on_path(tmp_path: Path) -> None:
+    from denv_iac.cli.doctor import check_commands
+
+    server = tmp_path / ".venv" / "bin" / "llama-server"
+    server.parent.mkdir(parents=True)
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    found = check_commands([("chat", ".venv/bin/llama-server"), ("stt", "sh")], tmp_path)
+    assert found.ok and found.detail == "2 found"
+    server.unlink()
+    missing = check_commands(
+        [("chat", ".venv/bin/llama-server"), ("stt", "no-such-transcriber")], tmp_path
+    )
+    assert not missing.ok
+    assert missing.detail == (
+        "recipe chat: .venv/bin/llama-server not found; `make llama` builds it; "
+        "recipe stt: no-such-transcriber not found"
+    )

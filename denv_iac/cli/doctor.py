@@ -148,6 +148,21 @@ CHECKS: dict[str, Callable[[], Finding]] = {
 }
 
 
+def check_commands(recipes: list[tuple[str, str]], project: Path) -> Finding:
+    """Each local recipe's program, `(recipe, program)`: found as written (relative to the
+    project's folder, where a local replica runs) or on PATH."""
+    purpose = "the model servers a local stack's recipes run (their `command`)"
+    missing = []
+    for recipe, program in recipes:
+        path = project / program if "/" in program else shutil.which(program)
+        if path is None or not os.access(path, os.X_OK):
+            hint = "; `make llama` builds it" if Path(program).name == "llama-server" else ""
+            missing.append(f"recipe {recipe}: {program} not found{hint}")
+    if missing:
+        return Finding("commands", False, "; ".join(missing), purpose)
+    return Finding("commands", True, f"{len(recipes)} found", purpose)
+
+
 def needed_by(site_kinds: set[str]) -> set[str]:
     """The checks a stack with these site kinds cannot do without."""
     # A local stack runs its balancer here; any other site is created or reached by Pulumi.
@@ -173,6 +188,11 @@ def doctor(stack_name: str | None) -> None:
             fail(error.problems)
         needed = needed_by({site.kind for site in stack.sites})
     findings = [check() for check in CHECKS.values()]
+    if stack_name is not None and "haproxy" in needed:
+        programs = [(r.name, r.command[0]) for r in stack.recipes if r.command]
+        if programs:
+            findings.append(check_commands(programs, find_stacks_dir().parent))
+            needed.add("commands")
     width = max(len(f.name) for f in findings)
     for finding in findings:
         status = "ok" if finding.ok else ("MISSING" if finding.name in needed else "missing")
