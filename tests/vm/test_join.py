@@ -39,7 +39,10 @@ STATS_PORT = 8405  # the balancer's prometheus_port
 ENDPOINT_PORT = 8080  # the balancer's port: open to everyone
 REACH_TIMEOUT_S = 4.0
 # cloud-init's stages end before the locks are let go: the deploy meets each wait on its own.
-FIRST_BOOT = FirstBoot(ssh_late_s=30, cloud_init_s=40, lock_s=60)
+# cloud-init ends well after sshd is up (its final stage runs late, as on clouds), so that
+# the deploy finds it running however long its connect takes on a loaded machine; the locks
+# are held past it, so apt meets them after the cloud-init wait.
+FIRST_BOOT = FirstBoot(ssh_late_s=30, cloud_init_s=60, lock_s=80)
 CLOUD_INIT_WAIT = "base: wait for cloud-init's first boot to finish"
 
 
