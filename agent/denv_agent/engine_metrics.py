@@ -157,20 +157,24 @@ def observe(
 
 
 def failed(
-    watch: EngineWatch, error: str, now: float, stall_budget_ms: float, unanswered: bool = False
+    watch: EngineWatch,
+    error: str,
+    now: float,
+    stall_budget_ms: float,
+    unanswered_since: float | None = None,
 ) -> EngineWatch:
     """A poll that got no metrics: the health check judges an unreachable server; a stall
     already seen stands. A read that fails shows no token either, so the silence goes on where
-    requests were running without one at the last read, and where the read went `unanswered`
-    (the server took the connection and said nothing within the timeout): past the budget
-    that is a stall. An engine whose metrics are served by its decode loop (llama.cpp's are)
-    answers its health path and never its metrics once that loop is wedged, and would
-    otherwise stay in rotation, each request sent to it waiting out the first-token budget.
-    A refused read or one with no engine metrics (a server the agent does not know) is a
-    note only."""
+    requests were running without one at the last read, and where the server took the read and
+    said nothing (`unanswered_since`: when that read was sent): past the budget that is a
+    stall. An engine whose metrics are served by its decode loop (llama.cpp's are) answers its
+    health path and never its metrics once that loop is wedged, and would otherwise stay in
+    rotation, each request sent to it waiting out the first-token budget. A refused read or
+    one with no engine metrics (a server the agent does not know) is a note only."""
     silent_since, stalled_ms = watch.silent_since, watch.stalled_ms
-    if watch.progress is not None and (watch.running > 0 or unanswered):
-        silent_since = now if silent_since is None else silent_since
+    if watch.progress is not None and (watch.running > 0 or unanswered_since is not None):
+        starts = [t for t in (silent_since, unanswered_since) if t is not None]
+        silent_since = min(starts, default=now)
         silent_ms = (now - silent_since) * 1000
         if silent_ms > stall_budget_ms:
             stalled_ms = silent_ms

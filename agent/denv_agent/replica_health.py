@@ -380,17 +380,17 @@ class ReplicaMonitor:
     def _watch_engine(self, replica_id: str, engine: Engine) -> None:
         if not self.here(replica_id):
             return
+        asked = time.monotonic()
         try:
             text = fetch_metrics(engine.metrics_url, self.intervals.health_timeout_s)
             load = parse_load(text, engine_names(engine.family, text))
         except MetricsError as e:
-            error, now = str(e), time.monotonic()
-            budget, unanswered = engine.stall_budget_ms, isinstance(e, MetricsTimeout)
+            error, now, budget = str(e), time.monotonic(), engine.stall_budget_ms
+            # Unanswered: nothing came from the moment the read was sent.
+            since = asked if isinstance(e, MetricsTimeout) else None
             self._update(
                 replica_id,
-                lambda old: replace(
-                    old, engine=failed(_watch(old), error, now, budget, unanswered)
-                ),
+                lambda old: replace(old, engine=failed(_watch(old), error, now, budget, since)),
             )
             return
         now = time.monotonic()

@@ -223,9 +223,9 @@ def test_a_failed_poll_keeps_what_was_seen_and_only_notes_the_error() -> None:
         ([(0, 2, 0, 40), (0.5, 2, 0, 48)], [1.1], True, "up 100%"),
         ([(0, 2, 0, 40), (0.5, 2, 0, 48)], [1.6], True, "down #engine stalled"),
         # Idle at the last read, then reads the server takes and never answers (requests sent
-        # to a wedged engine since): timed from the first such read.
-        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.5, 1.0, 1.4], True, "up 100%"),
-        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.5, 1.0, 1.6], True, "down #engine stalled"),
+        # to a wedged engine since): timed from when the first such read was sent.
+        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.8, 1.25], True, "up 100%"),
+        ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.8, 1.35], True, "down #engine stalled"),
         # Idle and refused, or no engine metrics: a note only, however long.
         ([(0, 0, 0, 40), (0.25, 0, 0, 40)], [0.5, 5.0], False, "up 100%"),
         # No token counter (TGI): never judged on tokens.
@@ -247,7 +247,9 @@ def test_metrics_that_stop_answering_are_a_stall_where_tokens_are_owed(
 ) -> None:
     watch = _watch(polls)
     for at in failures:
-        watch = failed(watch, "timed out", 100.0 + at, BUDGET_MS, unanswered)
+        # Each read sent 0.5 s (its timeout) before it failed; a refused one fails at once.
+        since = 100.0 + at - 0.5 if unanswered else None
+        watch = failed(watch, "timed out", 100.0 + at, BUDGET_MS, since)
     assert _reply(watch).startswith(reply)
 
 
