@@ -13,8 +13,10 @@ slots each, `max_concurrency: 2`) under the local runner's supervisor. Rows:
   supervisor; a roll runs to its end). Counted: requests, lost (failed and not cut: a healthy
   replica was there), cut (streams broken off on the faulted engine), resent (cut streams whose
   HAProxy log line shows the request went to a second replica: a replay; the balancer resends
-  only before a first byte), out (fault until the balancer had it out of rotation) and back
-  (fault cleared until both replicas are in rotation).
+  only before a first byte), out (fault until the balancer had it out of rotation; none where
+  it never had to: a killed engine restarted and loaded before anything found it gone, the
+  requests it answered `503 Loading model` retried elsewhere) and back (fault cleared, or for a
+  fault that heals by itself the fault, until both replicas are in rotation again).
 
 Writes benchmarks/results/llama_reliability.json. These are CPU figures: a 135M model at about
 60 tokens/s a stream on one thread; a GPU engine's first token and its tokens come faster, and
@@ -210,13 +212,19 @@ def fault_row(cluster: LocalCluster, log: Path, fault: Fault) -> dict[str, Any]:
     faulted = time.monotonic()
     clear = fault.start(cluster, victim)
     out = _wait(lambda: victim.id not in _in_rotation(cluster), CLEAR_AT_S - FAULT_AT_S)
+    # Back: from the fault for one that heals by itself (a restart, a roll), else from its
+    # clearing; none where the balancer never had it out.
+    back: float | None = None
+    if clear is None and out is not None:
+        back = _full(cluster)
+        back = None if back is None else time.monotonic() - faulted
     time.sleep(max(0.0, faulted + CLEAR_AT_S - FAULT_AT_S - time.monotonic()))
-    cleared = time.monotonic()
     if clear is not None:
+        cleared = time.monotonic()
         clear()
-    # A fault that heals by itself (a restart, a roll) is back from the fault itself.
-    back = _full(cluster)
-    back_from = cleared if clear is not None else faulted
+        back = _full(cluster)
+        back = None if back is None else time.monotonic() - cleared
+    _full(cluster)
     worker.join()
     report = reports[0]
     cut = [r for r in report.results if r.error == "aborted"]
@@ -229,7 +237,7 @@ def fault_row(cluster: LocalCluster, log: Path, fault: Fault) -> dict[str, Any]:
         "cut": len(cut),
         "resent": sum(1 for r in cut if retries.get(r.request_id, 0) > 0),
         "out_ms": None if out is None else round(out * 1000, 1),
-        "back_ms": None if back is None else round((cleared + back - back_from) * 1000, 1),
+        "back_ms": None if back is None else round(back * 1000, 1),
         "ttft_p99_ms": report.ttft_ms(99),
     }
 
