@@ -501,7 +501,9 @@ def test_instance_read_follows_the_live_instance_and_notices_it_gone(fake: FakeL
         ({"__provider": "another-library-version"}, [], False),
         ({"instance_type": "gpu_8x_h100_sxm5"}, ["instance_type"], True),
         ({"region": "us-west-1"}, ["region"], True),
-        ({"ssh_key_names": ["other"]}, ["ssh_key_names"], True),
+        # A rotated key is recorded in place: a rotation never relaunches a machine, and a
+        # later replacement launches with the key recorded (tests/components/test_key_rotation.py).
+        ({"ssh_key_names": ["other"]}, [], True),
         ({"file_system_names": []}, ["file_system_names"], True),
         ({"name": "renamed"}, [], True),
         ({API_KEY: "rotated"}, [], True),
