@@ -41,7 +41,7 @@ from denv_agent.control import drain, undrain
 
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.rollout import roll
-from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port
+from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port, supervised
 from denv_iac.ops.llama import DecodeLoopFreeze, build_engine
 from denv_iac.ops.loadgen import LoadReport, run_load
 
@@ -255,13 +255,7 @@ def run() -> dict[str, Any]:
     engine = build_engine(Path(__file__).parent)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(engine.stack(), Path(tmp), free_port(), project=engine.project)
-        cluster.up()
-        stop = threading.Event()
-        supervisor = threading.Thread(
-            target=cluster.supervise_until, args=(stop, lambda _: None), daemon=True
-        )
-        supervisor.start()
-        try:
+        with supervised(cluster):
             figures: dict[str, Any] = {"overload_2x": overload(cluster)}
             print(json.dumps(figures["overload_2x"]), flush=True)
             rows = []
@@ -270,10 +264,6 @@ def run() -> dict[str, Any]:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             figures["faults"] = rows
-        finally:
-            stop.set()
-            supervisor.join(5)
-            cluster.down()
     return figures
 
 

@@ -57,7 +57,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import wave
 from collections import Counter
@@ -74,7 +73,7 @@ import httpx
 
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local import voice_sim
-from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port
+from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port, supervised
 from denv_iac.ops.llama import build_engine
 from denv_iac.ops.loadgen import percentile
 from denv_iac.stacks_dir import load_stack
@@ -208,18 +207,8 @@ def run() -> dict[str, float]:
     stack = load_stack(engine.project / "stacks", STACK)
     with tempfile.TemporaryDirectory(prefix="denv-voice-to-voice-bench-") as workdir:
         cluster = LocalCluster(stack, Path(workdir), free_port(), project=engine.project)
-        cluster.up()
-        stop = threading.Event()
-        supervisor = threading.Thread(
-            target=cluster.supervise_until, args=(stop, lambda _: None), daemon=True
-        )
-        supervisor.start()
-        try:
+        with supervised(cluster):
             return asyncio.run(_measure(cluster))
-        finally:
-            stop.set()
-            supervisor.join(5)
-            cluster.down()
 
 
 def _state(cluster: LocalCluster) -> RunState:

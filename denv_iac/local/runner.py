@@ -21,7 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -763,6 +764,22 @@ class LocalCluster:
         state_file = self.directory / STATE_FILE
         if state_file.exists():
             state_file.unlink()
+
+
+@contextmanager
+def supervised(cluster: LocalCluster, say: Progress = lambda _: None) -> Iterator[RunState]:
+    """The cluster up and supervised as `denv local up` runs it (whatever dies is restarted),
+    for a test or a benchmark; stopped, and everything it started with it, on the way out."""
+    state = cluster.up()
+    stop = threading.Event()
+    supervisor = threading.Thread(target=cluster.supervise_until, args=(stop, say), daemon=True)
+    supervisor.start()
+    try:
+        yield state
+    finally:
+        stop.set()
+        supervisor.join(5)
+        cluster.down()
 
 
 def command_config(recipe: RecipeSpec, replica_id: str, host: str) -> CommandConfig:

@@ -23,7 +23,7 @@ from denv_agent.control import drain, undrain
 
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.rollout import roll
-from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port
+from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port, supervised
 from denv_iac.ops.llama import DecodeLoopFreeze, LlamaEngine, build_engine
 from denv_iac.ops.loadgen import LoadReport, run_load
 from tests.waiting import eventually
@@ -50,16 +50,8 @@ def cluster(
 ) -> Iterator[LocalCluster]:
     directory = tmp_path_factory.mktemp("llama")
     running = LocalCluster(engine.stack(), directory, free_port(), project=engine.project)
-    running.up()
-    stop = threading.Event()
-    supervisor = threading.Thread(
-        target=running.supervise_until, args=(stop, lambda _: None), daemon=True
-    )
-    supervisor.start()
-    yield running
-    stop.set()
-    supervisor.join(5)
-    running.down()
+    with supervised(running):
+        yield running
 
 
 def state_of(cluster: LocalCluster) -> RunState:
