@@ -164,8 +164,9 @@ def _stop(cluster: LocalCluster, victim: ReplicaState) -> Callable[[], None]:
 
 
 def _wedge(cluster: LocalCluster, victim: ReplicaState) -> Callable[[], None]:
-    freeze = DecodeLoopFreeze(victim.pid).__enter__()
-    return lambda: freeze.__exit__()
+    freeze = DecodeLoopFreeze(victim.pid)
+    freeze.freeze()
+    return freeze.thaw
 
 
 def _drain(cluster: LocalCluster, victim: ReplicaState) -> Callable[[], None]:

@@ -65,11 +65,17 @@ class DecodeLoopFreeze:
         if self._libc.ptrace(request, self.pid, None, None) != 0:
             raise OSError(ctypes.get_errno(), f"ptrace {request:#x} of {self.pid}")
 
-    def __enter__(self) -> DecodeLoopFreeze:
+    def freeze(self) -> None:
         self._ptrace(_PTRACE_SEIZE)
         self._ptrace(_PTRACE_INTERRUPT)
         os.waitpid(self.pid, _WALL)  # stopped
+
+    def thaw(self) -> None:
+        self._ptrace(_PTRACE_DETACH)
+
+    def __enter__(self) -> DecodeLoopFreeze:
+        self.freeze()
         return self
 
     def __exit__(self, *_: object) -> None:
-        self._ptrace(_PTRACE_DETACH)
+        self.thaw()
