@@ -11,6 +11,7 @@ MODULES = (
     "graph_bench",
     "agent_bench",
     "dataplane_bench",
+    "tail_bench",
     "voice_bench",
     "voice_to_voice",
     "overlay_bench",
