@@ -331,12 +331,6 @@ def _global_section(settings: BalancerSettings) -> str:
         lines.append(f"server-state-file {settings.state_file}")
     lines.append(f"tune.bufsize {_BUFSIZE}")
     lines += [
-        "# One thread: a request then never waits for a second thread to be woken and given its",
-        "# connection, and costs less CPU (measured 240 against 280 us a request, nginx 200).",
-        "nbthread 1",
-        "# Matched samples (header blocks, request ids, bodies) differ in every request: a cache",
-        "# of match results would only be filled, never read.",
-        "tune.pattern.cache-size 0",
         "# After a reload the old worker serves its open sessions until they end, or this long.",
         f"hard-stop-after {_HARD_STOP_AFTER}",
     ]
