@@ -11,9 +11,10 @@ Figures (the endpoint's targets: p99 within nginx's + 0.5 ms one at a time, + 1 
 - *_added_pXX_ms: the target's TTFT quantile less the direct one; *_ratio_p50: the same as a
   ratio; endpoint_minus_nginx_p99_ms: the margin the targets are about.
 
-What this measures and the data-plane bench's ttft_added_p99_ms does not: a new connection
-per request (the data-plane bench keeps one connection alive, so it never pays the accept,
-the handshake or the endpoint's per-connection work), and the rounds in a rotating order.
+Why the data-plane bench's ttft_added_p99_ms once read 0.2 ms where a caller saw more: it kept
+one connection alive per target, so the client's connect, the endpoint's accept and its
+per-connection work never counted, and its p99 of 150 samples was the second worst. It now
+opens a connection per request too; this bench adds nginx, bursts and more rounds.
 """
 
 from __future__ import annotations
