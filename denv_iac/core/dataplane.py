@@ -64,6 +64,7 @@ def balancer_pools(
                 recipe.stall_timeout_ms,
                 tuple(m for m in recipe.model_names if m != recipe.name),
                 recipe.max_concurrency,
+                recipe.queue_budget_ms,
             )
         )
     return tuple(pools)

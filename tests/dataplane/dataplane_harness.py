@@ -68,6 +68,7 @@ class PoolLayout:
     max_concurrency: int = MAX_CONCURRENCY
     first_token_timeout_ms: int = FIRST_TOKEN_TIMEOUT_MS
     stall_timeout_ms: int = STALL_TIMEOUT_MS
+    queue_budget_ms: int | None = None
 
 
 # Two home sites and one failover site for voice; llm lives on a site voice may not use.
@@ -252,6 +253,7 @@ class Dataplane:
             layout.stall_timeout_ms,
             layout.models,
             layout.max_concurrency,
+            layout.queue_budget_ms,
         )
 
     @property

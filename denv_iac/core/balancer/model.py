@@ -63,11 +63,16 @@ class BalancerTier:
     connect_timeout_ms: int | None = None
 
 
-# The share of a pool's first-token budget a request may spend waiting for a slot; the rest is
-# the replica's prefill (a voice turn's prompt on one GPU: tens to a couple of hundred ms of the
-# default 1 s). Measured at 2x a pool's capacity: with the whole budget as the queue's, the
-# served requests waited nearly all of it and 63 % of them had their first token in budget.
-QUEUE_SHARE_PCT = 75
+# How long a request may wait for a slot when its recipe states no `queue_budget_ms`: at most
+# QUEUE_BUDGET_MS, and no more than a fifth of a short first-token budget (the rest is the
+# replica's prefill). A voice agent refused within about 100 ms can still use its fallback
+# inside the turn (another provider, a cached phrase); with three quarters of the 1 s budget as
+# the wait (this default's old value), refusals came at 750 ms and the requests served had
+# waited most of it (TTFT p50 576 ms at 1.0x of a pool's capacity, where the engine's own is
+# 100 ms). A refused request waits this long at most; most are refused at once (see
+# docs/balancer.md, Capacity).
+QUEUE_BUDGET_MS = 80
+QUEUE_SHARE_PCT = 20
 
 
 @dataclass(frozen=True)
@@ -87,18 +92,23 @@ class BalancerPool:
     # Requests one replica takes at once (the recipe's max_concurrency): HAProxy's maxconn on
     # each server; the rest wait in the balancer's queue for at most `queue_timeout_ms`.
     max_concurrency: int = MAX_CONCURRENCY
+    # The recipe's `queue_budget_ms`; None: default_queue_budget_ms.
+    queue_budget_ms: int | None = None
 
     @property
     def queue_timeout_ms(self) -> int:
-        return queue_timeout_ms(self.first_token_timeout_ms)
+        """How long a request may wait for a slot, and what a full tier must start it within
+        to take it into its queue at all."""
+        if self.queue_budget_ms is not None:
+            return self.queue_budget_ms
+        return default_queue_budget_ms(self.first_token_timeout_ms)
 
 
-def queue_timeout_ms(first_token_timeout_ms: int) -> int:
-    """How long a request may wait for a free slot: the first-token budget covers that wait and
-    the replica's own time to its first token (the prefill), so the queue gets QUEUE_SHARE_PCT
-    of it. A request that waited the whole budget would get its first token late whenever it
-    got a slot: under sustained overload every served request would."""
-    return max(1, first_token_timeout_ms * QUEUE_SHARE_PCT // 100)
+def default_queue_budget_ms(first_token_timeout_ms: int) -> int:
+    """How long a request may wait for a free slot when the recipe does not say: the
+    first-token budget covers that wait and the replica's own time to its first token (the
+    prefill), so the queue gets QUEUE_BUDGET_MS and at most QUEUE_SHARE_PCT of it."""
+    return max(1, min(QUEUE_BUDGET_MS, first_token_timeout_ms * QUEUE_SHARE_PCT // 100))
 
 
 @dataclass(frozen=True)

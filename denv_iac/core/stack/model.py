@@ -209,6 +209,10 @@ class RecipeSpec:
     stall_timeout_ms: int = STALL_TIMEOUT_MS
     # Requests one replica takes at once; the balancer queues the rest, then spills or sheds.
     max_concurrency: int = MAX_CONCURRENCY
+    # How long a request may wait in the balancer for a slot; a full tier that would not start
+    # it within this refuses it at once. None: a share of first_token_timeout_ms (see
+    # balancer.model.default_queue_budget_ms).
+    queue_budget_ms: int | None = None
     cache_dirs: tuple[str, ...] = ("/var/cache/denv/hf", "/var/cache/denv/compile")
     session_affinity: bool = True
     env: tuple[tuple[str, str], ...] = ()

@@ -359,6 +359,13 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     ttft_budget = f.integer("ttft_budget_ms", 0, 1, 600_000) or None
     first_token_timeout = f.integer("first_token_timeout_ms", FIRST_TOKEN_TIMEOUT_MS, 50, 600_000)
     stall_timeout = f.integer("stall_timeout_ms", STALL_TIMEOUT_MS, 50, 3_600_000)
+    queue_budget = f.integer("queue_budget_ms", 0, 1, 600_000) or None
+    if queue_budget is not None and queue_budget >= first_token_timeout:
+        f.problem(
+            "queue_budget_ms",
+            f"{queue_budget} leaves no time for the first token within first_token_timeout_ms"
+            f" ({first_token_timeout}); make it smaller, e.g. {first_token_timeout // 5}",
+        )
     _check_simulated_pace(f, simulate, stall_timeout)
     env, secret_env = f.env("env")
     recipe = RecipeSpec(
@@ -380,6 +387,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         first_token_timeout_ms=first_token_timeout,
         stall_timeout_ms=stall_timeout,
         max_concurrency=f.integer("max_concurrency", MAX_CONCURRENCY, 1, 100_000),
+        queue_budget_ms=queue_budget,
         cache_dirs=f.text_list("cache_dirs") or RecipeSpec.cache_dirs,
         session_affinity=f.flag("session_affinity", True),
         env=env,
