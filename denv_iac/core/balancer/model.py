@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from denv_iac.core.stack.model import (
@@ -51,6 +52,24 @@ class BalancerServer:
     canary: bool = False  # a replica of the pool's canary, the recipe's new version
 
 
+# A TCP handshake takes one round trip. The tier's connect timeout allows two, and a few
+# milliseconds for the scheduling of a busy host: a connect that takes longer has lost its SYN
+# (resent after 1 s) or met a dead host, and the request is better retried on another replica
+# at once. HAProxy waits min(timeout connect, 1 s) before it retries a refused connect, so this
+# is also what a replica that has just died costs the next request: a few ms on the same site
+# rather than the stack's one value for every tier (80 ms), which also cut every connect to a
+# site farther than about 80 ms.
+CONNECT_SLACK_MS = 5
+CONNECT_ROUND_TRIPS = 2
+CONNECT_CEILING_MS = 1000  # a SYN lost is resent after 1 s: past that no timer helps
+
+
+def connect_timeout_for(round_trip_ms: float) -> int:
+    """The connect timeout of a tier whose farthest site is `round_trip_ms` away."""
+    wanted = CONNECT_SLACK_MS + math.ceil(CONNECT_ROUND_TRIPS * round_trip_ms)
+    return min(CONNECT_CEILING_MS, wanted)
+
+
 @dataclass(frozen=True)
 class BalancerTier:
     """Replicas of one pool that are equally preferred; a pool fails over tier by tier."""
@@ -58,8 +77,8 @@ class BalancerTier:
     priority: int
     sites: tuple[str, ...]
     servers: tuple[BalancerServer, ...]
-    # For a tier farther away than settings.connect_timeout_ms allows for a TCP handshake
-    # (another continent, from some balancer); None: the settings' value.
+    # The tier's own connect timeout, from the round trip to its sites (connect_timeout_for);
+    # None: the settings' value.
     connect_timeout_ms: int | None = None
 
 

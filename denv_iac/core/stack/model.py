@@ -114,6 +114,11 @@ class SiteSpec:
     subnet_id: str = ""  # Nebius / AWS subnet, optional on AWS
     image: str = ""  # AMI SSM parameter, Nebius image family
     cache_size_gb: int = 500
+    # The round trip from the balancer to the site's replicas, in ms, as `denv status` measures
+    # it: the connect timeout of the tiers that use the site follows it (see
+    # balancer.model.connect_timeout_for). None: unknown, the stack's timers.connect_timeout_ms.
+    # A local site runs on the balancer's own machine: 0.
+    round_trip_ms: float | None = None
 
     @property
     def creates_nodes(self) -> bool:
