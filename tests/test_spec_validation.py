@@ -556,6 +556,17 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         " first_token_timeout_ms (1000); make it smaller, e.g. 200",
     ),
     (
+        "round trip in seconds",
+        lambda c: site(c, 0).update(round_trip_ms=2500),
+        "sites[0].round_trip_ms: 2500 is past 2000 ms, more than any link on Earth; give the"
+        " round trip in milliseconds, as `denv status` shows it",
+    ),
+    (
+        "negative round trip",
+        lambda c: site(c, 0).update(round_trip_ms=-1),
+        "sites[0].round_trip_ms: -1 is below 0; give a number >= 0",
+    ),
+    (
         "queue budget of 0",
         lambda c: recipe(c, 0).update(queue_budget_ms=0),
         "recipes[0].queue_budget_ms: 0 is out of range; use a number from 1 to 600000",
