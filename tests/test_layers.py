@@ -139,8 +139,12 @@ def _imports(path: Path) -> list[str]:
     return found
 
 
+# Programs the package ships as data (denv_iac/data/scripts/) run elsewhere, in a pod or on a
+# node: they import nothing of the package and belong to no layer.
+DATA = PACKAGE / "data"
 MODULES = sorted(
-    (p for p in PACKAGE.rglob("*.py") if _module(p) != "denv_iac"), key=lambda p: _module(p)
+    (p for p in PACKAGE.rglob("*.py") if _module(p) != "denv_iac" and DATA not in p.parents),
+    key=lambda p: _module(p),
 )
 
 

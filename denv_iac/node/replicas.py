@@ -215,7 +215,7 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
         f"{spec.ready_timeout_s} s after its restart: left drained, the rollout stopped, the "
         "pool's other replicas serve the old version"
     )
-    wait = wait_streams_command([replica.port], spec.drain_timeout_s, spec.quiet_s, spec.rejoin_s)
+    wait = wait_streams_command([replica.port], spec.drain_plan())
     return (
         f"denv-agent drain --replica {who} >/dev/null || echo {who}: no agent drained it; "
         f"{wait}; "

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from denv_iac.core.drain import DrainPlan
 from denv_iac.core.sites import CACHE_MOUNT_POINT
 from denv_iac.core.stack.model import (
     AUTO_ENGINE,
@@ -173,6 +174,11 @@ class NodeDeploySpec:
         problems = _problems(self)
         if problems:
             raise NodeSpecError(problems)
+
+    def drain_plan(self) -> DrainPlan:
+        """How a drain of this node's replicas waits: `rejoin_s` to settle (the balancers hear
+        the drain within it), then by the quiet window, at most `drain_timeout_s` more."""
+        return DrainPlan(self.rejoin_s, self.quiet_s, self.drain_timeout_s)
 
     def mig_layout(self) -> dict[int, list[str]]:
         """Per GPU index, the MIG profiles to create, one entry per instance."""
