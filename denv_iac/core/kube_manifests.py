@@ -501,24 +501,9 @@ def env_secret_name(recipe: RecipeSpec) -> str:
 # every one has curl). Each asks the agent of the pod's own node (AGENT_LOCAL_NAME), never
 # through a proxy the recipe's env may name. Arguments after the script: the pod's agent URL,
 # then the hook's own.
-_HOOK_HEAD = """\
-import os, sys, time, urllib.error, urllib.request
-url = sys.argv[1] + "/pods/" + os.environ["DENV_POD"]
-agent = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""
-# Readiness: exit 0 only on the agent's 200 (warm); its reason, or why it was not asked, is what
-# the kubelet shows in the pod's events.
-READY_HOOK = (
-    _HOOK_HEAD
-    + """\
-try:
-    agent.open(url + "/ready", timeout=4).read()
-except urllib.error.HTTPError as e:
-    sys.exit("not warm: " + e.read().decode(errors="replace")[:300])
-except OSError as e:
-    sys.exit("warmth unknown, no agent answered: " + str(e))
-"""
-)
+# Readiness (data/scripts/pod_ready.py): exit 0 only on the agent's 200 (warm); its reason, or
+# why it was not asked, is what the kubelet shows in the pod's events.
+READY_HOOK = script("pod_ready.py")
 # preStop (data/scripts/pod_stop.py): drain, then wait by the pod's drain plan (the one rule,
 # denv_iac.core.drain, that nodes follow too): `settle` s for the balancers to hear the drain at
 # their next agent check, then until no connection to the server's port carries work, `wait` s

@@ -12,9 +12,14 @@ _PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
 
 
 def script(name: str, **values: str) -> str:
-    """The text of data/scripts/`name`, each @KEY@ replaced by `values[KEY]`. Every placeholder
-    must be given and every value used: a script never ships with one left open."""
+    """The text of data/scripts/`name`, each @KEY@ replaced by `values[KEY]` (see `fill`)."""
     text = resources.files("denv_iac").joinpath("data", "scripts", name).read_text()
+    return fill(name, text, values)
+
+
+def fill(name: str, text: str, values: dict[str, str]) -> str:
+    """`text` with each @KEY@ replaced by `values[KEY]`. Every placeholder must be given and
+    every value used: a script never ships with one left open."""
     found = set(_PLACEHOLDER.findall(text))
     if found != set(values):
         raise ValueError(
