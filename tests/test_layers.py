@@ -39,6 +39,9 @@ NOT_IN_CORE = (
     "rich",
     "matplotlib",
 )
+# What the core may import of the agent package (a dependency of denv-iac): its pure modules,
+# which do no I/O either (test_the_agent_modules_the_core_uses_do_no_io).
+AGENT_IN_CORE = ("denv_agent.toml_text",)
 # Nor the standard library's doors to the world: processes, signals, sockets, files and folders,
 # threads and event loops, the clock, randomness, the interpreter's streams. `posixpath` does path
 # arithmetic on strings; `pathlib` is allowed for the same (its I/O methods are refused below).
@@ -152,6 +155,11 @@ def test_every_module_has_a_layer() -> None:
     assert [_module(p) for p in MODULES if _layer(_module(p)) is None] == []
 
 
+def _refused_in_core(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in NOT_IN_CORE or (top == "denv_agent" and name not in AGENT_IN_CORE)
+
+
 @pytest.mark.parametrize("path", MODULES, ids=_module)
 def test_imports_go_down_the_layers_only(path: Path) -> None:
     module = _module(path)
@@ -163,7 +171,7 @@ def test_imports_go_down_the_layers_only(path: Path) -> None:
             other = _layer(name)
             if other is not None and other > own:
                 upward.append(f"{name} ({LAYERS[other][0]})")
-        elif own == 0 and name.split(".")[0] in NOT_IN_CORE:
+        elif own == 0 and _refused_in_core(name):
             upward.append(name)
     assert upward == [], f"{module} ({LAYERS[own][0]}) imports from above: {upward}"
 
@@ -213,6 +221,14 @@ CORE = [p for p in MODULES if _layer(_module(p)) == 0]
 def test_the_core_does_no_io(path: Path) -> None:
     found = io_in(path.read_text())
     assert found == [], f"{_module(path)} (core) does I/O: {found}; move it to the machines layer"
+
+
+@pytest.mark.parametrize("module", AGENT_IN_CORE)
+def test_the_agent_modules_the_core_uses_do_no_io(module: str) -> None:
+    path = PACKAGE.parent / "agent" / (module.replace(".", "/") + ".py")
+    found = io_in(path.read_text())
+    assert found == [], f"{module} (imported by the core) does I/O: {found}"
+    assert [n for n in _imports(path) if n.startswith(("denv_agent", "denv_iac"))] == []
 
 
 @pytest.mark.parametrize(
