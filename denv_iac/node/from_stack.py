@@ -1,7 +1,5 @@
 """What each placed node of a stack runs: the node deploys' input, built from the stack."""
 
-from dataclasses import asdict
-
 from denv_iac.core.agent_config import recipe_probe
 from denv_iac.core.balancer.haproxy import rejoin_s
 from denv_iac.core.drain import drain_plan
@@ -13,7 +11,6 @@ from denv_iac.core.sites import CLOUD_SITE_KINDS, cache_root, node_id
 from denv_iac.core.stack.model import (
     COLD_START_BUDGET_S,
     SSH_SITE_KINDS,
-    RecipeSpec,
     StackSpec,
 )
 from denv_iac.core.stack.ports import replica_port
@@ -23,7 +20,6 @@ from denv_iac.node.spec import (
     MigSlice,
     NodeDeploySpec,
     NodeSpecError,
-    ProbeSpec,
     ReplicaSpec,
 )
 
@@ -54,7 +50,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 mig_instance=r.slice or 0,
                 env=dict(recipes[r.pool].env),
                 health_path=recipes[r.pool].health_path,
-                probe=_probe(recipes[r.pool]),
+                probe=recipe_probe(recipes[r.pool]),
             )
             for r in placement.replicas
             if (r.site, r.node) == (node.site, node.name)
@@ -93,8 +89,3 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
             where = f"sites: {node.site}.{node.name}"
             raise StackError([f"{where}: {p}" for p in error.problems]) from None
     return specs
-
-
-def _probe(recipe: RecipeSpec) -> ProbeSpec | None:
-    probe = recipe_probe(recipe)
-    return None if probe is None else ProbeSpec(**asdict(probe))
