@@ -194,6 +194,7 @@ def test_a_stopping_pod_with_only_an_idle_pooled_connection_stops_after_the_quie
         pod_agent(tmp_path, server) as agent,
         socket.create_connection(listener.getsockname()) as pooled,
     ):
+        command = _stop_hook(agent, listener.getsockname()[1], wait="30", quiet=str(quiet_s))
         accepted, _ = listener.accept()
         with accepted:
             pooled.sendall(b"GET /health HTTP/1.1\r\n\r\n")
@@ -201,12 +202,13 @@ def test_a_stopping_pod_with_only_an_idle_pooled_connection_stops_after_the_quie
             accepted.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
             pooled.recv(1024)
             last_byte = time.monotonic()
-            command = _stop_hook(agent, listener.getsockname()[1], wait="30", quiet=str(quiet_s))
             answer = _run(command)
             elapsed = time.monotonic() - last_byte
             # Still open when the hook ended: it was not waited for, and was not cut.
             assert pooled.getpeername() and accepted.fileno() >= 0
     assert answer.returncode == 0, answer.stderr
+    # Waited for while it was not yet quiet for the window, then left to close with the server.
+    assert elapsed >= quiet_s
     assert_within(elapsed, quiet_s + SAMPLE_S, "preStop ends after the quiet window", 5)
     assert answer.stdout.startswith("no streams open after "), answer
     assert "; 1 idle connection(s), quiet for 1 s or more" in answer.stdout, answer.stdout
