@@ -136,7 +136,7 @@ def remove_leftovers() -> list[str]:
     return left
 
 
-def join_namespace(namespace: str) -> None:
+def _join(namespace: str) -> None:
     """Move the calling thread (only it) into `namespace`."""
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
@@ -157,7 +157,7 @@ def call_in(namespace: str, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.k
 
     def body() -> None:
         try:
-            join_namespace(namespace)
+            _join(namespace)
             outcome.append((fn(*args, **kwargs), None))
         except BaseException as error:  # handed to the caller's thread below
             outcome.append((None, error))

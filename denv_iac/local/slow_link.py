@@ -6,10 +6,11 @@ connect through it takes no longer than on the near side. Through this link ever
 late, the SYN and the SYN-ACK included: a connect takes the round trip, as it does to a site
 on another continent, which is what a tier's connect timeout must allow for.
 
-The process is started by NetnsLab (`SlowLink.start`); it makes one device in the site's
-namespace and one in the balancer's, says `ready`, and forwards until it is killed. The
-devices go with it. Cutting the link (the device down) and the lab's loss rules work on it as
-on a veth link.
+The process is started in the site's namespace by NetnsLab (`SlowLink.start`); it makes both
+devices there, says `ready`, and forwards until it is killed (the devices go with it).
+`start` then moves the balancer's end into the balancer's namespace: a TUN device keeps its
+file descriptor across the move. Cutting the link (the device down) and the lab's loss rules
+work on it as on a veth link.
 """
 
 from __future__ import annotations
@@ -59,18 +60,8 @@ def _forward(loop: asyncio.AbstractEventLoop, source: int, target: int, delay_s:
     loop.add_reader(source, readable)
 
 
-def serve(
-    site_namespace: str,
-    site_device: str,
-    balancer_namespace: str,
-    balancer_device: str,
-    one_way_ms: float,
-) -> None:
-    from denv_iac.local.netns import join_namespace  # the lab imports this module
-
-    join_namespace(site_namespace)
+def serve(site_device: str, balancer_device: str, one_way_ms: float) -> None:
     site = _open_tun(site_device)
-    join_namespace(balancer_namespace)
     balancer = _open_tun(balancer_device)
     loop = asyncio.new_event_loop()
     delay_s = one_way_ms / 1000
@@ -92,9 +83,13 @@ class SlowLink:
         round_trip_ms: float,
     ) -> None:
         self.command = [
+            *("ip", "netns", "exec", site_namespace),
             *(sys.executable, "-m", "denv_iac.local.slow_link"),
-            *(site_namespace, site_device, balancer_namespace, balancer_device),
-            f"--one-way-ms={round_trip_ms / 2}",
+            *(site_device, balancer_device, f"--one-way-ms={round_trip_ms / 2}"),
+        ]
+        self.move = [
+            *("ip", "-n", site_namespace, "link", "set", "dev", balancer_device),
+            *("netns", balancer_namespace),
         ]
         self.process: subprocess.Popen[str] | None = None
 
@@ -108,6 +103,10 @@ class SlowLink:
         if line != READY:
             self.stop()
             raise RuntimeError(f"the slow link did not start: {line or 'no answer'}")
+        moved = subprocess.run(self.move, capture_output=True, text=True, check=False)
+        if moved.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"{' '.join(self.move)}: {moved.stderr.strip()}")
 
     def stop(self) -> None:
         if self.process is None:
@@ -119,20 +118,12 @@ class SlowLink:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("site_namespace")
     parser.add_argument("site_device")
-    parser.add_argument("balancer_namespace")
     parser.add_argument("balancer_device")
     parser.add_argument("--one-way-ms", type=float, required=True)
     args = parser.parse_args(argv)
     try:
-        serve(
-            args.site_namespace,
-            args.site_device,
-            args.balancer_namespace,
-            args.balancer_device,
-            args.one_way_ms,
-        )
+        serve(args.site_device, args.balancer_device, args.one_way_ms)
     except OSError as error:
         print(f"{type(error).__name__}: {error}", flush=True)
         sys.exit(1)
