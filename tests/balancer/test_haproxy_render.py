@@ -256,7 +256,7 @@ def test_tier_comment_names_pool_priority_and_sites() -> None:
     [
         (
             "backend voice.tier1",
-            ["balance hdr(X-Denv-Session)", "hash-type consistent", "hash-balance-factor 150"],
+            ["balance hdr(X-Denv-Session)", "hash-type consistent", "hash-balance-factor 101"],
         ),
         ("backend llm-8b.tier1", ["balance leastconn", "timeout queue 80ms"]),
     ],
