@@ -17,9 +17,14 @@ $(STAMP): requirements.lock pyproject.toml agent/pyproject.toml scripts/setup.sh
 llama: setup
 	$(BIN)/python scripts/llama_server.py
 
+# The programs the package ships as files (denv_iac/data/scripts/): ruff reads the python3 ones
+# with the rest of PY_SRC, shellcheck the shell ones.
+SH_SRC := $(wildcard denv_iac/data/scripts/*.sh)
+
 lint: setup
 	$(BIN)/ruff check $(PY_SRC)
 	$(BIN)/ruff format --check $(PY_SRC)
+	shellcheck $(SH_SRC)
 
 typecheck: setup
 	$(BIN)/mypy denv_iac agent/denv_agent benchmarks scripts/llama_server.py

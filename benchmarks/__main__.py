@@ -1,4 +1,7 @@
-"""`make bench`: run each benchmark present, print its figures, write results/NAME.json."""
+"""`make bench`: run each benchmark present, print its figures, write results/NAME.json.
+
+`python -m benchmarks overload_bench dataplane_bench` runs only those named.
+"""
 
 import importlib
 import json
@@ -20,10 +23,14 @@ MODULES = (
 RESULTS = Path(__file__).parent / "results"
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
+    unknown = sorted(set(names) - set(MODULES))
+    if unknown:
+        print(f"no benchmark {', '.join(unknown)}; pick from {', '.join(MODULES)}", file=sys.stderr)
+        return 2
     failed = []
     RESULTS.mkdir(exist_ok=True)
-    for name in MODULES:
+    for name in names or MODULES:
         try:
             module = importlib.import_module(f"benchmarks.{name}")
         except ModuleNotFoundError as error:
@@ -45,4 +52,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

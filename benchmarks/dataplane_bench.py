@@ -13,7 +13,9 @@ Figures (targets from the design's numbers):
   requests to that replica (<= 500 ms). Worst of the trials.
 - first_after_death_errors, first_after_death_added_ms: a replica process is killed, and the
   next request of its session goes out at once: errors, and time to first token added over
-  the steady state (0, <= 100 ms). Worst of the trials.
+  the steady state (0; at most the tier's connect timeout, 5 ms for these local sites, plus
+  the retry's own connect and the machine's scheduling). Worst of the trials, and
+  first_after_death_added_p50_ms, their median.
 - abort_surfaced_ms: a replica is killed mid-stream; how long until the client sees the stream
   broken off (<= 1000 ms). Worst of the trials.
 """
@@ -52,7 +54,7 @@ POOLS = tuple(
     dataclasses.replace(layout, max_concurrency=THROUGHPUT_CONCURRENCY) for layout in STANDARD_POOLS
 )
 XID_TRIALS = 3
-DEATH_TRIALS = 5
+DEATH_TRIALS = 9
 ABORT_TRIALS = 3
 # A read that waits longer fails the request as a timeout (none should come near it here).
 TIMEOUT_S = 30.0
@@ -250,6 +252,9 @@ async def _measure(plane: Dataplane) -> dict[str, float]:
     served = [_ttft_s(r) for r in after_death if r.ok]
     figures["first_after_death_added_ms"] = (
         (max(served) - balanced_p50_s) * 1000 if served else float("nan")
+    )
+    figures["first_after_death_added_p50_ms"] = (
+        (statistics.median(served) - balanced_p50_s) * 1000 if served else float("nan")
     )
 
     aborts = []

@@ -114,6 +114,7 @@ def account(
         "gave_up": share(counted.gave_up),
         "rejected": share(len(counted.rejected)),
         "rejected_p50_ms": round(percentile(rejected_ms, 50) or 0.0, 1),
+        "rejected_p99_ms": round(percentile(rejected_ms, 99) or 0.0, 1),
         "rejected_max_ms": counted.worst_rejected_ms or 0.0,
         "other_errors": share(sum(counted.other_errors.values()) - counted.gave_up),
     }

@@ -9,8 +9,9 @@ that capacity go for WINDOW_S (those of the first WARMUP_S, which meet empty que
 counted) through
 
 - product: the balancer (HAProxy, the rendered config) with the recipe's max_concurrency equal
-  to the slots: a request waits in the balancer for at most the first-token budget, then is
-  answered 503 pool_full with Retry-After;
+  to the slots: a request that finds every slot taken waits in the balancer only when the tier
+  would start it within the pool's queue budget, and at most that long; any other is
+  answered 503 pool_full with Retry-After, at once or after that wait;
 - peer: vllm-router (PEER_POLICY, its load-aware policy, its other settings as shipped), which
   forwards every request to a replica, where it waits in the engine's queue.
 
@@ -23,7 +24,7 @@ by benchmarks/goodput.py:
   ttft_p50_ms, ttft_p90_ms: time to first token of the completed requests;
 - cut: streams broken off after they began, by the router or a replica; gave_up: streams the
   client left after PATIENCE_S of silence; rejected: answered 503/429 before any stream,
-  with the p50 and worst time to that answer.
+  with the p50, p99 and worst time to that answer.
 And per level, goodput_ratio: the product's goodput over the peer's, both from this run, since
 the machine is shared and its absolute speed varies from run to run (None when the peer served
 nothing within budget), and goodput_gain: the product's goodput less the peer's.

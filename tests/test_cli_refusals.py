@@ -373,3 +373,37 @@ def test_local_demo_on_a_keyed_stack_without_a_key_is_refused_before_anything_st
         "balancer.api_key_digests; export one of those keys as DEMO_KEY",
     )
     assert not (project / ".denv").exists()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overlay", "line"),
+    [
+        (
+            {"ttft_budget_ms": 1500},
+            {},
+            "recipes[0].ttft_budget_ms: 1500 is longer than its first_token_timeout_ms (1000),"
+            " so the balancer retries a slow replica's requests elsewhere before its agent would"
+            " call it slow; make it at most 1000",
+        ),
+        ({"ttft_budget_ms": 1000}, {}, None),
+        (
+            {},
+            {"cidr": "172.16.0.0/12"},
+            "balancer.overlay.cidr: 172.16.0.0/12 overlaps Docker's default bridge"
+            " (172.17.0.0/16), so on a node that runs it the overlay's traffic can be routed"
+            " into that network; pick a range clear of it, e.g. the default 10.99.0.0/16",
+        ),
+        ({}, {"cidr": "10.200.0.0/16"}, None),
+    ],
+)
+def test_settings_that_work_against_each_other_are_a_warning(
+    tmp_path: Path, recipe: dict[str, object], overlay: dict[str, object], line: str | None
+) -> None:
+    config = copy.deepcopy(WORLD_OPEN)
+    config["denv:recipes"][0].update(recipe)
+    config["denv:balancer"]["overlay"] = overlay
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": config})))
+    assert result.exit_code == 0, result.output
+    warned = result.stderr.splitlines()
+    assert warned[: len(WARNINGS)] == [f"warning: {w}" for w in WARNINGS]
+    assert warned[len(WARNINGS) :] == ([] if line is None else [f"warning: {line}"])

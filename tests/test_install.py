@@ -85,15 +85,23 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
+# The package's own data: the catalog, and the programs it ships as files.
+DATA_FILES = [
+    "data/catalog.json",
+    *(f"data/scripts/{p.name}" for p in (ROOT / "denv_iac" / "data" / "scripts").iterdir()),
+]
+
+
 def test_uv_build_gives_both_wheels_and_sdists_with_the_catalog(dist: Path) -> None:
     assert sorted(p.name for p in dist.glob("denv_*")) == sorted((*WHEELS, *SDISTS))
     with tarfile.open(dist / SDISTS[1]) as sdist:
-        assert f"denv_iac-{VERSION}/denv_iac/data/catalog.json" in sdist.getnames()
+        for data in DATA_FILES:
+            assert f"denv_iac-{VERSION}/denv_iac/{data}" in sdist.getnames()
         pkg_info = sdist.extractfile(f"denv_iac-{VERSION}/PKG-INFO")
         assert pkg_info is not None
         sdist_metadata = pkg_info.read().decode()
     with zipfile.ZipFile(dist / WHEELS[1]) as wheel:
-        assert "denv_iac/data/catalog.json" in wheel.namelist()
+        assert {f"denv_iac/{data}" for data in DATA_FILES} <= set(wheel.namelist())
         wheel_metadata = wheel.read(f"denv_iac-{VERSION}.dist-info/METADATA").decode()
     # Both go to other machines: they name the agent by version, never by a path on this one.
     for metadata in (sdist_metadata, wheel_metadata):

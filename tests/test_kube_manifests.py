@@ -328,12 +328,12 @@ def test_a_stopping_pod_drains_and_waits_within_its_grace_period(
     manifests = site_manifests(stack, stack.site("k8s"), place_replicas(stack).replicas)
     pod = _pool(manifests, "voice").stateful_set["spec"]["template"]["spec"]
     server = _server(_pool(manifests, "voice").stateful_set)
-    python, flag, script, url, port, wait, settle_s, hold = server["lifecycle"]["preStop"]["exec"][
-        "command"
-    ]
+    command = server["lifecycle"]["preStop"]["exec"]["command"]
+    python, flag, script, url, port, wait, settle_s, hold, quiet = command
     assert (python, flag, port) == ("python3", "-c", "8000")
     assert "/drain?hold_s=" in script and "/proc/net/tcp" in script
-    assert (wait, settle_s) == (str(drain_timeout_s), settle)
+    # The drain plan's numbers: its bound, its settle time, its quiet window (nodes' too).
+    assert (wait, settle_s, quiet) == (str(drain_timeout_s), settle, "40")
     # The kubelet kills the pod at its grace period: the hook's wait fits in it, with the
     # server's own stop after it, and the agent's drain lasts no longer than the pod.
     grace = pod["terminationGracePeriodSeconds"]

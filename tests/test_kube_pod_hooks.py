@@ -70,7 +70,7 @@ def _local(command: list[str], agent_url: str, **replace: str) -> list[str]:
     python, flag, script, url, *args = command
     assert (python, flag) == ("python3", "-c")
     assert url == AGENT_URL
-    names = ["port", "wait", "settle", "hold"][: len(args)]
+    names = ["port", "wait", "settle", "hold", "quiet"][: len(args)]
     values = [replace.get(name, value) for name, value in zip(names, args, strict=True)]
     return [sys.executable, flag, script, agent_url, *values]
 
@@ -83,8 +83,8 @@ def _run(command: list[str], timeout_s: float = 30) -> subprocess.CompletedProce
 def test_the_rendered_hooks_ask_the_agent_of_the_pods_own_node() -> None:
     ready, stop = _hooks(drain_timeout_s=300)
     assert ready[3:] == [AGENT_URL]
-    # port, drain bound, settle (two agent checks of 200 ms and a second), drain hold
-    assert stop[3:] == [AGENT_URL, "8000", "300", "1.4", "330"]
+    # port, drain bound, settle (two agent checks of 200 ms and a second), drain hold, quiet
+    assert stop[3:] == [AGENT_URL, "8000", "300", "1.4", "330", "40"]
 
 
 def test_readiness_passes_only_once_the_agent_calls_the_replica_warm(
@@ -110,13 +110,12 @@ def test_readiness_fails_when_no_agent_answers() -> None:
     assert "warmth unknown, no agent answered" in answer.stderr, answer.stderr
 
 
-def _stop_hook(agent: Agent, server: ReplicaServer, wait: str) -> list[str]:
-    """The rendered preStop, watching `server`'s port, bound to `wait` s, once `agent` has the
-    replica up."""
+def _stop_hook(agent: Agent, port: int, wait: str, **replace: str) -> list[str]:
+    """The rendered preStop, watching `port`, bound to `wait` s, once `agent` has the replica
+    up."""
     wait_for(lambda: reply(agent, REPLICA), lambda r: r.startswith("up"))
     _, stop = _hooks()
-    port = str(server.server.server_address[1])
-    return _local(stop, pods_url(agent), port=port, wait=wait, settle="0.2")
+    return _local(stop, pods_url(agent), port=str(port), wait=wait, settle="0.2", **replace)
 
 
 def _session(server: ReplicaServer) -> socket.socket:
@@ -129,7 +128,7 @@ def test_a_stopping_pod_is_drained_then_stops_once_its_last_connection_closes(
     tmp_path: Path, server: ReplicaServer
 ) -> None:
     with pod_agent(tmp_path, server) as agent:
-        command = _stop_hook(agent, server, wait="20")
+        command = _stop_hook(agent, server.server.server_address[1], wait="20")
         session = _session(server)
         hook = subprocess.Popen(
             command,
@@ -171,7 +170,7 @@ def test_a_session_that_outlives_the_drain_bound_is_cut_and_counted(
         pod_agent(tmp_path, health) as agent,
         _session(server),
     ):
-        command = _stop_hook(agent, server, wait="1")
+        command = _stop_hook(agent, server.server.server_address[1], wait="1")
         started = time.monotonic()
         answer = _run(command)
         elapsed = time.monotonic() - started
@@ -180,3 +179,37 @@ def test_a_session_that_outlives_the_drain_bound_is_cut_and_counted(
         assert answer.returncode == 0
         assert "1 connections still open after 1 s: cut" in answer.stderr, answer.stderr
         assert reply(agent, REPLICA) == "drain #pod stopping\n"
+
+
+@pytest.mark.timing
+def test_a_stopping_pod_with_only_an_idle_pooled_connection_stops_after_the_quiet_window(
+    tmp_path: Path, server: ReplicaServer
+) -> None:
+    # A balancer's connection kept for reuse: it carried a request and its answer, then nothing.
+    # The pod waits out the quiet window from its last byte, not the drain bound; nodes follow
+    # the same rule (tests/node/test_repair_wait.py).
+    quiet_s = 1
+    with (
+        socket.create_server(("127.0.0.1", 0)) as listener,
+        pod_agent(tmp_path, server) as agent,
+        socket.create_connection(listener.getsockname()) as pooled,
+    ):
+        command = _stop_hook(agent, listener.getsockname()[1], wait="30", quiet=str(quiet_s))
+        accepted, _ = listener.accept()
+        with accepted:
+            pooled.sendall(b"GET /health HTTP/1.1\r\n\r\n")
+            accepted.recv(1024)
+            accepted.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            pooled.recv(1024)
+            last_byte = time.monotonic()
+            answer = _run(command)
+            elapsed = time.monotonic() - last_byte
+            # Still open when the hook ended: it was not waited for, and was not cut.
+            assert pooled.getpeername() and accepted.fileno() >= 0
+    assert answer.returncode == 0, answer.stderr
+    # Waited for while it was not yet quiet for the window, then left to close with the server.
+    assert elapsed >= quiet_s
+    assert_within(elapsed, quiet_s + SAMPLE_S, "preStop ends after the quiet window", 5)
+    assert answer.stdout.startswith("no streams open after "), answer
+    assert "; 1 idle connection(s), quiet for 1 s or more" in answer.stdout, answer.stdout
+    assert "cut" not in answer.stderr, answer.stderr

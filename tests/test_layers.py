@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.lambda_api",
             "denv_iac.robot_api",
             "denv_iac.waits",
+            "denv_iac.child_process",
         ),
     ),
     ("wiring", ("denv_iac.components",)),
@@ -39,6 +40,22 @@ NOT_IN_CORE = (
     "rich",
     "matplotlib",
 )
+# Within the machines layer, lowest first, as LAYERS: the local data plane runs the installed
+# HAProxy, never the other way round.
+MACHINES: tuple[tuple[str, ...], ...] = (
+    (
+        "denv_iac.waits",
+        "denv_iac.child_process",
+        "denv_iac.stacks_dir",
+        "denv_iac.lambda_api",
+        "denv_iac.robot_api",
+    ),
+    ("denv_iac.node", "denv_iac.haproxy"),
+    ("denv_iac.local",),
+)
+# What the core may import of the agent package (a dependency of denv-iac): its pure modules,
+# which do no I/O either (test_the_agent_modules_the_core_uses_do_no_io).
+AGENT_IN_CORE = ("denv_agent.toml_text",)
 # Nor the standard library's doors to the world: processes, signals, sockets, files and folders,
 # threads and event loops, the clock, randomness, the interpreter's streams. `posixpath` does path
 # arithmetic on strings; `pathlib` is allowed for the same (its I/O methods are refused below).
@@ -115,7 +132,11 @@ def _module(path: Path) -> str:
 
 
 def _layer(module: str) -> int | None:
-    for index, (_, prefixes) in enumerate(LAYERS):
+    return _level(module, tuple(prefixes for _, prefixes in LAYERS))
+
+
+def _level(module: str, levels: tuple[tuple[str, ...], ...]) -> int | None:
+    for index, prefixes in enumerate(levels):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return index
     return None
@@ -139,13 +160,22 @@ def _imports(path: Path) -> list[str]:
     return found
 
 
+# Programs the package ships as data (denv_iac/data/scripts/) run elsewhere, in a pod or on a
+# node: they import nothing of the package and belong to no layer.
+DATA = PACKAGE / "data"
 MODULES = sorted(
-    (p for p in PACKAGE.rglob("*.py") if _module(p) != "denv_iac"), key=lambda p: _module(p)
+    (p for p in PACKAGE.rglob("*.py") if _module(p) != "denv_iac" and DATA not in p.parents),
+    key=lambda p: _module(p),
 )
 
 
 def test_every_module_has_a_layer() -> None:
     assert [_module(p) for p in MODULES if _layer(_module(p)) is None] == []
+
+
+def _refused_in_core(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in NOT_IN_CORE or (top == "denv_agent" and name not in AGENT_IN_CORE)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_module)
@@ -159,9 +189,124 @@ def test_imports_go_down_the_layers_only(path: Path) -> None:
             other = _layer(name)
             if other is not None and other > own:
                 upward.append(f"{name} ({LAYERS[other][0]})")
-        elif own == 0 and name.split(".")[0] in NOT_IN_CORE:
+        elif own == 0 and _refused_in_core(name):
             upward.append(name)
     assert upward == [], f"{module} ({LAYERS[own][0]}) imports from above: {upward}"
+
+
+MACHINE_MODULES = [p for p in MODULES if _level(_module(p), MACHINES) is not None]
+
+
+def test_every_machines_module_has_a_place_in_their_order() -> None:
+    machines = [_module(p) for p in MODULES if _layer(_module(p)) == 1]
+    assert [m for m in machines if _level(m, MACHINES) is None] == []
+
+
+def machines_upward(module: str, imports: list[str]) -> list[str]:
+    """What `module` imports from above its own place in MACHINES."""
+    own = _level(module, MACHINES)
+    assert own is not None
+    return [n for n in imports if (other := _level(n, MACHINES)) is not None and other > own]
+
+
+@pytest.mark.parametrize("path", MACHINE_MODULES, ids=_module)
+def test_the_machines_import_down_their_order_only(path: Path) -> None:
+    upward = machines_upward(_module(path), _imports(path))
+    assert upward == [], f"{_module(path)} imports from above it in the machines layer: {upward}"
+
+
+def _dependencies(path: Path, modules: frozenset[str]) -> set[str]:
+    """The package's modules `path` imports: `from a.b import c` is a.b.c where that is a
+    module, else a.b; a module's own enclosing packages are left out (Python runs them first,
+    whatever it imports)."""
+    module, found = _module(path), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                for a in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + "."):
+                found.add(name)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph` (module -> the modules it imports): each strongly connected
+    group of more than one module, sorted."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in order:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], order[other])
+        if low[node] == order[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1 or node in graph.get(node, ()):
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_module_of_the_package_imports_itself_through_others() -> None:
+    modules = frozenset(_module(p) for p in PACKAGE.rglob("*.py") if DATA not in p.parents)
+    graph = {_module(p): _dependencies(p, modules) for p in MODULES}
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "found"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+        ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"a"}}, [["a"]]),
+    ],
+)
+def test_the_cycle_check_sees_a_cycle(graph: dict[str, set[str]], found: list[list[str]]) -> None:
+    assert cycles(graph) == found
+
+
+@pytest.mark.parametrize(
+    ("module", "imports", "upward"),
+    [
+        # What haproxy/runtime.py did before ChildProcess moved below it.
+        ("denv_iac.haproxy.runtime", ["denv_iac.local.child"], ["denv_iac.local.child"]),
+        (
+            "denv_iac.waits",
+            ["denv_iac.node.steps", "denv_iac.core.polling"],
+            ["denv_iac.node.steps"],
+        ),
+        ("denv_iac.local.runner", ["denv_iac.haproxy.runtime", "denv_iac.child_process"], []),
+    ],
+)
+def test_the_order_check_sees_an_upward_arrow(
+    module: str, imports: list[str], upward: list[str]
+) -> None:
+    assert machines_upward(module, imports) == upward
 
 
 def _reads_own_data(call: ast.AST) -> bool:
@@ -209,6 +354,14 @@ CORE = [p for p in MODULES if _layer(_module(p)) == 0]
 def test_the_core_does_no_io(path: Path) -> None:
     found = io_in(path.read_text())
     assert found == [], f"{_module(path)} (core) does I/O: {found}; move it to the machines layer"
+
+
+@pytest.mark.parametrize("module", AGENT_IN_CORE)
+def test_the_agent_modules_the_core_uses_do_no_io(module: str) -> None:
+    path = PACKAGE.parent / "agent" / (module.replace(".", "/") + ".py")
+    found = io_in(path.read_text())
+    assert found == [], f"{module} (imported by the core) does I/O: {found}"
+    assert [n for n in _imports(path) if n.startswith(("denv_agent", "denv_iac"))] == []
 
 
 @pytest.mark.parametrize(

@@ -37,10 +37,13 @@ def test_local_plan_table() -> None:
     ):
         assert replica in result.output
     assert "Warm capacity: $0.00/hour" in result.output
+    shown = " ".join(result.output.split())
     assert (
         "Balancer timers: connect 80 ms, health check 500 ms every 1000 ms, agent every 200 ms;"
-        " a replica that has just died costs the next request up to 80 ms"
-    ) in " ".join(result.output.split())
+        " a replica that has just died costs the next request up to its tier's connect timeout"
+    ) in shown
+    # Every site of the local stack is on the balancer's machine: round trip 0, 5 ms.
+    assert "voice tier 10 (local): connect 5 ms (round trip 0 ms)" in shown
 
 
 def test_multicloud_plan_json(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ import pytest
 
 from denv_iac.core.balancer import BalancerPool, BalancerTier
 from denv_iac.core.balancer.haproxy import render_haproxy_config
+from denv_iac.core.dataplane import balancer_pools
 from denv_iac.core.endpoint import balancer_settings
+from denv_iac.core.placement import place_replicas
 from denv_iac.core.stack.model import AGENT_INTER_MS, MAX_CONCURRENCY, Secret, SimulatedServer
 from denv_iac.core.stack.reader import StackError, read_stack
 from tests.balancer.sample_pools import MAP_DIR, VOICE, server
@@ -548,6 +550,28 @@ CASES: list[tuple[str, Callable[[Config], object], str]] = [
         for path in ("/", "//")
     ),
     (
+        "queue budget as long as the first-token budget",
+        lambda c: recipe(c, 0).update(queue_budget_ms=1000),
+        "recipes[0].queue_budget_ms: 1000 leaves no time for the first token within"
+        " first_token_timeout_ms (1000); make it smaller, e.g. 200",
+    ),
+    (
+        "round trip in seconds",
+        lambda c: site(c, 0).update(round_trip_ms=2500),
+        "sites[0].round_trip_ms: 2500 is past 2000 ms, more than any link on Earth; give the"
+        " round trip in milliseconds, as `denv status` shows it",
+    ),
+    (
+        "negative round trip",
+        lambda c: site(c, 0).update(round_trip_ms=-1),
+        "sites[0].round_trip_ms: -1 is below 0; give a number >= 0",
+    ),
+    (
+        "queue budget of 0",
+        lambda c: recipe(c, 0).update(queue_budget_ms=0),
+        "recipes[0].queue_budget_ms: 0 is out of range; use a number from 1 to 600000",
+    ),
+    (
         "ttft budget of 0",
         lambda c: recipe(c, 0).update(ttft_budget_ms=0),
         "recipes[0].ttft_budget_ms: 0 is out of range; use a number from 1 to 600000",
@@ -759,6 +783,22 @@ def test_a_recipe_states_what_one_replica_admits(given: int | None, read: int) -
     stack = read_stack("t", config)
     assert stack.recipes[0].max_concurrency == read
     assert MAX_CONCURRENCY == 32  # the documented default (docs/stacks.md)
+
+
+@pytest.mark.parametrize(
+    ("given", "first_token_ms", "queue_ms"),
+    [({}, None, 80), ({"queue_budget_ms": 300}, None, 300), ({}, 250, 50), ({}, 5000, 80)],
+)
+def test_a_recipe_states_how_long_a_request_may_wait_for_a_slot(
+    given: dict[str, int], first_token_ms: int | None, queue_ms: int
+) -> None:
+    config = valid_config()
+    recipe(config, 0).update(given)
+    if first_token_ms is not None:
+        recipe(config, 0)["first_token_timeout_ms"] = first_token_ms
+    stack = read_stack("t", config)
+    pools = balancer_pools(stack, place_replicas(stack), lambda r: ("10.0.0.1", 8000, 8101))
+    assert [p.queue_timeout_ms for p in pools if p.name == stack.recipes[0].name] == [queue_ms]
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from denv_iac.ops.status import (
     pool_statuses,
     read_agents,
     replica_statuses,
+    site_distances,
     with_agent_health,
 )
 from tests.stacks import local_site
@@ -73,6 +74,30 @@ def test_replicas_are_placed_by_their_id() -> None:
         "n3",
         True,
     )
+
+
+@pytest.mark.parametrize(
+    ("checks", "measured"),
+    [
+        ({"voice.local.n0.0": "312", "voice.local.n1.0": "300"}, 150.0),  # the quicker
+        ({"voice.local.n0.0": "0", "voice.local.n1.0": ""}, 0.0),  # one not checked yet
+        ({"voice.local.n0.0": "", "voice.local.n1.0": ""}, None),
+    ],
+)
+def test_a_sites_round_trip_is_half_its_quickest_health_check(
+    checks: dict[str, str], measured: float | None
+) -> None:
+    rows = {name: row("UP") | {"check_duration": ms} for name, ms in checks.items()}
+    stack = read_stack("t", CONFIG)
+    [distance] = site_distances(stack, replica_statuses(rows))
+    # A local site runs on the balancer's machine: the stack's round trip for it is 0.
+    assert (distance.site, distance.measured_round_trip_ms, distance.stated_round_trip_ms) == (
+        "local",
+        measured,
+        0.0,
+    )
+    [unjudged] = site_distances(None, replica_statuses(rows))
+    assert unjudged.stated_round_trip_ms is None
 
 
 def test_unreachable_agent_is_said_and_haproxy_keeps_its_word() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import tomllib
 from collections.abc import Mapping
@@ -11,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from denv_agent.nvml_api import CLOCKS_EVENT_REASONS
+from denv_agent.toml_text import to_toml as to_toml  # the one writer, shared with denv-iac
 from denv_agent.xid import CONFIGURABLE_CLASSES, XidClass, XidTable, parse_xids
 
 DEFAULT_THROTTLE_REASONS = frozenset({"hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"})
@@ -544,32 +544,3 @@ def _engine(table: _Table, health_url: str) -> Engine | None:
         probe_url=url,
         probe_model=model,
     )
-
-
-def to_toml(data: Mapping[str, object]) -> str:
-    """TOML text for a config given as plain data: top-level keys, tables, arrays of tables."""
-    lines: list[str] = []
-    sections: list[tuple[str, Mapping[str, object]]] = []
-    for key, value in data.items():
-        if isinstance(value, Mapping):
-            sections.append((f"[{key}]", value))
-        elif isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
-            sections.extend((f"[[{key}]]", item) for item in value)
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    for header, table in sections:
-        lines += ["", header, *(f"{k} = {_toml_value(v)}" for k, v in table.items())]
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str | Path):
-        # JSON string escapes are all valid in a TOML basic string.
-        return json.dumps(str(value))
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")

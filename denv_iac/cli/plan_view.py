@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from denv_iac.core.dataplane import canary_tier_shares
+from denv_iac.core.dataplane import canary_tier_shares, tier_connect_timeout_ms, tier_priority
 from denv_iac.core.plan import HOURS_PER_MONTH, Plan
 from denv_iac.core.stack.gateway_link import gateway_tls_on, kubernetes_sites
 
@@ -107,14 +107,26 @@ def render_plan(plan: Plan, console: Console) -> None:
 
 
 def render_timers(plan: Plan, console: Console) -> None:
-    """How fast the balancer gives up on a replica, and what that costs when one dies."""
+    """How fast the balancer gives up on a replica, and what that costs when one dies: the
+    stack's timers, and each tier's own connect timeout where its sites' round trip is known."""
     timers = plan.stack.balancer.timers
     console.print(
         f"Balancer timers: connect {timers.connect_timeout_ms} ms, health check"
         f" {timers.check_timeout_ms} ms every {timers.check_inter_ms} ms, agent every"
         f" {timers.agent_inter_ms} ms; a replica that has just died costs the next request up"
-        f" to {timers.connect_timeout_ms} ms"
+        f" to its tier's connect timeout"
     )
+    for recipe in plan.stack.pools:
+        for index, sites in enumerate(recipe.tiers):
+            connect = tier_connect_timeout_ms(plan.stack, sites)
+            if connect is None:
+                how = f"{timers.connect_timeout_ms} ms (round trip unknown: set round_trip_ms)"
+            else:
+                farthest = max(plan.stack.site(s).round_trip_ms or 0.0 for s in sites)
+                how = f"{connect} ms (round trip {farthest:g} ms)"
+            console.print(
+                f"  {recipe.name} tier {tier_priority(index)} ({', '.join(sites)}): connect {how}"
+            )
 
 
 def render_gateway_link(plan: Plan, console: Console) -> None:

@@ -26,12 +26,14 @@ from denv_iac.ops.status import (
     AgentHealth,
     PoolStatus,
     ReplicaStatus,
+    SiteDistance,
     StatsUnreadable,
     pool_statuses,
     problems,
     read_agents,
     read_remote_stats,
     replica_statuses,
+    site_distances,
     with_agent_health,
 )
 from denv_iac.stacks_dir import find_stacks_dir, load_stack
@@ -188,12 +190,24 @@ def _versions_table(pool: PoolStatus) -> Table:
     return table
 
 
+def _distance_line(distance: SiteDistance) -> str:
+    measured = distance.measured_round_trip_ms
+    seen = "not yet measured" if measured is None else f"about {measured:g} ms"
+    stated = distance.stated_round_trip_ms
+    said = "not stated" if stated is None else f"{stated:g} ms"
+    return (
+        f"site {distance.site}: round trip {seen} by the health checks;"
+        f" stack's round_trip_ms {said}"
+    )
+
+
 def _render(
     console: Console,
     title: str,
     pools: list[PoolStatus],
     replicas: list[ReplicaStatus],
     agents: list[AgentHealth],
+    distances: list[SiteDistance],
 ) -> None:
     console.print(title, highlight=False)
     for pool in pools:
@@ -208,6 +222,8 @@ def _render(
         console.print(_pool_line(pool), highlight=False)
         if pool.saturation is not None:
             console.print(_saturation_line(pool.pool, pool.saturation), highlight=False)
+    for distance in distances:
+        console.print(_distance_line(distance), highlight=False)
     for line in problems(pools, replicas, agents):
         if line.startswith("agent"):
             console.print(f"FAILED {line}", highlight=False)
@@ -237,7 +253,9 @@ def status(
 ) -> None:
     """Per pool, site and replica: state, weight, reason, active streams, last probe TTFT;
     per pool, its slots in use, queued, spilled and shed requests; for a pool with a canary,
-    both versions side by side (ready, share of new sessions, probe TTFT, request time).
+    both versions side by side (ready, share of new sessions, probe TTFT, request time); per
+    site, its round trip from the balancer as the health checks measure it, beside the one
+    the stack states (which sets its tiers' connect timeouts).
 
     Exits 1 when a pool has fewer healthy replicas than its min_warm, a node agent cannot be
     heard or the local balancer is dead; 2 for bad input.
@@ -251,6 +269,7 @@ def status(
     agents = read_agents(_agent_endpoints(state))
     replicas = with_agent_health(replica_statuses(server_rows(rows)), agents)
     pools = pool_statuses(stack, replicas, pool_saturation(rows))
+    distances = site_distances(stack, replicas)
     failures = problems(pools, replicas, agents)
     if state is not None:
         endpoint = state.endpoint
@@ -269,6 +288,7 @@ def status(
                 for p in pools
             ],
             "replicas": [asdict(r) | {"healthy": r.healthy} for r in replicas],
+            "sites": [asdict(d) for d in distances],
             "agents": [
                 {"node": a.node, "url": a.url, "reachable": a.reachable, "error": a.error}
                 for a in agents
@@ -282,5 +302,5 @@ def status(
         if state is None and endpoint is not None:
             where += " (remote: node agents are not read)"
         title = f"Stack {stack.name}{where}" if stack is not None else f"Balancer{where}"
-        _render(wide_console(), title, pools, replicas, agents)
+        _render(wide_console(), title, pools, replicas, agents, distances)
     sys.exit(1 if failures else 0)

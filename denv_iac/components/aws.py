@@ -7,7 +7,7 @@ import pulumi
 import pulumi_aws as aws
 
 from denv_iac.components.naming import aws_tags, child_name, resolved
-from denv_iac.core.ingress import IngressRule, OverlayAccess, site_ingress_rules
+from denv_iac.core.ingress import IngressRule, OverlayAccess, host_cidr, site_ingress_rules
 from denv_iac.core.placement import PlacedNode
 from denv_iac.core.stack.model import RecipeSpec, SiteSpec
 
@@ -18,10 +18,6 @@ ROOT_VOLUME_GB = 200  # the Deep Learning AMI and container images
 # site key pair's own name (`site_key_pair`) a node launched before it. A rotated key changes no
 # instance input at all: the key pair's name stays, and holds the current key.
 KEPT_AT_LAUNCH = ("ami", "key_name")
-
-
-def _cidr_of(address: str) -> str:
-    return f"{address}/128" if ":" in address else f"{address}/32"
 
 
 class SecurityGroupWiring:
@@ -71,7 +67,7 @@ class SecurityGroupWiring:
         """
         for rule in rules:
             if rule.from_machine:
-                cidr = pulumi.Output.from_input(addresses[rule.source]).apply(_cidr_of)
+                cidr = pulumi.Output.from_input(addresses[rule.source]).apply(host_cidr)
             else:
                 cidr = pulumi.Output.from_input(rule.source)
             aws.vpc.SecurityGroupIngressRule(

@@ -10,7 +10,7 @@ depth constant; each serialization still patches them for itself, so it stays de
 """
 
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,3 +45,15 @@ class DynamicResource(dynamic.Resource):
     ) -> None:
         with pickler_restored():
             super().__init__(provider, name, props, opts)
+
+
+def whole_numbers(value: Any) -> Any:
+    """Inputs or state as the engine hands them to a dynamic provider: every number a float, so
+    whole ones are ints again, in mappings and lists at any depth."""
+    if isinstance(value, Mapping):
+        return {key: whole_numbers(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [whole_numbers(item) for item in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value

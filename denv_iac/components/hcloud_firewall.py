@@ -11,9 +11,8 @@ from collections.abc import Mapping, Sequence
 import pulumi
 import pulumi_hcloud as hcloud
 
-from denv_iac.components.aws import _cidr_of
 from denv_iac.components.naming import child_name
-from denv_iac.core.ingress import IngressRule
+from denv_iac.core.ingress import IngressRule, host_cidr
 
 
 def hcloud_rules(
@@ -23,7 +22,7 @@ def hcloud_rules(
     out = []
     for rule in rules:
         if rule.from_machine:
-            source = pulumi.Output.from_input(addresses[rule.source]).apply(_cidr_of)
+            source = pulumi.Output.from_input(addresses[rule.source]).apply(host_cidr)
         else:
             source = pulumi.Output.from_input(rule.source)
         ports = str(rule.from_port)

@@ -10,12 +10,12 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 import pulumi_kubernetes as k8s
 
-from denv_iac.components.aws import _cidr_of
 from denv_iac.components.naming import child_name, resolved
 from denv_iac.components.site import SiteContext, SiteNodes
 
 # The module, not its names: its calls read as kube_manifests.<name> here.
 from denv_iac.core import kube_manifests
+from denv_iac.core.ingress import host_cidr
 from denv_iac.core.placement import PlacedReplica, place_replicas
 from denv_iac.core.stack.model import SiteSpec, StackSpec
 from denv_iac.core.stack.reader import StackError
@@ -96,7 +96,7 @@ class KubernetesSite(pulumi.ComponentResource):
         )
         inside = pulumi.ResourceOptions(parent=self, provider=provider, depends_on=[namespace])
         sources = [
-            pulumi.Output.from_input(args["balancer_addresses"][host]).apply(_cidr_of)
+            pulumi.Output.from_input(args["balancer_addresses"][host]).apply(host_cidr)
             for host in sorted(args["balancer_addresses"])
         ]
         addresses: dict[str, pulumi.Output[str]] = {}

@@ -14,7 +14,7 @@ import httpx
 import pulumi
 import pulumi.dynamic as dynamic
 
-from denv_iac.components.dynamic_resource import DynamicResource
+from denv_iac.components.dynamic_resource import DynamicResource, whole_numbers
 from denv_iac.components.naming import child_name, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext, SiteNodes
@@ -80,7 +80,7 @@ def firewall_rules(
 
 def wire_rules(rules: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Rules as Lambda takes them: the engine hands a dynamic provider numbers as floats."""
-    return [{**rule, "port_range": [int(p) for p in rule["port_range"]]} for rule in rules]
+    return [{**rule, "port_range": whole_numbers(rule["port_range"])} for rule in rules]
 
 
 def changed_keys(

@@ -4,9 +4,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
 
 import pulumi
+import pulumi.dynamic
 import pulumi_nebius as nebius
 import yaml
 
+from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, nebius_labels, resolved
 from denv_iac.components.secrets import public_key_output
 from denv_iac.components.site import SiteContext, SiteNodes
@@ -24,11 +26,11 @@ from denv_iac.core.stack.values import machine_name
 BOOT_DISK_GB = 200  # the image's drivers and CUDA, and container images
 CACHE_MOUNT_TAG = "denv-cache"
 MAX_PORTS_PER_RULE = 8  # Nebius allows at most 8 destination ports in one rule
-# Instance inputs read only when the instance is made, left as they were then: user data (the
-# site's public key: a rotated key reaches the node through its deploy, which puts it in
-# authorized_keys), and the public address's kind (made static for nodes made from now on;
-# an interface's address is not changed under a running node).
-KEPT_AT_LAUNCH = ("cloudInitUserData", "networkInterfaces[*].publicIpAddress.static")
+# Instance inputs read only when the instance is made, left as they were then: the public
+# address's kind (made static for nodes made from now on; an interface's address is not changed
+# under a running node). The user data is not among them: the engine would put it back into a
+# replacement too, and boot it with the key a rotation retired. `LaunchUserData` keeps it instead.
+KEPT_AT_LAUNCH = ("networkInterfaces[*].publicIpAddress.static",)
 
 
 def offering_parts(offering: str) -> tuple[str, str]:
@@ -56,6 +58,52 @@ def cloud_init(public_key: str) -> str:
         "mounts": [[CACHE_MOUNT_TAG, CACHE_MOUNT_POINT, "virtiofs", "defaults,nofail", "0", "0"]],
     }
     return "#cloud-config\n" + yaml.safe_dump(config, sort_keys=True)
+
+
+class LaunchUserDataProvider(pulumi.dynamic.ResourceProvider):
+    """The user data an instance was launched with, the current one taken only for a launch.
+
+    `launch` holds the instance's inputs that launch it again when they change (those the Nebius
+    API marks IMMUTABLE: the platform, the boot disk, the interface's subnet) and its preset. A
+    new `user_data` alone (a rotated key, another cloud-init) is no change: the engine keeps the
+    recorded one, so the instance's inputs stay as they were and nothing is relaunched; the
+    running machine gets the key from its deploy. With another `launch`, the update records the
+    current user data, and the instance, replaced for the same change, boots with it.
+    """
+
+    def create(self, props: dict[str, Any]) -> pulumi.dynamic.CreateResult:
+        return pulumi.dynamic.CreateResult(id_="launch", outs=_launch_state(props))
+
+    def diff(
+        self, _id: str, olds: dict[str, Any], news: dict[str, Any]
+    ) -> pulumi.dynamic.DiffResult:
+        relaunch = olds.get("launch") != news.get("launch")
+        return pulumi.dynamic.DiffResult(changes=relaunch, replaces=[], delete_before_replace=False)
+
+    def update(
+        self, _id: str, _olds: dict[str, Any], news: dict[str, Any]
+    ) -> pulumi.dynamic.UpdateResult:
+        return pulumi.dynamic.UpdateResult(_launch_state(news))
+
+
+def _launch_state(props: dict[str, Any]) -> dict[str, Any]:
+    return {"launch": props["launch"], "user_data": props["user_data"]}
+
+
+class LaunchUserData(DynamicResource, module="nebius", name="LaunchUserData"):
+    """An instance's cloud-init user data as of its launch (see `LaunchUserDataProvider`)."""
+
+    user_data: pulumi.Output[str]
+
+    def __init__(
+        self,
+        name: str,
+        user_data: pulumi.Input[str],
+        launch: Mapping[str, pulumi.Input[str]],
+        opts: pulumi.ResourceOptions,
+    ) -> None:
+        props = {"launch": dict(launch), "user_data": user_data}
+        super().__init__(LaunchUserDataProvider(), name, props, opts)
 
 
 def port_groups(rule: IngressRule) -> list[list[int]]:
@@ -134,6 +182,17 @@ class NebiusSite(pulumi.ComponentResource):
                 # it the node: it applies to the nodes made from then on.
                 opts=pulumi.ResourceOptions(parent=self, ignore_changes=["source_image_family"]),
             )
+            launch = LaunchUserData(
+                child_name(node_name, "user-data"),
+                user_data,
+                {
+                    "platform": platform,
+                    "preset": preset,
+                    "boot_disk": boot.id,
+                    "subnet_id": site.subnet_id,
+                },
+                child,
+            )
             instance = nebius.ComputeV1Instance(
                 node_name,
                 parent_id=site.project_id,
@@ -169,7 +228,7 @@ class NebiusSite(pulumi.ComponentResource):
                         ),
                     )
                 ],
-                cloud_init_user_data=user_data,
+                cloud_init_user_data=launch.user_data,
                 labels=labels | {"denv-node": node.name},
                 # Nebius refuses a second instance of the same name in a project: a replacement
                 # deletes the old instance before it creates the new one.

@@ -18,7 +18,7 @@ from typing import Any, NotRequired, TypedDict
 import pulumi
 import pulumi.dynamic
 
-from denv_iac.components.dynamic_resource import DynamicResource
+from denv_iac.components.dynamic_resource import DynamicResource, whole_numbers
 from denv_iac.components.naming import child_name
 from denv_iac.components.secrets import public_key_of
 from denv_iac.core.balancer import RenderedConfig
@@ -216,12 +216,12 @@ def _rendered(props: Mapping[str, Any]) -> RenderedConfig:
 
 
 def _balancer_access(props: Mapping[str, Any]) -> BalancerAccess:
-    given = _integers(props.get("balancer_firewall") or {})
+    given = whole_numbers(props.get("balancer_firewall") or {})
     access = BalancerAccess(tuple(given.get("admin_cidrs", ())), given.get("stats_port", 0))
     if not props.get("overlay_config"):
         return access
     senders = tuple(sorted(str(a) for a in props.get("overlay_senders") or ()))
-    port = int(_integers(props["overlay_port"]))
+    port = int(whole_numbers(props["overlay_port"]))
     return dataclasses.replace(access, overlay_port=port, overlay_senders=senders)
 
 
@@ -239,19 +239,8 @@ def _overlay_config(props: Mapping[str, Any]) -> str | None:
     return with_private_key(str(config), str(props.get("overlay_private_key") or ""))
 
 
-def _integers(value: Any) -> Any:
-    """State as the engine hands it back: every number a float, so whole ones are ints again."""
-    if isinstance(value, Mapping):
-        return {key: _integers(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_integers(item) for item in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 def _node_spec(props: Mapping[str, Any]) -> NodeDeploySpec:
-    node = {**_integers(props["node"])}
+    node = {**whole_numbers(props["node"])}
     # Secret env values join each replica's env only here, on their way to its 0600 env file.
     secret_env = props.get("secret_env") or {}
     node["replicas"] = [

@@ -54,10 +54,17 @@ def _address(name: str) -> str:
 
 
 class RecordingMocks(pulumi.runtime.Mocks):
-    def __init__(self, hcloud_keys: Sequence[Mapping[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        hcloud_keys: Sequence[Mapping[str, Any]] = (),
+        kept_outputs: Mapping[tuple[str, str], Mapping[str, Any]] | None = None,
+    ) -> None:
         self.invokes: list[tuple[str, dict[str, Any]]] = []
         # The SSH keys the Hetzner Cloud project holds (none, offline), as getSshKeys lists them.
         self.hcloud_keys = [dict(key) for key in hcloud_keys]
+        # (type, name) -> the outputs of the resource's state, kept as the engine keeps them
+        # where the provider's diff finds no change.
+        self.kept_outputs = dict(kept_outputs or {})
 
     def new_resource(
         self, args: pulumi.runtime.MockResourceArgs
@@ -65,6 +72,9 @@ class RecordingMocks(pulumi.runtime.Mocks):
         state = dict(args.inputs)
         if not args.custom:
             return "", {}
+        kept = self.kept_outputs.get((args.typ, args.name))
+        if kept is not None:
+            return f"{args.name}-id", dict(kept)
         if args.typ.startswith("hcloud:"):
             # hcloud ids are integers in many arguments (firewall_ids, ssh_keys): numeric ones.
             if args.typ == "hcloud:index/server:Server":
@@ -194,15 +204,18 @@ def run_program(
     preview: bool,
     run: Run | None = None,
     hcloud_keys: Sequence[Mapping[str, Any]] = (),
+    kept_outputs: Mapping[tuple[str, str], Mapping[str, Any]] | None = None,
 ) -> Run:
     """Run `program` under fresh mocks; its returned Outputs are resolved into `outputs`.
 
     Pass `run` to keep what was registered when the program raises, and `hcloud_keys` for the
-    SSH keys the Hetzner Cloud project holds already (fingerprint, id, labels, name, publicKey).
+    SSH keys the Hetzner Cloud project holds already (fingerprint, id, labels, name, publicKey),
+    and `kept_outputs` for resources, by (type, name), whose state keeps its outputs: those the
+    engine does not update, since their provider's diff finds no change.
     """
     run = run or Run()
     _ensure_event_loop()
-    mocks = RecordingMocks(hcloud_keys)
+    mocks = RecordingMocks(hcloud_keys, kept_outputs)
     monitor = RecordingMonitor(mocks)
     monitor.registrations = run.registrations
     mocks.invokes = run.invokes

@@ -1,31 +1,23 @@
 """The node agent's TOML config (the format `denv-agent --config` reads), from plain data.
 
-The one writer of that file: a node's deploy, the local runner and the Kubernetes agents'
-ConfigMap each describe what their agent watches and get the text from here. Every string is a
-TOML basic string with each character the format forbids escaped, and anything outside ASCII
-written as a Unicode escape, so whatever a field holds reads back as exactly that.
+The one description of that file: a node's deploy, the local runner and the Kubernetes agents'
+ConfigMap each describe what their agent watches and get the text from here. The text itself
+comes from the agent package's TOML writer (denv_agent.toml_text), the one the agent's own
+tools use too: every string a TOML basic string with each character the format forbids
+escaped, and anything outside ASCII written as a Unicode escape, so whatever a field holds
+reads back as exactly that.
 """
 
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from denv_agent.toml_text import to_toml
+from denv_agent.toml_text import toml_value as toml_value
 
 from denv_iac.core.stack.model import RecipeSpec
 
 Scalar = str | int | float | bool
 Table = Mapping[str, Scalar]
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_SHORT_ESCAPES = {
-    '"': '\\"',
-    "\\": "\\\\",
-    "\b": "\\b",
-    "\t": "\\t",
-    "\n": "\\n",
-    "\f": "\\f",
-    "\r": "\\r",
-}
 
 
 @dataclass(frozen=True)
@@ -85,63 +77,42 @@ class AgentConfig:
 
 
 def agent_config_toml(config: AgentConfig) -> str:
-    """The config file's text."""
-    top: dict[str, Scalar | None] = {
-        "node": config.node,
-        "state_file": config.state_file,
-        "control_token": config.control_token,
-        "control_token_file": config.control_token_file,
-    }
-    lines = _pairs(top)
-    listen = {"agent_check": config.agent_check, "http": config.http, "pods": config.pods}
-    for name, table in [("listen", listen), *config.tables.items()]:
-        lines += ["", f"[{_key(name)}]", *_pairs(table)]
-    for replica in config.replicas:
-        probe = replica.probe
-        lines += ["", "[[replicas]]"]
-        lines += _pairs(
-            {
-                "id": replica.id,
-                "pod": replica.pod,
-                "health_url": replica.health_url,
-                "gpu": replica.gpu,
-                "ttft_budget_ms": probe.ttft_budget_ms if probe else None,
-                "probe_model": probe.model if probe else None,
-                "stall_budget_ms": probe.stall_budget_ms if probe else None,
-                "engine": probe.engine if probe else None,
-                "metrics_url": replica.metrics_url if probe and probe.engine else None,
-            }
-        )
-    return "\n".join(lines) + "\n"
+    """The config file's text; a field that is None is left out."""
+    top: dict[str, object] = _given(
+        {
+            "node": config.node,
+            "state_file": config.state_file,
+            "control_token": config.control_token,
+            "control_token_file": config.control_token_file,
+        }
+    )
+    top["listen"] = _given(
+        {"agent_check": config.agent_check, "http": config.http, "pods": config.pods}
+    )
+    top.update((name, _given(table)) for name, table in config.tables.items())
+    replicas = [_replica_table(replica) for replica in config.replicas]
+    if replicas:
+        top["replicas"] = replicas
+    return to_toml(top)
 
 
-def toml_value(value: Scalar) -> str:
-    """A TOML scalar that reads back as `value`; ValueError for what TOML cannot hold."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{value!r}: TOML has no such number here; use a finite one")
-        return repr(value)
-    return '"' + "".join(_escaped(char) for char in value) + '"'
+def _replica_table(replica: AgentReplica) -> dict[str, object]:
+    probe = replica.probe
+    return _given(
+        {
+            "id": replica.id,
+            "pod": replica.pod,
+            "health_url": replica.health_url,
+            "gpu": replica.gpu,
+            "ttft_budget_ms": probe.ttft_budget_ms if probe else None,
+            "probe_model": probe.model if probe else None,
+            "stall_budget_ms": probe.stall_budget_ms if probe else None,
+            "engine": probe.engine if probe else None,
+            "metrics_url": replica.metrics_url if probe and probe.engine else None,
+        }
+    )
 
 
-def _escaped(char: str) -> str:
-    if char in _SHORT_ESCAPES:
-        return _SHORT_ESCAPES[char]
-    code = ord(char)
-    if 0x20 <= code < 0x7F:
-        return char
-    if 0xD800 <= code <= 0xDFFF:
-        raise ValueError(f"{char!r}: a lone surrogate is no Unicode character; TOML cannot hold it")
-    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
-
-
-def _key(name: str) -> str:
-    return name if _BARE_KEY.fullmatch(name) else toml_value(name)
-
-
-def _pairs(table: Mapping[str, Scalar | None]) -> list[str]:
-    return [f"{_key(k)} = {toml_value(v)}" for k, v in table.items() if v is not None]
+def _given(table: Mapping[str, object]) -> dict[str, object]:
+    """The entries that are not None: TOML has no null, an absent key is the agent's default."""
+    return {k: v for k, v in table.items() if v is not None}

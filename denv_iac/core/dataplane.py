@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 from denv_iac.core.balancer import BalancerPool, BalancerServer, BalancerTier
 from denv_iac.core.balancer.canary import canary_weights
+from denv_iac.core.balancer.model import connect_timeout_for
 from denv_iac.core.placement import PlacedReplica, Placement
 from denv_iac.core.stack.gateway_link import gateway_tls_name, gateway_tls_on, kubernetes_sites
 from denv_iac.core.stack.model import RecipeSpec, StackSpec
@@ -54,7 +55,8 @@ def balancer_pools(
             if canary is not None:
                 servers += [server(r, canary, weights.canary) for r in new]
             if servers:
-                tiers.append(BalancerTier(tier_priority(index), sites, tuple(servers)))
+                connect = tier_connect_timeout_ms(stack, sites)
+                tiers.append(BalancerTier(tier_priority(index), sites, tuple(servers), connect))
         pools.append(
             BalancerPool(
                 recipe.name,
@@ -64,6 +66,7 @@ def balancer_pools(
                 recipe.stall_timeout_ms,
                 tuple(m for m in recipe.model_names if m != recipe.name),
                 recipe.max_concurrency,
+                recipe.queue_budget_ms,
             )
         )
     return tuple(pools)
@@ -79,6 +82,16 @@ def _tier_versions(
         [r for r in placement.replicas_of(pool) if r.tier == tier],
         [r for r in new if r.tier == tier],
     )
+
+
+def tier_connect_timeout_ms(stack: StackSpec, sites: tuple[str, ...]) -> int | None:
+    """A tier's connect timeout from the round trip to its farthest site; None (the stack's
+    timers.connect_timeout_ms) when one of its sites has no round trip stated."""
+    trips = [stack.site(name).round_trip_ms for name in sites]
+    known = [trip for trip in trips if trip is not None]
+    if len(known) < len(trips):
+        return None
+    return connect_timeout_for(max(known))
 
 
 def canary_tier_shares(stack: StackSpec, placement: Placement, pool: str) -> tuple[float, ...]:

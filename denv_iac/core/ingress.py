@@ -34,6 +34,7 @@ __all__ = [
     "IngressRule",
     "OverlayAccess",
     "balancer_ingress_rules",
+    "host_cidr",
     "host_overlay_access",
     "node_overlay_access",
     "recipe_port_range",
@@ -215,3 +216,9 @@ def balancer_ingress_rules(
     if overlay:
         rules += wireguard_rules(overlay)
     return (*rules, *ssh_rules(admin_cidrs))
+
+
+def host_cidr(address: str) -> str:
+    """One host's address as a CIDR, as firewalls and policies take a source: /32, or /128 for
+    an IPv6 address."""
+    return f"{address}/128" if ":" in address else f"{address}/32"

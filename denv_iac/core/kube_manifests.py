@@ -54,8 +54,10 @@ from denv_iac.core.balancer.gateway import (
     render_gateway_config,
 )
 from denv_iac.core.balancer.haproxy import rejoin_s
+from denv_iac.core.drain import drain_plan
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.placement import PlacedReplica
+from denv_iac.core.scripts import script
 from denv_iac.core.stack.command import ANY_ADDRESS, render_command
 from denv_iac.core.stack.gateway_link import gateway_tls_on
 from denv_iac.core.stack.model import SERVER_STOP_S, RecipeSpec, SiteSpec, StackSpec
@@ -499,62 +501,16 @@ def env_secret_name(recipe: RecipeSpec) -> str:
 # every one has curl). Each asks the agent of the pod's own node (AGENT_LOCAL_NAME), never
 # through a proxy the recipe's env may name. Arguments after the script: the pod's agent URL,
 # then the hook's own.
-_HOOK_HEAD = """\
-import os, sys, time, urllib.error, urllib.request
-url = sys.argv[1] + "/pods/" + os.environ["DENV_POD"]
-agent = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-"""
-# Readiness: exit 0 only on the agent's 200 (warm); its reason, or why it was not asked, is what
-# the kubelet shows in the pod's events.
-READY_HOOK = (
-    _HOOK_HEAD
-    + """\
-try:
-    agent.open(url + "/ready", timeout=4).read()
-except urllib.error.HTTPError as e:
-    sys.exit("not warm: " + e.read().decode(errors="replace")[:300])
-except OSError as e:
-    sys.exit("warmth unknown, no agent answered: " + str(e))
-"""
-)
-# preStop: drain (the balancers send nothing new once their next agent check has the answer:
-# `settle` s), then wait until no connection to the server's port is open (streams and realtime
-# sessions alike, as `ss` shows on a node), `wait` s at most in all; past it, what is open is cut
-# when the server stops. Argument order: url, port, wait, settle, hold.
-STOP_HOOK = (
-    _HOOK_HEAD
-    + """\
-port, wait, settle, hold = int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-start = time.monotonic()
-try:
-    request = urllib.request.Request(url + "/drain?hold_s=" + hold, method="POST")
-    agent.open(request, timeout=5).read()
-except OSError as e:
-    print("no agent drained this pod:", e, file=sys.stderr)
-def open_connections():
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as rows:
-                lines = rows.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                count += 1
-    return count
-while True:
-    left, spent = open_connections(), time.monotonic() - start
-    if left == 0 and spent >= settle:
-        print("no streams open after %.1f s" % spent)
-        break
-    if spent >= wait:
-        print("%d connections still open after %.0f s: cut" % (left, wait), file=sys.stderr)
-        break
-    time.sleep(0.5)
-"""
-)
+# Readiness (data/scripts/pod_ready.py): exit 0 only on the agent's 200 (warm); its reason, or
+# why it was not asked, is what the kubelet shows in the pod's events.
+READY_HOOK = script("pod_ready.py")
+# preStop (data/scripts/pod_stop.py): drain, then wait by the pod's drain plan (the one rule,
+# denv_iac.core.drain, that nodes follow too): `settle` s for the balancers to hear the drain at
+# their next agent check, then until no connection to the server's port carries work, `wait` s
+# at most in all; past it, what is open is cut when the server stops. A connection quiet for
+# `quiet` s (a balancer's idle pooled one) is not waited for. Arguments: url, port, wait,
+# settle, hold, quiet.
+STOP_HOOK = script("pod_stop.py")
 
 
 def drain_settle_s(agent_inter_ms: int) -> float:
@@ -574,11 +530,12 @@ def ready_command(site: SiteSpec) -> list[str]:
 
 
 def stop_command(site: SiteSpec, recipe: RecipeSpec, agent_inter_ms: int) -> list[str]:
-    """The preStop: drain, wait for open connections to end within drain_timeout_s; the agent
-    holds the drain at most the grace period, by whose end the kubelet has stopped the pod."""
-    wait = recipe.drain_timeout_s
-    settle = min(float(wait), drain_settle_s(agent_inter_ms))
-    args = (recipe.port, wait, settle, termination_grace_s(recipe))
+    """The preStop: drain, wait for the connections that carry work to end, by the recipe's
+    drain plan; the agent holds the drain at most the grace period, by whose end the kubelet
+    has stopped the pod."""
+    plan = drain_plan([recipe], drain_settle_s(agent_inter_ms))
+    hold = termination_grace_s(recipe)
+    args = (recipe.port, plan.bound_s, float(plan.settle_s), hold, plan.quiet_s)
     return ["python3", "-c", STOP_HOOK, agent_pods_url(site), *(str(a) for a in args)]
 
 
@@ -610,7 +567,7 @@ def _server_container(recipe: RecipeSpec, site: SiteSpec, agent_inter_ms: int) -
             "timeoutSeconds": READY_TIMEOUT_S,
             "failureThreshold": READY_FAILURES,
         },
-        # Before the kubelet stops the server: drain it and let its calls end (see STOP_HOOK).
+        # Before the kubelet stops the server: drain it, let its calls end (scripts/pod_stop.py).
         "lifecycle": {"preStop": {"exec": {"command": stop_command(site, recipe, agent_inter_ms)}}},
         # One claim for every cache folder, each in its own sub-folder of it.
         "volumeMounts": [

@@ -13,8 +13,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from denv_iac.child_process import ChildProcess
 from denv_iac.core.balancer.stats import parse_stats_csv, parse_stats_rows
-from denv_iac.local.child import ChildProcess
 from denv_iac.waits import wait_until
 
 

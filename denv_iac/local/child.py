@@ -1,22 +1,4 @@
-"""A process this one started and watches: HAProxy, a simulated replica."""
+"""ChildProcess's former home: it lives in denv_iac.child_process, below the installed HAProxy
+and the local data plane that both use it. Kept for the modules that still import it here."""
 
-from __future__ import annotations
-
-import subprocess
-from typing import Any
-
-
-class ChildProcess:
-    """Holds the `subprocess.Popen` of a started process; None before it starts."""
-
-    _process: subprocess.Popen[Any] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        """Whether the process has not exited (for HAProxy's master: it exits when its
-        workers die, in master-worker mode)."""
-        return self._process is not None and self._process.poll() is None
+from denv_iac.child_process import ChildProcess as ChildProcess

@@ -19,8 +19,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from denv_iac.child_process import ChildProcess
 from denv_iac.core.stack.command import render_command
-from denv_iac.local.child import ChildProcess
 from denv_iac.waits import wait_until
 
 # How often readiness is asked while a server loads.

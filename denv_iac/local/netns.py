@@ -28,7 +28,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -46,6 +46,7 @@ from denv_iac.local.runner import (
     RunState,
     free_port,
 )
+from denv_iac.local.slow_link import SlowLink
 
 PREFIX = "denvnet-"
 BALANCER_ADDRESS = "10.231.0.1"
@@ -197,13 +198,22 @@ def plan_links(tag: str, sites: Sequence[str]) -> dict[str, SiteLink]:
 
 
 class NetnsLab:
-    """The namespaces and links of one run; a context manager that always removes them."""
+    """The namespaces and links of one run; a context manager that always removes them.
 
-    def __init__(self, sites: Sequence[str]) -> None:
+    A site in `round_trips` is far: its link is a SlowLink, on which every packet, the
+    handshake's included, takes half the round trip (in ms) each way.
+    """
+
+    def __init__(self, sites: Sequence[str], round_trips: Mapping[str, float] = {}) -> None:
         tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self.balancer_namespace = f"{tag}-lb"
         self.links = plan_links(tag, sites)
+        unknown = sorted(set(round_trips) - set(self.links))
+        if unknown:
+            raise ValueError(f"round_trips: {', '.join(unknown)} is no site of the lab")
+        self.round_trips = dict(round_trips)
         self._made: list[str] = []
+        self._slow_links: list[SlowLink] = []
 
     @property
     def made(self) -> list[str]:
@@ -236,11 +246,22 @@ class NetnsLab:
         _ip("-n", balancer, "address", "add", f"{BALANCER_ADDRESS}/32", "dev", "lo")
         for link in self.links.values():
             self._add_namespace(link.namespace)
-            # Made straight inside both namespaces: neither end ever shows in this one.
-            _ip(
-                *("link", "add", SITE_DEVICE, "netns", link.namespace, "type", "veth"),
-                *("peer", "name", link.balancer_device, "netns", balancer),
-            )
+            if link.site in self.round_trips:
+                slow = SlowLink(
+                    link.namespace,
+                    SITE_DEVICE,
+                    balancer,
+                    link.balancer_device,
+                    self.round_trips[link.site],
+                )
+                self._slow_links.append(slow)  # before start: remove() stops it either way
+                slow.start()
+            else:
+                # Made straight inside both namespaces: neither end ever shows in this one.
+                _ip(
+                    *("link", "add", SITE_DEVICE, "netns", link.namespace, "type", "veth"),
+                    *("peer", "name", link.balancer_device, "netns", balancer),
+                )
             _ip("-n", link.namespace, "address", "add", f"{link.address}/24", "dev", SITE_DEVICE)
             _ip(
                 "-n",
@@ -260,6 +281,9 @@ class NetnsLab:
         _ip("-n", namespace, "link", "set", "lo", "up")
 
     def remove(self) -> None:
+        for slow in self._slow_links:
+            slow.stop()
+        self._slow_links.clear()
         for namespace in reversed(self._made):
             remove_namespace(namespace)
         self._made.clear()
@@ -377,13 +401,20 @@ class NetnsCluster(LocalCluster):
 
 @contextlib.contextmanager
 def running_in_netns(
-    stack: StackSpec, directory: Path, slow_sites: Sequence[str] = ()
+    stack: StackSpec,
+    directory: Path,
+    slow_sites: Sequence[str] = (),
+    round_trips: Mapping[str, float] | None = None,
 ) -> Iterator[NetnsCluster]:
     """A lab with one namespace per site of `stack` and the stack's data plane up in it.
 
-    Whatever happens inside, every process is stopped and every namespace removed.
+    A site is far (a SlowLink) by `round_trips`, by default the round trips the stack states
+    (a site at 0 is near). Whatever happens inside, every process is stopped and every
+    namespace removed.
     """
-    with NetnsLab([site.name for site in stack.sites]) as lab:
+    if round_trips is None:
+        round_trips = {s.name: s.round_trip_ms for s in stack.sites if s.round_trip_ms}
+    with NetnsLab([site.name for site in stack.sites], round_trips) as lab:
         cluster = NetnsCluster(stack, directory, lab, free_port(), slow_sites)
         try:
             cluster.up()

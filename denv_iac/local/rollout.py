@@ -29,6 +29,7 @@ from pathlib import Path
 from denv_agent.control import ControlFailed, drain, undrain
 
 from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.drain import drain_plan
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.rollout import (
     REPLICA_FIELDS,
@@ -367,12 +368,16 @@ class _Step:
             time.sleep(POLL_S)
 
     def _wait_sessions(self) -> int:
-        deadline = time.monotonic() + self.recipe.drain_timeout_s
+        # The recipe's drain plan (denv_iac.core.drain) gives the bound. Its settle time is
+        # waited already (the roll saw HAProxy show the drain), and its quiet rule is HAProxy's
+        # own: scur counts sessions, never an idle connection HAProxy keeps for reuse.
+        plan = drain_plan([self.recipe], settle_s=0)
+        deadline = time.monotonic() + plan.bound_s
         while (left := sessions_on(self.rows(), self.replica.id)) > 0:
             if time.monotonic() > deadline:
                 self.progress(
                     f"replica {self.replica.id}: {left} session(s) still open after "
-                    f"drain_timeout_s {self.recipe.drain_timeout_s} s: cut"
+                    f"drain_timeout_s {plan.bound_s} s: cut"
                 )
                 return left
             time.sleep(POLL_S)

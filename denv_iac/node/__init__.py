@@ -2,6 +2,7 @@
 and put a balancer host's HAProxy config live. Decisions are pure (plan_node, plan_balancer);
 pyinfra runs them."""
 
+from denv_iac.core.agent_config import AgentProbe
 from denv_iac.core.sites import CACHE_MOUNT_POINT
 from denv_iac.node.balancer_host import plan_balancer, prepare_balancer
 from denv_iac.node.deploy import NodeUnreachable, StepFailed, Target, prepare_node
@@ -16,7 +17,6 @@ from denv_iac.node.spec import (
     MigSlice,
     NodeDeploySpec,
     NodeSpecError,
-    ProbeSpec,
     ReplicaSpec,
     load_spec,
     spec_from_json,
@@ -25,6 +25,7 @@ from denv_iac.node.steps import FileContent, Step
 
 __all__ = [
     "CACHE_MOUNT_POINT",
+    "AgentProbe",
     "AgentSettings",
     "CacheDirs",
     "CacheVolume",
@@ -36,7 +37,6 @@ __all__ = [
     "NodeFacts",
     "NodeSpecError",
     "NodeUnreachable",
-    "ProbeSpec",
     "RepairLevel",
     "RepairReport",
     "ReplicaSpec",

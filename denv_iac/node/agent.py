@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import posixpath
 import shlex
-from dataclasses import asdict
 
-from denv_iac.core.agent_config import AgentConfig, AgentProbe, AgentReplica, agent_config_toml
+from denv_iac.core.agent_config import AgentConfig, AgentReplica, agent_config_toml
 from denv_iac.node import overlay
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps
@@ -31,7 +30,7 @@ def config(spec: NodeDeploySpec) -> FileContent:
             id=replica.id,
             health_url=f"http://127.0.0.1:{replica.port}{replica.health_path}",
             gpu=replica.gpu,
-            probe=None if replica.probe is None else AgentProbe(**asdict(replica.probe)),
+            probe=replica.probe,
             metrics_url=(
                 None
                 if replica.probe is None

@@ -1,10 +1,8 @@
 """What each placed node of a stack runs: the node deploys' input, built from the stack."""
 
-import math
-from dataclasses import asdict
-
 from denv_iac.core.agent_config import recipe_probe
 from denv_iac.core.balancer.haproxy import rejoin_s
+from denv_iac.core.drain import drain_plan
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.overlay import plan_overlay
 from denv_iac.core.placement import Placement
@@ -12,10 +10,7 @@ from denv_iac.core.plan import imageless_problems
 from denv_iac.core.sites import CLOUD_SITE_KINDS, cache_root, node_id
 from denv_iac.core.stack.model import (
     COLD_START_BUDGET_S,
-    DRAIN_TIMEOUT_S,
-    QUIET_CONNECTION_S,
     SSH_SITE_KINDS,
-    RecipeSpec,
     StackSpec,
 )
 from denv_iac.core.stack.ports import replica_port
@@ -25,7 +20,6 @@ from denv_iac.node.spec import (
     MigSlice,
     NodeDeploySpec,
     NodeSpecError,
-    ProbeSpec,
     ReplicaSpec,
 )
 
@@ -56,7 +50,7 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 mig_instance=r.slice or 0,
                 env=dict(recipes[r.pool].env),
                 health_path=recipes[r.pool].health_path,
-                probe=_probe(recipes[r.pool]),
+                probe=recipe_probe(recipes[r.pool]),
             )
             for r in placement.replicas
             if (r.site, r.node) == (node.site, node.name)
@@ -69,13 +63,10 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
         # A rolled replica's drain and warm-up bounds: its recipe's (the longest of the node's).
         here = (node.site, node.name)
         pools = [recipes[r.pool] for r in placement.replicas if (r.site, r.node) == here]
-        drain_s = max((p.drain_timeout_s for p in pools), default=DRAIN_TIMEOUT_S)
         ready_s = max((p.cold_start_budget_s for p in pools), default=COLD_START_BUDGET_S)
-        # What a drain counts as idle: quiet longer than any live stream of its pools may be.
-        silence_ms = max(
-            (max(p.first_token_timeout_ms, p.stall_timeout_ms) for p in pools), default=0
-        )
-        quiet_s = max(QUIET_CONNECTION_S, math.ceil(silence_ms / 1000))
+        # The drain's bound and quiet window (denv_iac.core.drain); its settle time is rejoin_s.
+        rejoin = rejoin_s(balancer_settings(stack))
+        drain = drain_plan(pools, rejoin)
         name = node_id(node.site, node.name)
         site = stack.site(node.site)
         root = cache_root(stack.name, site)
@@ -89,17 +80,12 @@ def node_deploy_specs(stack: StackSpec, placement: Placement) -> dict[str, NodeD
                 admin_cidrs=site.admin_cidrs,
                 listen_address=overlay.address_of(node.site, node.name) if overlay.on else "",
                 overlay_port=stack.balancer.overlay.port,
-                drain_timeout_s=drain_s,
+                drain_timeout_s=drain.bound_s,
                 ready_timeout_s=ready_s,
-                rejoin_s=rejoin_s(balancer_settings(stack)),
-                quiet_s=quiet_s,
+                rejoin_s=rejoin,
+                quiet_s=drain.quiet_s,
             )
         except NodeSpecError as error:
             where = f"sites: {node.site}.{node.name}"
             raise StackError([f"{where}: {p}" for p in error.problems]) from None
     return specs
-
-
-def _probe(recipe: RecipeSpec) -> ProbeSpec | None:
-    probe = recipe_probe(recipe)
-    return None if probe is None else ProbeSpec(**asdict(probe))

@@ -3,6 +3,7 @@ that recreates the instances at boot."""
 
 from __future__ import annotations
 
+from denv_iac.core.scripts import script
 from denv_iac.node.fabric import Board, board
 from denv_iac.node.facts import NodeFacts
 from denv_iac.node.holders import FABRICMANAGER, PERSISTENCED, STOP_ORDER, active, stopped_around
@@ -20,22 +21,7 @@ from denv_iac.node.steps import (
 # before the replicas that run on them start (their units Require and come After it).
 UNIT = "denv-mig.service"
 RESTORE = "/opt/denv/bin/denv-mig-restore"
-_RESTORE_SCRIPT = r"""#!/bin/sh
-# denv-mig-restore GPU=PROFILE,PROFILE... (one argument per GPU of the layout)
-# Creates the GPU instances, each with its compute instance, on every such GPU that has none;
-# a GPU that has some is left as it is (a second run changes nothing).
-set -eu
-for arg in "$@"; do
-  gpu=${arg%%=*} profiles=${arg#*=}
-  have=$(nvidia-smi -L | awk -v gpu="$gpu" '
-    /^GPU / { current = $2; sub(":", "", current) }
-    /^ +MIG / { if (current == gpu) n++ }
-    END { print n + 0 }')
-  if [ "$have" -eq 0 ]; then
-    nvidia-smi mig -i "$gpu" -cgi "$profiles" -C
-  fi
-done
-"""
+_RESTORE_SCRIPT = script("mig_restore.sh")  # data/scripts/mig_restore.sh
 
 
 class MigLayoutError(RuntimeError):

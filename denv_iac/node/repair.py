@@ -107,9 +107,7 @@ class _Repair:
             raise _Skip("no replicas on this node")
         return self._run(
             session,
-            wait_streams_command(
-                ports, self.spec.drain_timeout_s, self.spec.quiet_s, self.spec.rejoin_s
-            ),
+            wait_streams_command(ports, self.spec.drain_plan()),
         )
 
     def _units(self, facts: NodeFacts) -> list[str]:

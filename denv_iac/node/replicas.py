@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from denv_iac.core.scripts import script
 from denv_iac.core.stack.command import ANY_ADDRESS, render_command
 from denv_iac.core.stack.model import SERVER_STOP_S
 from denv_iac.node import mig, overlay
@@ -28,25 +29,7 @@ ENV_DIR = "/etc/denv/replicas"
 
 # The UUID is looked up when the unit starts, not when it is written: MIG instances get new
 # UUIDs each time they are created (after a reset, a reboot or a layout change).
-_LAUNCHER_SCRIPT = r"""#!/bin/sh
-# denv-replica-run GPU_INDEX MIG_PROFILE|- MIG_INSTANCE ENGINE run ARGS...
-# Runs ENGINE run with NVIDIA_VISIBLE_DEVICES set to the UUID of that GPU or MIG instance.
-set -eu
-gpu=$1 profile=$2 instance=$3
-shift 3
-uuid=$(nvidia-smi -L | awk -v gpu="$gpu" -v profile="$profile" -v instance="$instance" '
-  /^GPU / { current = $2; sub(":", "", current); seen = 0
-            if (current == gpu && profile == "-") { found = $0 } }
-  /^ +MIG / { if (current == gpu && $2 == profile) { if (seen == instance) found = $0; seen++ } }
-  END { if (found != "") { sub(/.*UUID: */, "", found); sub(/\).*/, "", found); print found } }')
-if [ -z "$uuid" ]; then
-  echo "denv-replica-run: GPU $gpu share $profile#$instance not found by nvidia-smi -L" >&2
-  exit 1
-fi
-engine=$1 verb=$2
-shift 2
-exec "$engine" "$verb" -e "NVIDIA_VISIBLE_DEVICES=$uuid" "$@"
-"""
+_LAUNCHER_SCRIPT = script("replica_run.sh")  # data/scripts/replica_run.sh
 
 
 # The port a replica must listen on, in its env: with host networking, every replica on a node
@@ -215,7 +198,7 @@ def roll_command(spec: NodeDeploySpec, replica: ReplicaSpec) -> str:
         f"{spec.ready_timeout_s} s after its restart: left drained, the rollout stopped, the "
         "pool's other replicas serve the old version"
     )
-    wait = wait_streams_command([replica.port], spec.drain_timeout_s, spec.quiet_s, spec.rejoin_s)
+    wait = wait_streams_command([replica.port], spec.drain_plan())
     return (
         f"denv-agent drain --replica {who} >/dev/null || echo {who}: no agent drained it; "
         f"{wait}; "

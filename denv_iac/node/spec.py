@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from denv_iac.core.agent_config import AgentProbe
+from denv_iac.core.drain import DrainPlan
 from denv_iac.core.sites import CACHE_MOUNT_POINT
 from denv_iac.core.stack.model import (
     AUTO_ENGINE,
@@ -97,20 +99,6 @@ class AgentSettings:
 
 
 @dataclass(frozen=True)
-class ProbeSpec:
-    """The agent's checks of a replica beyond its health path: the model its own requests ask
-    for; the stream probe's budgets past which it lowers the replica's weight (first token) or
-    drains it (a pause between tokens); the engine whose metrics it reads at `metrics_path`
-    (requests running with no token past the stall budget: down; a queue: a lower weight)."""
-
-    model: str
-    ttft_budget_ms: int | None
-    stall_budget_ms: int | None = None
-    engine: str | None = None
-    metrics_path: str = "/metrics"
-
-
-@dataclass(frozen=True)
 class ReplicaSpec:
     """One model server on a whole GPU (`mig_profile` None) or on one MIG instance of it."""
 
@@ -123,7 +111,9 @@ class ReplicaSpec:
     mig_instance: int = 0  # which instance of that profile on that GPU, in nvidia-smi -L order
     env: Mapping[str, str] = field(default_factory=dict)
     health_path: str = "/health"
-    probe: ProbeSpec | None = None  # the agent's stream probe of this replica, if any
+    # The agent's checks of this replica beyond its health path, if any: the same type from the
+    # stack to the agent's config (denv_iac.core.agent_config.recipe_probe makes it).
+    probe: AgentProbe | None = None
 
     @property
     def unit(self) -> str:
@@ -173,6 +163,11 @@ class NodeDeploySpec:
         problems = _problems(self)
         if problems:
             raise NodeSpecError(problems)
+
+    def drain_plan(self) -> DrainPlan:
+        """How a drain of this node's replicas waits: `rejoin_s` to settle (the balancers hear
+        the drain within it), then by the quiet window, at most `drain_timeout_s` more."""
+        return DrainPlan(self.rejoin_s, self.quiet_s, self.drain_timeout_s)
 
     def mig_layout(self) -> dict[int, list[str]]:
         """Per GPU index, the MIG profiles to create, one entry per instance."""
@@ -319,7 +314,7 @@ def _replica_problems(spec: NodeDeploySpec) -> list[str]:
     return problems
 
 
-def _probe_problems(where: str, probe: ProbeSpec) -> list[str]:
+def _probe_problems(where: str, probe: AgentProbe) -> list[str]:
     problems = []
     if not isinstance(probe.model, str) or not probe.model or _has_blank(probe.model):
         problems.append(f"{where} probe model: the model name the server serves, no blanks")
@@ -361,7 +356,7 @@ def spec_from_json(data: Mapping[str, Any]) -> NodeDeploySpec:
                     **r,
                     "command": tuple(r.get("command", ())),
                     "env": r.get("env", {}),
-                    "probe": ProbeSpec(**r["probe"]) if r.get("probe") is not None else None,
+                    "probe": AgentProbe(**r["probe"]) if r.get("probe") is not None else None,
                 }
             )
             for r in data.get("replicas", ())

@@ -7,6 +7,8 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
+from denv_iac.core.drain import DrainPlan
+from denv_iac.core.scripts import script
 from denv_iac.core.stack.values import control_character
 
 UNIT_DIR = "/etc/systemd/system"
@@ -159,36 +161,22 @@ APT_UPDATE = (
 )
 
 
-# Reads `ss -Htni` (a connection's line, then its TCP info line) and prints how many
-# connections carry work, how many are idle, then each busy peer's address and count. Busy:
-# bytes queued either way, or a byte sent or received within `quiet` ms (`lastsnd`/`lastrcv`,
-# left out by ss when 0).
-_BUSY_AWK = r"""
-function done_one() {
-  if (!have) return
-  if (rq > 0 || sq > 0 || snd < quiet || rcv < quiet) {
-    busy++; sub(/:[0-9]+$/, "", peer); by[peer]++
-  } else idle++
-  have = 0
-}
-/^[0-9]/ { done_one(); have = 1; rq = $1; sq = $2; peer = $4; snd = 0; rcv = 0; next }
-{ for (i = 1; i <= NF; i++) {
-    if ($i ~ /^lastsnd:/) snd = substr($i, 9) + 0
-    if ($i ~ /^lastrcv:/) rcv = substr($i, 9) + 0
-} }
-END { done_one(); printf "%d %d", busy, idle; for (p in by) printf " %s x%d", p, by[p]; print "" }
-"""
+# data/scripts/busy_connections.awk reads `ss -Htni` (a connection's line, then its TCP info
+# line) and prints how many connections carry work, how many are idle, then each busy peer's
+# address and count, by the drain plan's rule (denv_iac.core.drain).
+_BUSY_AWK = script("busy_connections.awk")
 
 
-def wait_streams_command(ports: list[int], timeout_s: int, quiet_s: int, settle_s: int) -> str:
-    """Shell, run right after a drain: first `settle_s`, the time the balancers take to hear
-    the drain at their next agent check (a node's `rejoin_s` bounds it), so that no request
-    they still send lands after the count; then wait until no connection to `ports` carries
-    work, at most `timeout_s` (by the clock, not by rounds: a round takes longer on a busy
-    machine); past it, say how many are left and who held them (peer address and count): those
-    get cut. A connection that moved no byte either way for `quiet_s` is idle
-    (QUIET_CONNECTION_S: a balancer's connection kept for reuse), not waited for: it closes with
-    the replica, and the end names how many."""
+def wait_streams_command(ports: list[int], plan: DrainPlan) -> str:
+    """Shell, run right after a drain, by its plan (denv_iac.core.drain): first its settle
+    time, the time the balancers take to hear the drain at their next agent check (a node's
+    `rejoin_s`), so that no request they still send lands after the count; then wait until no
+    connection to `ports` carries work, at most its bound (by the clock, not by rounds: a round
+    takes longer on a busy machine); past it, say how many are left and who held them (peer
+    address and count): those get cut. A connection that moved no byte either way for its
+    quiet window is idle (a balancer's connection kept for reuse), not waited for: it closes
+    with the replica, and the end names how many."""
+    timeout_s, quiet_s, settle_s = plan.bound_s, plan.quiet_s, plan.settle_s
     match = " or ".join(f"sport = :{port}" for port in ports)
     count = (
         f"ss -Htni state established '( {match} )'"

@@ -54,6 +54,9 @@ class ReplicaStatus:
     # HAProxy's `ttime`: the average total time, ms, of its last 1024 requests (a stream's
     # whole length); None before its first.
     total_ms: int | None = None
+    # HAProxy's `check_duration`: how long its last health check took, ms (a new connection,
+    # then the request and its answer: about two round trips); None before the first.
+    check_ms: int | None = None
 
     @property
     def healthy(self) -> bool:
@@ -140,6 +143,7 @@ def replica_statuses(rows: Mapping[str, Mapping[str, str]]) -> list[ReplicaStatu
                 agent_heard=row.get("agent_status", "") in AGENT_ANSWERED,
                 served=int(row.get("stot") or 0),
                 total_ms=int(row["ttime"]) if row.get("ttime") else None,
+                check_ms=int(row["check_duration"]) if row.get("check_duration") else None,
             )
         )
     return statuses
@@ -174,6 +178,32 @@ def with_agent_health(
                 )
             )
     return merged
+
+
+@dataclass(frozen=True)
+class SiteDistance:
+    """How far a site is from the balancer: as measured, and as the stack states it (the
+    stated round trip sets its tiers' connect timeouts; see balancer.model)."""
+
+    site: str
+    # Half the quickest last health check of its replicas (each a handshake, then a request
+    # and its answer), to the ms HAProxy reports; None before any was checked.
+    measured_round_trip_ms: float | None
+    stated_round_trip_ms: float | None  # None: not stated, or no stack given
+
+
+def site_distances(
+    stack: StackSpec | None, replicas: Sequence[ReplicaStatus]
+) -> list[SiteDistance]:
+    """Per site with a replica in the balancer, by name."""
+    distances = []
+    for site in sorted({r.site for r in replicas}):
+        checks = [r.check_ms for r in replicas if r.site == site and r.check_ms is not None]
+        stated = None
+        if stack is not None and site in {s.name for s in stack.sites}:
+            stated = stack.site(site).round_trip_ms
+        distances.append(SiteDistance(site, min(checks) / 2 if checks else None, stated))
+    return distances
 
 
 def pool_statuses(

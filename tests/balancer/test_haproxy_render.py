@@ -256,9 +256,9 @@ def test_tier_comment_names_pool_priority_and_sites() -> None:
     [
         (
             "backend voice.tier1",
-            ["balance hdr(X-Denv-Session)", "hash-type consistent", "hash-balance-factor 150"],
+            ["balance hdr(X-Denv-Session)", "hash-type consistent", "hash-balance-factor 101"],
         ),
-        ("backend llm-8b.tier1", ["balance leastconn", "timeout queue 750ms"]),
+        ("backend llm-8b.tier1", ["balance leastconn", "timeout queue 80ms"]),
     ],
 )
 def test_balance_follows_session_affinity(backend: str, balance: list[str]) -> None:
@@ -331,19 +331,21 @@ def test_each_pool_bounds_replica_silence_by_its_budgets(
 
 
 @pytest.mark.parametrize(
-    ("max_concurrency", "first_token_ms", "stall_ms"),
-    [(1, 1000, 1000), (2, 800, 2500), (32, 3000, 1200), (256, 50, 50)],
+    ("max_concurrency", "first_token_ms", "stall_ms", "queue_budget_ms"),
+    [(1, 1000, 1000, None), (2, 800, 2500, None), (32, 3000, 1200, 400), (256, 50, 50, None)],
 )
-def test_a_replica_takes_its_pool_capacity_and_the_rest_wait_for_the_first_token_budget(
-    max_concurrency: int, first_token_ms: int, stall_ms: int
+def test_a_replica_takes_its_pool_capacity_and_the_rest_wait_for_the_queue_budget(
+    max_concurrency: int, first_token_ms: int, stall_ms: int, queue_budget_ms: int | None
 ) -> None:
-    # Three quarters of the first-token budget for the wait, a quarter for the prefill.
-    queue_ms = {1000: 750, 800: 600, 3000: 2250, 50: 37}[first_token_ms]
+    # The recipe's queue budget, else 80 ms and at most a fifth of the first-token budget (the
+    # rest is the prefill).
+    queue_ms = {1000: 80, 800: 80, 3000: 400, 50: 10}[first_token_ms]
     voice = dataclasses.replace(
         VOICE,
         max_concurrency=max_concurrency,
         first_token_timeout_ms=first_token_ms,
         stall_timeout_ms=stall_ms,
+        queue_budget_ms=queue_budget_ms,
     )
     cfg = render((voice, LLM)).haproxy_cfg
     for tier in voice.tiers:
@@ -351,13 +353,18 @@ def test_a_replica_takes_its_pool_capacity_and_the_rest_wait_for_the_first_token
         servers = [line for line in lines if line.startswith("server ")]
         assert len(servers) == len(tier.servers)
         assert all(f" maxconn {max_concurrency} " in line for line in servers)
-        # The wait for a slot is bounded by the first-token budget less the replica's own time
-        # to its first token, not by the stall budget.
+        # The wait for a slot is bounded by the queue budget, not by the stall budget; and a
+        # request with every slot taken waits only if the tier would start it within it, by
+        # the requests ahead of it and those the tier started in the last second.
         assert f"timeout queue {queue_ms}ms" in lines
-        assert (
+        full = "{ var(txn.unavailable) -m found }"
+        assert lines[lines.index(f"timeout queue {queue_ms}ms") + 1 :][:3] == [
             "http-request set-var(txn.unavailable) str(pool_full)"
-            " if { be_conn_free eq 0 } { nbsrv gt 0 }" in lines
-        )
+            " if { be_conn_free eq 0 } { nbsrv gt 0 }",
+            f"http-request set-var(txn.ahead) queue,add(1),mul(1000) if {full}",
+            "http-request return status 503 default-errorfiles"
+            f" if {full} {{ be_sess_rate,mul({queue_ms}),sub(txn.ahead) lt 0 }}",
+        ]
         # Realtime sessions are not held to the slots of streamed requests.
         realtime = section(cfg, f"backend voice.tier{tier.priority}.realtime")
         assert not any("maxconn" in line or "timeout queue" in line for line in realtime)
@@ -764,6 +771,12 @@ VALIDATION_CASES: list[tuple[str, Case, str]] = [
         "replica capacity as a flag",
         lambda: render((dataclasses.replace(VOICE, max_concurrency=True),)),
         "pools[0].max_concurrency: True is not a positive whole number; use >= 1",
+    ),
+    (
+        "queue budget as long as the first-token budget",
+        lambda: render((dataclasses.replace(VOICE, queue_budget_ms=1000),)),
+        "pools[0].queue_budget_ms: 1000 is not between 1 and first_token_timeout_ms (1000),"
+        " which also holds the replica's prefill; give a smaller budget, or None for the default",
     ),
     (
         "tier connect timeout",

@@ -5,6 +5,7 @@ from typing import Any
 
 import pulumi
 
+from denv_iac.components.dynamic_resource import whole_numbers
 from denv_iac.components.lambda_cloud import LambdaSshKey
 from denv_iac.components.node_setup import NodeDeployment
 from denv_iac.components.preview import run_program
@@ -42,3 +43,15 @@ def test_a_program_registers_more_dynamic_resources_than_the_stack_is_deep() -> 
     run = run_program(program, preview=True)
     assert len(run.registrations) == MORE_THAN_THE_STACK_HOLDS
     assert run.outputs["last"] == f"n{MORE_THAN_THE_STACK_HOLDS - 1}"
+
+
+def test_whole_numbers_are_ints_again_at_any_depth() -> None:
+    # The engine hands a dynamic provider every number as a float (node state, Lambda's rules).
+    state = {"port": 9300.0, "rules": [{"port_range": [22.0, 22.0], "weight": 0.5}], "on": True}
+    assert whole_numbers(state) == {
+        "port": 9300,
+        "rules": [{"port_range": [22, 22], "weight": 0.5}],
+        "on": True,
+    }
+    assert type(whole_numbers(state)["port"]) is int
+    assert whole_numbers((1.0, "2.0", None)) == [1, "2.0", None]

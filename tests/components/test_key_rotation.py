@@ -7,11 +7,17 @@ Under Pulumi's mocks the engine's diff does not run: the options each component 
 the engine uses to keep an input as it was (`ignore_changes`), and each Lambda provider's own
 diff is called directly. A replacement is made from the new inputs with every ignored one put
 back as it was (the engine's processIgnoreChanges, before its diff), which `_replacement` does.
+For Nebius, `_applied` runs updates one after another as the engine would: it calls the
+LaunchUserData provider's diff (as serialized into the resource) against the state, keeps the
+outputs where it finds no change, and records each instance's inputs with ignored ones put back.
 """
 
+import base64
 import copy
+from dataclasses import dataclass, field
 from typing import Any
 
+import dill
 import pytest
 
 from denv_iac.components.lambda_cloud import (
@@ -20,7 +26,8 @@ from denv_iac.components.lambda_cloud import (
     LambdaSshKeyProvider,
     ssh_key_name,
 )
-from denv_iac.components.preview import Registration
+from denv_iac.components.node_setup import ssh_keys
+from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, Registration
 from denv_iac.components.secrets import public_key_of
 from denv_iac.core.stack.exposure import stack_warnings
 from denv_iac.core.stack.reader import read_stack
@@ -28,17 +35,18 @@ from denv_iac.core.stack.values import LAMBDA_NAME_LENGTH
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, run_program
 from tests.components.test_lambda import LAMBDA_SITE, lambda_stack
-from tests.components.test_nebius import NEBIUS_SITE, nebius_stack
+from tests.components.test_nebius import NEBIUS_SITE, SSH_KEY, nebius_stack
 
 # Each kind of machine the stack creates, and the argument its provider reads the SSH key from
 # (as ignore_changes names it). Lambda's is not ignored: its own diff keeps it from relaunching.
+# Nebius's is not either: it comes from a LaunchUserData, which keeps it as it was at launch.
 KEY_ARGUMENTS = {
     "aws:ec2/instance:Instance": "keyName",
     "hcloud:index/server:Server": "sshKeys",
     "pulumi-python:dynamic/lambda:Instance": "ssh_key_names",
     "nebius:index/computeV1Instance:ComputeV1Instance": "cloudInitUserData",
 }
-IGNORED = set(KEY_ARGUMENTS) - {"pulumi-python:dynamic/lambda:Instance"}
+IGNORED = {"aws:ec2/instance:Instance", "hcloud:index/server:Server"}
 AWS_INSTANCE = "aws:ec2/instance:Instance"
 HCLOUD_SERVER = "hcloud:index/server:Server"
 LAMBDA_INSTANCE = "pulumi-python:dynamic/lambda:Instance"
@@ -249,3 +257,113 @@ def test_a_lambda_replacement_after_a_rotation_launches_with_the_current_key(
         bigger = {**news, "instance_type": "gpu_8x_h100_sxm5"}
         assert provider.diff("i0", olds, bigger).replaces == ["instance_type"]
         assert [names[n] for n in bigger["ssh_key_names"]] == [NEW_KEY]
+
+
+# The dynamic resources whose serialized provider's diff is called here, as the engine calls it.
+ENGINE_DIFFED = ("pulumi-python:dynamic/nebius:LaunchUserData",)
+NEBIUS_NODE_SETUP = "pulumi-python:dynamic/denv:NodeDeployment"
+OLD_KEY = public_key_of(SSH_KEY)  # the Nebius site's key before its rotation
+
+
+def _plain(value: Any) -> Any:
+    """Serialized inputs with each secret's value in its place."""
+    if isinstance(value, dict):
+        if value.get(SECRET_SIG) == SECRET_MARK:
+            return _plain(value.get("value"))
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
+@dataclass
+class State:
+    """What the engine records: each resource's inputs, an ignored one as it was before
+    (processIgnoreChanges), and the outputs of the resources in ENGINE_DIFFED."""
+
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _applied(args: Any, state: State, preview: bool) -> tuple[Run, State]:
+    """The program run on `args` by an engine whose state is `state`: a resource in
+    ENGINE_DIFFED whose provider's diff (the provider as serialized in its inputs) finds no
+    change keeps its outputs (a same step); any other is updated to its new inputs. Repeated
+    until what is kept no longer changes, since a kept output can change later inputs."""
+    kept: dict[tuple[str, str], dict[str, Any]] = {}
+    while True:
+        run = run_program(
+            lambda: cluster_outputs(copy.deepcopy(args)), preview=preview, kept_outputs=kept
+        )
+        found = {}
+        for resource in run.registrations:
+            if resource.type not in ENGINE_DIFFED or resource.urn not in state.outputs:
+                continue
+            olds, news = state.outputs[resource.urn], _plain(resource.inputs)
+            provider = dill.loads(base64.b64decode(news["__provider"]))
+            if not provider.diff(f"{resource.name}-id", olds, news).changes:
+                found[(resource.type, resource.name)] = olds
+        if found == kept:
+            break
+        kept = found
+    after = State()
+    for r in run.registrations:
+        recorded = state.inputs.get(r.urn, {})
+        ignored = {path: recorded[path] for path in r.ignore_changes if path in recorded}
+        after.inputs[r.urn] = {**r.inputs, **ignored}
+        if r.type in ENGINE_DIFFED:
+            after.outputs[r.urn] = kept.get((r.type, r.name), _plain(r.inputs))
+    return run, after
+
+
+def _user_data(inputs: dict[str, Any]) -> str:
+    return str(_plain(inputs["cloudInitUserData"]))
+
+
+def _instances(run: Run) -> list[str]:
+    urns = [r.urn for r in run.of_type(NEBIUS_INSTANCE)]
+    assert urns
+    return urns
+
+
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_a_nebius_rotation_changes_no_input_of_a_running_instance(preview: bool) -> None:
+    args = nebius_stack()
+    before, launched = _applied(args, State(), preview=False)
+    after, rotated = _applied(_rotated(args, "nebius-eun1"), launched, preview)
+    for urn in _instances(after):
+        # As the engine diffs it: nothing changed, so neither an update nor a relaunch.
+        assert rotated.inputs[urn] == launched.inputs[urn], urn
+        assert OLD_KEY in _user_data(rotated.inputs[urn])
+    # The running machine gets the new key from its deploy, which logs in with the old one
+    # where the new one is refused, authorizes the new one and removes the old one.
+    deploys = _pairs(before, after, NEBIUS_NODE_SETUP)
+    nebius = [(o, n) for o, n in deploys if "-nebius-eun1-" in n.name]
+    assert nebius
+    for old, new in nebius:
+        keys = ssh_keys(_plain(new.inputs), _plain(old.inputs))
+        assert keys is not None and keys.key == NEW_KEY and keys.retired == (OLD_KEY,)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"platform": "gpu-b200-sxm", "preset": "8gpu-160vcpu-1792gb"},
+        {"subnet_id": "vpcsubnet-e00new"},
+    ],
+    ids=["platform", "subnet"],
+)
+@pytest.mark.parametrize("preview", [False, True], ids=["up", "preview"])
+def test_a_nebius_replacement_after_a_rotation_boots_with_the_current_key(
+    preview: bool, change: dict[str, str]
+) -> None:
+    # The key is rotated in one update; a later one changes what launches the instance again.
+    args = _nebius()
+    _, launched = _applied(args, State(), preview=False)
+    _, rotated = _applied(_rotated(args, "nebius-eun1"), launched, preview=False)
+    run, moved = _applied(_rotated(args, "nebius-eun1", **change), rotated, preview)
+    for urn in _instances(run):
+        assert OLD_KEY in _user_data(rotated.inputs[urn])  # the rotation left it as it was
+        assert moved.inputs[urn] != rotated.inputs[urn]  # another platform or subnet: relaunched
+        user_data = _user_data(moved.inputs[urn])
+        assert NEW_KEY in user_data and OLD_KEY not in user_data, urn

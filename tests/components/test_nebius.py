@@ -30,6 +30,7 @@ DISK = "nebius:index/computeV1Disk:ComputeV1Disk"
 RULE = "nebius:index/vpcV1SecurityRule:VpcV1SecurityRule"
 NODE_SETUP = "denv:index:NodeSetup"
 NODE_DEPLOYMENT = "pulumi-python:dynamic/denv:NodeDeployment"
+LAUNCH_USER_DATA = "pulumi-python:dynamic/nebius:LaunchUserData"
 SSH_KEY = stacks._private_key(8)
 NEBIUS_SITE = {
     "name": "nebius-eun1",
@@ -215,6 +216,7 @@ def test_raising_min_warm_by_one_adds_exactly_one_node() -> None:
         f"{DISK} prod-nebius-eun1-node-3-boot",
         f"{INSTANCE} prod-nebius-eun1-node-3",
         f"{NODE_DEPLOYMENT} prod-nebius-eun1-node-3-setup-deploy",
+        f"{LAUNCH_USER_DATA} prod-nebius-eun1-node-3-user-data",
     ]
 
 

@@ -8,6 +8,7 @@ from denv_iac.core.ingress import (
     IngressRule,
     OverlayAccess,
     balancer_ingress_rules,
+    host_cidr,
     host_overlay_access,
     node_overlay_access,
     recipe_port_range,
@@ -268,3 +269,9 @@ def test_hcloud_labels_keep_only_allowed_characters() -> None:
         "denv-stack": "team-prod-stack",
     }
     assert len(hcloud_labels("x" * 100, "s", "r")["denv-stack"]) == 63
+
+
+def test_one_hosts_address_as_a_source_cidr() -> None:
+    # AWS security groups, Hetzner Cloud firewalls and the Kubernetes network policy alike.
+    assert host_cidr("203.0.113.7") == "203.0.113.7/32"
+    assert host_cidr("2001:db8::7") == "2001:db8::7/128"

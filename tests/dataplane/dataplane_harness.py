@@ -32,6 +32,7 @@ from denv_iac.core.balancer import (
     render_haproxy_config,
 )
 from denv_iac.core.balancer.gateway import GATEWAY_HEALTH_PORT
+from denv_iac.core.balancer.model import connect_timeout_for
 from denv_iac.core.stack.model import (
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
@@ -68,6 +69,10 @@ class PoolLayout:
     max_concurrency: int = MAX_CONCURRENCY
     first_token_timeout_ms: int = FIRST_TOKEN_TIMEOUT_MS
     stall_timeout_ms: int = STALL_TIMEOUT_MS
+    queue_budget_ms: int | None = None
+    # From the balancer to the tiers' sites, as a stack states it: every site here is on this
+    # machine, as a local site is (0). None: unknown, the settings' connect timeout.
+    round_trip_ms: float | None = 0.0
 
 
 # Two home sites and one failover site for voice; llm lives on a site voice may not use.
@@ -243,7 +248,10 @@ class Dataplane:
                 for replica in self.replicas.values()
                 if replica.pool == layout.name and replica.site in sites
             )
-            tiers.append(BalancerTier(priority, sites, servers))
+            connect = (
+                None if layout.round_trip_ms is None else connect_timeout_for(layout.round_trip_ms)
+            )
+            tiers.append(BalancerTier(priority, sites, servers, connect))
         return BalancerPool(
             layout.name,
             tuple(tiers),
@@ -252,6 +260,7 @@ class Dataplane:
             layout.stall_timeout_ms,
             layout.models,
             layout.max_concurrency,
+            layout.queue_budget_ms,
         )
 
     @property

@@ -1,6 +1,7 @@
-"""A replica never gets more than its recipe's max_concurrency: the rest wait in HAProxy's queue
-for at most the first-token budget, spill to the next tier when the home tier is full, and are
-answered a JSON 503 with Retry-After, before any byte, past that budget.
+"""A replica never gets more than its recipe's max_concurrency: the rest spill to the next tier
+when the home tier is full, wait in HAProxy's queue for at most the queue budget when the tier
+would start them within it, and are otherwise answered a JSON 503 with Retry-After, before any
+byte: at once, or past that budget.
 
 The replicas here have no capacity limit of their own: only HAProxy's maxconn bounds them, and
 slow streams (a pause between tokens) keep their slots taken.
@@ -23,7 +24,6 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from denv_iac.cli import main
-from denv_iac.core.balancer.model import queue_timeout_ms
 from denv_iac.core.balancer.saturation import PoolSaturation, pool_saturation
 from denv_iac.haproxy.runtime import server_stats, stats_command, stats_rows
 from denv_iac.local.replica_sim import ReplicaSimConfig
@@ -39,13 +39,14 @@ BODY = {"model": "voice"}
 Start = Callable[..., Dataplane]
 
 
-def _home_tier(first_token_timeout_ms: int) -> PoolLayout:
+def _home_tier(first_token_timeout_ms: int, queue_budget_ms: int | None = None) -> PoolLayout:
     return PoolLayout(
         "voice",
         ((10, ("home-a", "home-b")),),
         session_affinity=True,
         max_concurrency=1,
         first_token_timeout_ms=first_token_timeout_ms,
+        queue_budget_ms=queue_budget_ms,
     )
 
 
@@ -92,7 +93,9 @@ def _served_whole(outcome: StreamOutcome) -> bool:
 def test_a_request_past_every_slot_waits_in_the_queue_and_is_served_whole(
     start_dataplane: Start,
 ) -> None:
-    plane = start_dataplane(pools=(_home_tier(3000),), replica_ids=HOME, sim=SLOW)
+    # The tier started two requests in the last second (three, with this one): with one slot
+    # freed every 0.3 s or so on average it would start the third within its 2 s budget.
+    plane = start_dataplane(pools=(_home_tier(3000, 2000),), replica_ids=HOME, sim=SLOW)
     with _streams(plane) as start:
         running = [start(6), start(6)]
         plane.wait_until(
@@ -112,8 +115,9 @@ def test_a_request_past_every_slot_waits_in_the_queue_and_is_served_whole(
 def test_past_the_first_token_budget_a_queued_request_gets_a_json_503_with_retry_after(
     start_dataplane: Start,
 ) -> None:
-    budget_s = 0.3
-    plane = start_dataplane(pools=(_home_tier(int(budget_s * 1000)),), replica_ids=HOME, sim=SLOW)
+    queue_s = 0.6  # long enough for the tier to take it into its queue (see the first test)
+    layout = _home_tier(3000, int(queue_s * 1000))
+    plane = start_dataplane(pools=(layout,), replica_ids=HOME, sim=SLOW)
     with _streams(plane) as start, plane.client() as client:
         running = [start(12), start(12)]  # about 1.2 s each
         plane.wait_until(
@@ -133,13 +137,46 @@ def test_past_the_first_token_budget_a_queued_request_gets_a_json_503_with_retry
     assert "x-denv-replica" not in refused.headers
     error = refused.json()["error"]
     assert (error["type"], error["code"]) == ("service_unavailable", "pool_full")
-    # It waited the queue's share of the budget for a slot (the rest is a replica's prefill),
-    # and no longer: the streams holding them ran on.
-    queue_s = queue_timeout_ms(int(budget_s * 1000)) / 1000
-    assert queue_s < budget_s
+    # It waited its queue budget for a slot, and no longer: the streams holding them ran on.
     assert queue_s - 0.05 <= waited_s < queue_s + 0.5
     assert not any(outcome.done for outcome in outcomes if outcome.elapsed_s < waited_s)
     # The streams that held the slots were never cut because of the load.
+    assert all(_served_whole(outcome) for outcome in outcomes), outcomes
+    assert [_most_at_once(plane, r) for r in HOME] == [1, 1]
+
+
+def test_a_request_the_full_tier_would_not_start_within_its_queue_budget_is_refused_at_once(
+    start_dataplane: Start,
+) -> None:
+    # Two streams of about 1.2 s hold both slots; the tier started three requests in the last
+    # second with this one, so it would start one more within about a third of a second:
+    # not within a 300 ms budget.
+    queue_s = 0.3
+    plane = start_dataplane(
+        pools=(_home_tier(3000, int(queue_s * 1000)),), replica_ids=HOME, sim=SLOW
+    )
+    with _streams(plane) as start, plane.client() as client:
+        running = [start(12), start(12)]
+        plane.wait_until(
+            lambda: all(_busy(plane, r) == 1 for r in HOME), 5, "both replicas take one stream"
+        )
+        asked = time.monotonic()
+        refused = client.post(
+            "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 2}
+        )
+        waited_s = time.monotonic() - asked
+        queued = _saturation(plane).queued
+        shed = _saturation(plane).shed
+        outcomes = [future.result() for future in running]
+
+    # The same answer as after a wait, but before the queue budget ran: it never queued.
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    assert "x-denv-replica" not in refused.headers
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "pool_full")
+    assert waited_s < queue_s
+    assert (queued, shed) == (0, 1)  # counted as shed by the pool's tier backend
     assert all(_served_whole(outcome) for outcome in outcomes), outcomes
     assert [_most_at_once(plane, r) for r in HOME] == [1, 1]
 
@@ -173,10 +210,10 @@ def test_a_full_home_tier_spills_to_the_next_tier_and_takes_requests_back_once_f
 def test_the_wait_for_a_slot_does_not_count_against_the_replica_silence_budget(
     start_dataplane: Start,
 ) -> None:
-    # 900 ms to the first token: a request that waited for a slot (at most 1.5 s of the 2 s
-    # first-token budget) has its first byte past `timeout server` (2 s).
+    # 900 ms to the first token: a request that waited for a slot (at most its 1.5 s queue
+    # budget of the 2 s first-token budget) has its first byte past `timeout server` (2 s).
     prefill = ReplicaSimConfig("template", ttft_ms=900, itl_ms=100, tokens=8)
-    layout = _home_tier(2000)
+    layout = _home_tier(2000, 1500)
     plane = start_dataplane(pools=(layout,), replica_ids=HOME, sim=prefill)
     with _streams(plane) as start:
         running = [start(5), start(5)]  # about 1.4 s each
@@ -272,6 +309,7 @@ def test_status_shows_a_full_pool_its_slots_queue_spill_and_shed(start_dataplane
         session_affinity=False,
         max_concurrency=1,
         first_token_timeout_ms=1000,
+        queue_budget_ms=800,  # the home tier takes the third request into its queue
     )
     home, fallback = "voice.home.n0.0", "voice.fallback.n1.0"
     plane = start_dataplane(
@@ -305,7 +343,7 @@ def test_status_shows_a_full_pool_its_slots_queue_spill_and_shed(start_dataplane
     }
     # Every slot taken, one request waiting for one, one already sent to the next tier.
     assert full == {**idle, "slots_in_use": 2, "queued": 1, "spilled": 1, "saturated": True}
-    # It waited out the first-token budget and was shed; the streams holding slots ran on.
+    # It waited out the queue budget and was shed; the streams holding slots ran on.
     assert after == {**full, "queued": 0, "shed": 1}
     assert refused.result().json()["error"]["code"] == "pool_full"
     # The exporter's series the alert rules read say the same.

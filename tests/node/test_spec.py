@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from denv_iac.core.agent_config import AgentProbe, recipe_probe
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.stack.model import QUIET_CONNECTION_S
 from denv_iac.core.stack.reader import read_stack
@@ -82,3 +83,26 @@ def test_a_drain_counts_as_idle_what_is_quieter_than_any_live_stream_of_its_pool
     # Left out of the node's inputs at its default: a stack's state from before stays as it was.
     assert ("quiet_s" in spec_to_json(spec)) == (quiet_s != QUIET_CONNECTION_S)
     assert spec_from_json(spec_to_json(spec)).quiet_s == quiet_s
+
+
+def test_a_recipes_probe_is_one_type_from_the_stack_to_the_agent() -> None:
+    # recipe -> AgentProbe (recipe_probe) -> the node's spec -> its JSON -> the same AgentProbe
+    # -> the agent's TOML: no copy of another type on the way, the JSON keys as they were.
+    args = stacks.multicloud()
+    args["recipes"][2]["ttft_budget_ms"] = 800  # on the Hetzner boxes
+    stack = read_stack("prod", {f"denv:{k}": args[k] for k in ("sites", "recipes", "balancer")})
+    specs = node_deploy_specs(stack, place_replicas(stack))
+    recipes = {r.name: r for r in stack.recipes}
+    probed = [r for spec in specs.values() for r in spec.replicas if r.probe is not None]
+    assert probed
+    for replica in probed:
+        recipe = recipes[replica.id.split(".")[0]]
+        assert type(replica.probe) is AgentProbe
+        assert replica.probe == recipe_probe(recipe)
+    spec = next(s for s in specs.values() if any(r.probe for r in s.replicas))
+    data = json.loads(json.dumps(spec_to_json(spec)))
+    wire = next(r["probe"] for r in data["replicas"] if r.get("probe"))
+    assert set(wire) == {"model", "ttft_budget_ms", "stall_budget_ms", "engine", "metrics_path"}
+    again = spec_from_json(data)
+    assert again == spec
+    assert all(type(r.probe) is AgentProbe for r in again.replicas if r.probe is not None)

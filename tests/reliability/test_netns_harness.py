@@ -128,6 +128,33 @@ def test_a_cut_link_is_silent_and_a_healed_one_serves_again() -> None:
 
 
 @pytest.mark.needs_netns
+def test_a_far_link_makes_the_handshake_itself_take_its_round_trip() -> None:
+    with NetnsLab(["near", "far"], round_trips={"far": 120}) as lab:
+        servers = {
+            site: _listening_in(link.namespace, link.address) for site, link in lab.links.items()
+        }
+        try:
+
+            def handshake_s(site: str) -> float:
+                link = lab.links[site]
+                _get(f"http://{link.address}:{servers[site][1]}/", 5.0)  # up and answering
+                start = time.perf_counter()
+                with socket.create_connection((link.address, servers[site][1]), timeout=5):
+                    return time.perf_counter() - start
+
+            near, far = (min(lab.call(handshake_s, site) for _ in range(3)) for site in lab.links)
+            lab.cut("far")  # a far link cuts as a veth link does
+            with pytest.raises(httpx.TimeoutException):
+                lab.call(_get, f"http://{lab.links['far'].address}:{servers['far'][1]}/", 0.3)
+        finally:
+            for server, _ in servers.values():
+                server.kill()
+                server.wait()
+    assert near < 0.02
+    assert 0.12 <= far < 0.2
+
+
+@pytest.mark.needs_netns
 def test_the_delay_proxy_adds_its_delay_each_way() -> None:
     with NetnsLab(["east"]) as lab:
         link = lab.links["east"]

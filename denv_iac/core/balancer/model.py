@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from denv_iac.core.stack.model import (
@@ -51,6 +52,24 @@ class BalancerServer:
     canary: bool = False  # a replica of the pool's canary, the recipe's new version
 
 
+# A TCP handshake takes one round trip. The tier's connect timeout allows two, and a few
+# milliseconds for the scheduling of a busy host: a connect that takes longer has lost its SYN
+# (resent after 1 s) or met a dead host, and the request is better retried on another replica
+# at once. HAProxy waits min(timeout connect, 1 s) before it retries a refused connect, so this
+# is also what a replica that has just died costs the next request: a few ms on the same site
+# rather than the stack's one value for every tier (80 ms), which also cut every connect to a
+# site farther than about 80 ms.
+CONNECT_SLACK_MS = 5
+CONNECT_ROUND_TRIPS = 2
+CONNECT_CEILING_MS = 1000  # a SYN lost is resent after 1 s: past that no timer helps
+
+
+def connect_timeout_for(round_trip_ms: float) -> int:
+    """The connect timeout of a tier whose farthest site is `round_trip_ms` away."""
+    wanted = CONNECT_SLACK_MS + math.ceil(CONNECT_ROUND_TRIPS * round_trip_ms)
+    return min(CONNECT_CEILING_MS, wanted)
+
+
 @dataclass(frozen=True)
 class BalancerTier:
     """Replicas of one pool that are equally preferred; a pool fails over tier by tier."""
@@ -58,16 +77,21 @@ class BalancerTier:
     priority: int
     sites: tuple[str, ...]
     servers: tuple[BalancerServer, ...]
-    # For a tier farther away than settings.connect_timeout_ms allows for a TCP handshake
-    # (another continent, from some balancer); None: the settings' value.
+    # The tier's own connect timeout, from the round trip to its sites (connect_timeout_for);
+    # None: the settings' value.
     connect_timeout_ms: int | None = None
 
 
-# The share of a pool's first-token budget a request may spend waiting for a slot; the rest is
-# the replica's prefill (a voice turn's prompt on one GPU: tens to a couple of hundred ms of the
-# default 1 s). Measured at 2x a pool's capacity: with the whole budget as the queue's, the
-# served requests waited nearly all of it and 63 % of them had their first token in budget.
-QUEUE_SHARE_PCT = 75
+# How long a request may wait for a slot when its recipe states no `queue_budget_ms`: at most
+# QUEUE_BUDGET_MS, and no more than a fifth of a short first-token budget (the rest is the
+# replica's prefill). A voice agent refused within about 100 ms can still use its fallback
+# inside the turn (another provider, a cached phrase); with three quarters of the 1 s budget as
+# the wait (this default's old value), refusals came at 750 ms and the requests served had
+# waited most of it (TTFT p50 576 ms at 1.0x of a pool's capacity, where the engine's own is
+# 100 ms). A refused request waits this long at most; most are refused at once (see
+# docs/balancer.md, Capacity).
+QUEUE_BUDGET_MS = 80
+QUEUE_SHARE_PCT = 20
 
 
 @dataclass(frozen=True)
@@ -87,18 +111,23 @@ class BalancerPool:
     # Requests one replica takes at once (the recipe's max_concurrency): HAProxy's maxconn on
     # each server; the rest wait in the balancer's queue for at most `queue_timeout_ms`.
     max_concurrency: int = MAX_CONCURRENCY
+    # The recipe's `queue_budget_ms`; None: default_queue_budget_ms.
+    queue_budget_ms: int | None = None
 
     @property
     def queue_timeout_ms(self) -> int:
-        return queue_timeout_ms(self.first_token_timeout_ms)
+        """How long a request may wait for a slot, and what a full tier must start it within
+        to take it into its queue at all."""
+        if self.queue_budget_ms is not None:
+            return self.queue_budget_ms
+        return default_queue_budget_ms(self.first_token_timeout_ms)
 
 
-def queue_timeout_ms(first_token_timeout_ms: int) -> int:
-    """How long a request may wait for a free slot: the first-token budget covers that wait and
-    the replica's own time to its first token (the prefill), so the queue gets QUEUE_SHARE_PCT
-    of it. A request that waited the whole budget would get its first token late whenever it
-    got a slot: under sustained overload every served request would."""
-    return max(1, first_token_timeout_ms * QUEUE_SHARE_PCT // 100)
+def default_queue_budget_ms(first_token_timeout_ms: int) -> int:
+    """How long a request may wait for a free slot when the recipe does not say: the
+    first-token budget covers that wait and the replica's own time to its first token (the
+    prefill), so the queue gets QUEUE_BUDGET_MS and at most QUEUE_SHARE_PCT of it."""
+    return max(1, min(QUEUE_BUDGET_MS, first_token_timeout_ms * QUEUE_SHARE_PCT // 100))
 
 
 @dataclass(frozen=True)

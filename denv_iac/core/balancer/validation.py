@@ -181,6 +181,14 @@ def _check_pool(field: str, pool: BalancerPool, replica_ids: set[str]) -> None:
             raise BalancerConfigError(
                 f"{field}.{name}", f"{value!r} is not a positive whole number", "use >= 1"
             )
+    budget = pool.queue_budget_ms
+    if budget is not None and not 1 <= budget < pool.first_token_timeout_ms:
+        raise BalancerConfigError(
+            f"{field}.queue_budget_ms",
+            f"{budget!r} is not between 1 and first_token_timeout_ms"
+            f" ({pool.first_token_timeout_ms}), which also holds the replica's prefill",
+            "give a smaller budget, or None for the default",
+        )
     if not any(tier.servers for tier in pool.tiers):
         raise BalancerConfigError(
             f"{field}.tiers", f"pool {pool.name!r} has no server", "place at least one replica"

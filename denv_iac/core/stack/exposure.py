@@ -7,6 +7,7 @@ Each is one line naming the field and the fix. `denv plan` prints them and still
 import hashlib
 import ipaddress
 
+from denv_iac.core.stack.contradictions import contradiction_warnings
 from denv_iac.core.stack.gateway_link import KUBERNETES, gateway_link_warnings
 from denv_iac.core.stack.model import StackSpec
 from denv_iac.core.stack.overlay import overlay_warnings
@@ -106,6 +107,7 @@ def stack_warnings(stack: StackSpec) -> list[str]:
                 "anyone would try; make one with `openssl rand -hex 32` and list its digest"
             )
     warnings += mig_strategy_warnings(stack)
+    warnings += contradiction_warnings(stack)
     return warnings + overlay_warnings(stack) + gateway_link_warnings(stack)
 
 

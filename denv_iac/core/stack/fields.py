@@ -153,8 +153,11 @@ class Fields:
         value = self._get(key)
         if value is None:
             return None
-        if not _finite(value) or value < 0:
+        if not _finite(value):
             self.problem(key, f"expected a number >= 0, got {describe(value)}")
+            return None
+        if value < 0:
+            self.problem(key, f"{value:g} is below 0; give a number >= 0")
             return None
         return float(value)
 

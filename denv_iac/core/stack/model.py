@@ -114,6 +114,11 @@ class SiteSpec:
     subnet_id: str = ""  # Nebius / AWS subnet, optional on AWS
     image: str = ""  # AMI SSM parameter, Nebius image family
     cache_size_gb: int = 500
+    # The round trip from the balancer to the site's replicas, in ms, as `denv status` measures
+    # it: the connect timeout of the tiers that use the site follows it (see
+    # balancer.model.connect_timeout_for). None: unknown, the stack's timers.connect_timeout_ms.
+    # A local site runs on the balancer's own machine: 0.
+    round_trip_ms: float | None = None
 
     @property
     def creates_nodes(self) -> bool:
@@ -209,6 +214,10 @@ class RecipeSpec:
     stall_timeout_ms: int = STALL_TIMEOUT_MS
     # Requests one replica takes at once; the balancer queues the rest, then spills or sheds.
     max_concurrency: int = MAX_CONCURRENCY
+    # How long a request may wait in the balancer for a slot; a full tier that would not start
+    # it within this refuses it at once. None: a share of first_token_timeout_ms (see
+    # balancer.model.default_queue_budget_ms).
+    queue_budget_ms: int | None = None
     cache_dirs: tuple[str, ...] = ("/var/cache/denv/hf", "/var/cache/denv/compile")
     session_affinity: bool = True
     env: tuple[tuple[str, str], ...] = ()

@@ -180,7 +180,20 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
     kind = f.choice("kind", SITE_KINDS)
     price = f.number("price_per_gpu_hour")
     cache_size_gb = f.integer("cache_size_gb", 500, 10, 65536)
-    common: dict[str, Any] = {"price_per_gpu_hour": price, "cache_size_gb": cache_size_gb}
+    round_trip = f.number("round_trip_ms")
+    if round_trip is not None and round_trip > ROUND_TRIP_LIMIT_MS:
+        f.problem(
+            "round_trip_ms",
+            f"{round_trip:g} is past {ROUND_TRIP_LIMIT_MS} ms, more than any link on Earth;"
+            " give the round trip in milliseconds, as `denv status` shows it",
+        )
+    if round_trip is None and kind == "local":
+        round_trip = 0.0  # the balancer's own machine
+    common: dict[str, Any] = {
+        "price_per_gpu_hour": price,
+        "cache_size_gb": cache_size_gb,
+        "round_trip_ms": round_trip,
+    }
     site = SiteSpec(name, kind or "local", **common)
     if kind in ("local", "joined", "hetzner"):
         nodes = tuple(_read_node(problems, p, n, kind, catalog) for p, n in f.items("nodes"))
@@ -210,6 +223,10 @@ def _read_site(problems: Problems, path: str, raw: object, catalog: Catalog) -> 
     if kind:  # with the kind unknown, which keys belong is unknown too
         f.finish()
     return site
+
+
+# A round trip longer than this is a unit mistake (seconds for milliseconds), not a link.
+ROUND_TRIP_LIMIT_MS = 2000
 
 
 def _robot_credentials(f: Fields) -> dict[str, Secret | None]:
@@ -359,6 +376,13 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
     ttft_budget = f.integer("ttft_budget_ms", 0, 1, 600_000) or None
     first_token_timeout = f.integer("first_token_timeout_ms", FIRST_TOKEN_TIMEOUT_MS, 50, 600_000)
     stall_timeout = f.integer("stall_timeout_ms", STALL_TIMEOUT_MS, 50, 3_600_000)
+    queue_budget = f.integer("queue_budget_ms", 0, 1, 600_000) or None
+    if queue_budget is not None and queue_budget >= first_token_timeout:
+        f.problem(
+            "queue_budget_ms",
+            f"{queue_budget} leaves no time for the first token within first_token_timeout_ms"
+            f" ({first_token_timeout}); make it smaller, e.g. {first_token_timeout // 5}",
+        )
     _check_simulated_pace(f, simulate, stall_timeout)
     env, secret_env = f.env("env")
     recipe = RecipeSpec(
@@ -380,6 +404,7 @@ def _read_recipe(problems: Problems, path: str, raw: object) -> RecipeSpec:
         first_token_timeout_ms=first_token_timeout,
         stall_timeout_ms=stall_timeout,
         max_concurrency=f.integer("max_concurrency", MAX_CONCURRENCY, 1, 100_000),
+        queue_budget_ms=queue_budget,
         cache_dirs=f.text_list("cache_dirs") or RecipeSpec.cache_dirs,
         session_affinity=f.flag("session_affinity", True),
         env=env,
