@@ -43,7 +43,8 @@ from denv_iac.local.processes import (
     free_port,
     wait_for_port,
 )
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess
 from denv_iac.local.run_state import STATE_FILE, AgentState, ReplicaState, RunState, write_private
 
 Progress = Callable[[str], None]
