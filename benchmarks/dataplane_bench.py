@@ -35,7 +35,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.ops.loadgen import CONNECT_TIMEOUT_S, Connection, Endpoint, StreamResult, stream_once
 from tests.dataplane.dataplane_harness import AGENT_UP, STANDARD_POOLS, Dataplane
 

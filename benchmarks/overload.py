@@ -44,7 +44,8 @@ from benchmarks.reliability import (
     wait_full_strength_within,
 )
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
-from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import replica_fault, seen_by_replicas
 from denv_iac.ops.loadgen import LoadReport, run_load
 from tests.engine_load import sampling

@@ -33,7 +33,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.reliability import STACK, at_full_strength
 from denv_iac.core.stack.reader import read_stack
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.local.processes import free_port
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import seen_by_replicas
 from denv_iac.ops.voice_failover import realtime_failover
 

@@ -38,14 +38,9 @@ from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.netns import NetnsCluster, running_in_netns, unavailable_reason
-from denv_iac.local.runner import (
-    AGENT_MARK,
-    REPLICA_MARK,
-    LocalCluster,
-    RunState,
-    free_port,
-    ours,
-)
+from denv_iac.local.processes import AGENT_MARK, REPLICA_MARK, free_port, ours
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import (
     count_replayed,
     count_retried,

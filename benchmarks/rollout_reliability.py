@@ -35,7 +35,8 @@ from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import RollReport, ready_servers, roll, server_rows
-from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.loadgen import (
     CONNECT_TIMEOUT_S,
     Connection,

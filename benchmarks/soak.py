@@ -19,7 +19,9 @@ from denv_agent.control import clear_faults, inject_fault
 
 from benchmarks.reliability import STACK
 from denv_iac.core.stack.reader import read_stack
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.local.processes import free_port
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import kill_replica
 from denv_iac.ops.loadgen import run_load
 

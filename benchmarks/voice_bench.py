@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.dataplane_bench import on_dataplane
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.ops.loadgen import LoadReport, Protocol, percentile, run_load
 from denv_iac.ops.voice_failover import FailoverReport, realtime_failover
 from tests.dataplane.dataplane_harness import Dataplane

@@ -73,7 +73,9 @@ import httpx
 
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local import voice_sim
-from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port, supervised
+from denv_iac.local.processes import free_port
+from denv_iac.local.run_state import ReplicaState, RunState
+from denv_iac.local.runner import LocalCluster, supervised
 from denv_iac.ops.llama import build_engine
 from denv_iac.ops.loadgen import percentile
 from denv_iac.stacks_dir import load_stack

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from denv_iac.components.gateway_tls import CLIENT_NAME, Authority, issue, new_authority
-from denv_iac.core.kube_manifests import GATEWAY_TLS_CA, GATEWAY_TLS_DIR, GATEWAY_TLS_PEM
+from denv_iac.core.kube_manifests.gateway import GATEWAY_TLS_CA, GATEWAY_TLS_DIR, GATEWAY_TLS_PEM
 from denv_iac.core.stack.gateway_link import gateway_tls_name
 
 

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from denv_iac.cli import main
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from denv_iac.core.balancer.haproxy import render_haproxy_config
 from denv_iac.core.balancer.model import BalancerSettings
 from denv_iac.core.dataplane import balancer_pools
 from denv_iac.core.endpoint import balancer_settings
-from denv_iac.core.kube_manifests import gateway_site, site_manifests
+from denv_iac.core.kube_manifests.gateway import gateway_site
+from denv_iac.core.kube_manifests.site import site_manifests
 from denv_iac.core.placement import PlacedReplica, place_replicas
 from denv_iac.core.stack.model import StackSpec
 from denv_iac.core.stack.reader import read_stack

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from denv_iac.core.kube_manifests import site_manifests
+from denv_iac.core.kube_manifests.site import site_manifests
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.node import agent, cache, firewall, replicas

@@ -14,24 +14,23 @@ from denv_iac.core.balancer.gateway import AGENT_UNKNOWN
 from denv_iac.core.balancer.model import RenderedConfig
 from denv_iac.core.catalog import load_catalog
 from denv_iac.core.ingress import AGENT_PORT
-from denv_iac.core.kube_manifests import (
-    AGENT_PODS_PORT,
-    AGENT_RUN_DIR,
+from denv_iac.core.kube_manifests.agent import AGENT_PODS_PORT, AGENT_RUN_DIR
+from denv_iac.core.kube_manifests.gateway import (
     GATEWAY_PORT_BASE,
     GATEWAY_TLS_CA,
     GATEWAY_TLS_DIR,
     GATEWAY_TLS_PEM,
     GATEWAY_TLS_SECRET,
-    GPU_PRODUCTS,
-    SiteManifests,
+)
+from denv_iac.core.kube_manifests.objects import GPU_PRODUCTS
+from denv_iac.core.kube_manifests.pods import (
     gpu_resource,
     max_unavailable,
     min_available,
     rollout_timeout_s,
-    site_manifests,
-    site_problems,
     startup_failure_threshold,
 )
+from denv_iac.core.kube_manifests.site import SiteManifests, site_manifests, site_problems
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.stack.exposure import stack_warnings
 from denv_iac.core.stack.model import SERVER_STOP_S, RecipeSpec

@@ -31,7 +31,7 @@ from agent.tests.agent_testkit import (
     reply,
     wait_for,
 )
-from denv_iac.core.kube_manifests import AGENT_PODS_PORT
+from denv_iac.core.kube_manifests.agent import AGENT_PODS_PORT
 from tests.test_kube_manifests import VOICE, _manifests, _pool, _server, _site
 from tests.timing import RECOVERY_SLACK_S, assert_within
 

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
+from denv_iac.local.replica_model import ReplicaSimConfig, control_headers
+from denv_iac.local.replica_sim import ReplicaProcess
 from denv_iac.ops.loadgen import (
     OPEN_SESSIONS,
     Arrival,

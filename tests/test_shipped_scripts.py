@@ -6,7 +6,7 @@ from importlib import resources
 
 import pytest
 
-from denv_iac.core import kube_manifests
+from denv_iac.core.kube_manifests import pods
 from denv_iac.core.scripts import fill, script
 from denv_iac.node import mig, replicas, steps
 
@@ -19,8 +19,8 @@ def test_each_shipped_script_is_what_its_module_renders() -> None:
         "busy_connections.awk": steps._BUSY_AWK,
         "mig_restore.sh": mig._RESTORE_SCRIPT,
         "replica_run.sh": replicas._LAUNCHER_SCRIPT,
-        "pod_ready.py": kube_manifests.READY_HOOK,
-        "pod_stop.py": kube_manifests.STOP_HOOK,
+        "pod_ready.py": pods.READY_HOOK,
+        "pod_stop.py": pods.STOP_HOOK,
     }
     assert sorted(used) == NAMES
     for name, text in used.items():

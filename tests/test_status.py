@@ -17,7 +17,9 @@ from denv_agent.control import inject_fault
 
 from denv_iac.cli import main
 from denv_iac.core.stack.reader import read_stack
-from denv_iac.local.runner import LocalCluster, RunState, free_port, ours, run_dir
+from denv_iac.local.processes import free_port, ours
+from denv_iac.local.run_state import RunState, run_dir
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.status import (
     AGENT_UNREACHABLE,
     AgentEndpoint,

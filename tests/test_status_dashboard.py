@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from denv_iac.core.stack.reader import read_stack
-from denv_iac.local.runner import LocalCluster, RunState, free_port
+from denv_iac.local.processes import free_port
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.alerts import alert_rules
 from tests.test_status import CONFIG
 

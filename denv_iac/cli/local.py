@@ -15,15 +15,9 @@ from denv_iac.cli.console import API_KEY_ENV, fail, wide_console
 from denv_iac.cli.status import status
 from denv_iac.core.stack.reader import StackError
 from denv_iac.local.rollout import ROLL_SIGNAL, ask_roll, roll_bound_s, serve_roll_requests
-from denv_iac.local.runner import (
-    STATE_FILE,
-    LocalCluster,
-    RunState,
-    StackLock,
-    run_dir,
-    running_recorded,
-    stop_stack,
-)
+from denv_iac.local.run_state import STATE_FILE, RunState, run_dir
+from denv_iac.local.runner import LocalCluster
+from denv_iac.local.stopping import StackLock, running_recorded, stop_stack
 from denv_iac.ops.demo import run_demo
 from denv_iac.stacks_dir import find_stacks_dir, load_stack
 

@@ -20,7 +20,8 @@ from denv_iac.core.balancer.stats import server_rows
 from denv_iac.core.stack.model import StackSpec
 from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy.runtime import stats_rows
-from denv_iac.local.runner import HAPROXY_MARK, HOST, RunState, ours, read_state, run_dir
+from denv_iac.local.processes import HAPROXY_MARK, HOST, ours
+from denv_iac.local.run_state import RunState, read_state, run_dir
 from denv_iac.ops.status import (
     AgentEndpoint,
     AgentHealth,

@@ -12,10 +12,10 @@ import pulumi_kubernetes as k8s
 
 from denv_iac.components.naming import child_name, resolved
 from denv_iac.components.site import SiteContext, SiteNodes
-
-# The module, not its names: its calls read as kube_manifests.<name> here.
-from denv_iac.core import kube_manifests
 from denv_iac.core.ingress import host_cidr
+from denv_iac.core.kube_manifests.gateway import GATEWAY_TLS_CA, GATEWAY_TLS_PEM
+from denv_iac.core.kube_manifests.pods import PoolManifests
+from denv_iac.core.kube_manifests.site import resource_parts, site_manifests, site_problems
 from denv_iac.core.placement import PlacedReplica, place_replicas
 from denv_iac.core.stack.model import SiteSpec, StackSpec
 from denv_iac.core.stack.reader import StackError
@@ -76,13 +76,13 @@ class KubernetesSite(pulumi.ComponentResource):
         waits on it starts after every pod of the pool here rolled and is warm. The same page:
         "If the StatefulSet has not reached a Ready state after 10 minutes, it will time out
         and mark the resource update as Failed", overridable with `customTimeouts`, which each
-        StatefulSet gets from its pool (kube_manifests.rollout_timeout_s). A failed or timed
+        StatefulSet gets from its pool (kube_manifests.pods.rollout_timeout_s). A failed or timed
         out update stops what waits on it: the pool's later units keep the old version."""
         site, stack = args["site"], args["stack"]
-        problems = kube_manifests.site_problems(site, stack.recipes)
+        problems = site_problems(site, stack.recipes)
         if problems:
             raise StackError(problems)
-        manifests = kube_manifests.site_manifests(stack, site, args["replicas"])
+        manifests = site_manifests(stack, site, args["replicas"])
         super().__init__("denv:index:KubernetesSite", name, None, opts)
         provider = k8s.Provider(
             child_name(name, "provider"),
@@ -128,13 +128,13 @@ class KubernetesSite(pulumi.ComponentResource):
 
 def _register(name: str, manifest: dict[str, Any], opts: pulumi.ResourceOptions) -> Any:
     body = {key: value for key, value in manifest.items() if key not in ("apiVersion", "kind")}
-    resource_name = child_name(name, *kube_manifests.resource_parts(manifest))
+    resource_name = child_name(name, *resource_parts(manifest))
     return _KINDS[manifest["kind"]](resource_name, **body, opts=opts)
 
 
 def _rolling(
     inside: pulumi.ResourceOptions,
-    pool: kube_manifests.PoolManifests,
+    pool: PoolManifests,
     waits_on: Sequence[pulumi.Resource],
 ) -> pulumi.ResourceOptions:
     """A pool's StatefulSet: after the pool's previous rollout units, and awaited as long as
@@ -160,7 +160,7 @@ def _register_env_secret(
     if pool not in env_secrets:
         raise ValueError(f"KubernetesSite {name}: give env_secrets for recipe {pool}")
     k8s.core.v1.Secret(
-        child_name(name, *kube_manifests.resource_parts(manifest)),
+        child_name(name, *resource_parts(manifest)),
         metadata=manifest["metadata"],
         type=manifest["type"],
         string_data={k: pulumi.Output.secret(v) for k, v in sorted(env_secrets[pool].items())},
@@ -178,12 +178,12 @@ def _register_gateway_secret(
     if tls is None:
         raise ValueError(f"KubernetesSite {name}: give gateway_tls, the gateway's TLS link is on")
     k8s.core.v1.Secret(
-        child_name(name, *kube_manifests.resource_parts(manifest)),
+        child_name(name, *resource_parts(manifest)),
         metadata=manifest["metadata"],
         type=manifest["type"],
         string_data={
-            kube_manifests.GATEWAY_TLS_CA: tls["ca"],
-            kube_manifests.GATEWAY_TLS_PEM: pulumi.Output.secret(tls["pem"]),
+            GATEWAY_TLS_CA: tls["ca"],
+            GATEWAY_TLS_PEM: pulumi.Output.secret(tls["pem"]),
         },
         opts=opts,
     )

@@ -37,15 +37,9 @@ from typing import ParamSpec, TypeVar
 from denv_iac.core.balancer.model import BalancerSettings
 from denv_iac.core.stack.model import StackSpec
 from denv_iac.local.delay_proxy import DelayProxyProcess
-from denv_iac.local.runner import (
-    AgentState,
-    Host,
-    LocalCluster,
-    Progress,
-    ReplicaState,
-    RunState,
-    free_port,
-)
+from denv_iac.local.processes import Host, free_port
+from denv_iac.local.run_state import AgentState, ReplicaState, RunState
+from denv_iac.local.runner import LocalCluster, Progress
 from denv_iac.local.slow_link import SlowLink
 
 PREFIX = "denvnet-"

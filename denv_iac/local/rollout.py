@@ -44,7 +44,8 @@ from denv_iac.core.rollout import (
 from denv_iac.core.stack.model import RecipeSpec, StackSpec
 from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy.runtime import stats_command
-from denv_iac.local.runner import LocalCluster, ReplicaConfig, ReplicaState, write_private
+from denv_iac.local.run_state import ReplicaState, write_private
+from denv_iac.local.runner import LocalCluster, ReplicaConfig
 
 Progress = Callable[[str], None]
 # What a local roll applies: what the simulated replica runs (model names, ports and health

@@ -3,27 +3,21 @@
 Simulated replicas (or the recipe's own command, see denv_iac.local.command_replica), one real
 `denv-agent --simulate` per node and a real HAProxy, all on 127.0.0.1 unless each site is given
 a Host of its own (a network namespace, see denv_iac.local.netns). Run state lives in
-`.denv/<stack>/`, with `state.json` for scripts: the endpoint, the admin socket, and each
-replica's id, address, port, agent port and pid.
-Everything started is recorded there by pid so that `denv local down` stops exactly that.
+`.denv/<stack>/`, with `state.json` for scripts (denv_iac.local.run_state): the endpoint, the
+admin socket, and each replica's id, address, port, agent port and pid.
+Everything started is recorded there by pid so that `denv local down` stops exactly that
+(denv_iac.local.stopping).
 """
 
 import dataclasses
-import fcntl
 import functools
-import json
-import os
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from denv_agent.engine_metrics import ENGINE_NAMES
@@ -37,215 +31,26 @@ from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.placement import PlacedReplica, place_replicas
 from denv_iac.core.stack.model import RecipeSpec, StackSpec
 from denv_iac.core.stack.reader import StackError
-from denv_iac.core.stack.stackfile import check_stack_name
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
-from denv_iac.local.command_replica import REPLICA_ENV, CommandConfig, CommandReplica
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.local.command_replica import CommandConfig, CommandReplica
+from denv_iac.local.processes import (
+    LOOPBACK,
+    REPLICA_MARK,
+    Host,
+    RestartBackoff,
+    endpoint_in_use,
+    free_port,
+    wait_for_port,
+)
+from denv_iac.local.replica_model import ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess
+from denv_iac.local.run_state import STATE_FILE, AgentState, ReplicaState, RunState, write_private
 
-HOST = "127.0.0.1"
 Progress = Callable[[str], None]
 # What a local replica runs: the simulator, or the recipe's own command.
 ReplicaConfig = ReplicaSimConfig | CommandConfig
 LocalReplica = ReplicaProcess | CommandReplica
-STATE_FILE = "state.json"
-# Restarts of a supervised process that died: the first at once, then each one that follows
-# soon after doubles the wait, up to a ceiling, so a process that dies at start cannot spin.
-RESTART_FIRST_S = 0.1
-RESTART_CEILING_S = 5.0
-# A process that stayed up this long starts over at the first wait.
-RESTART_STABLE_S = 10.0
-
-
-@dataclass(frozen=True)
-class Host:
-    """Where processes of the data plane run: the address they listen on, and the command
-    prefix that starts a process there (`ip netns exec NAME` for a network namespace)."""
-
-    address: str = HOST
-    prefix: tuple[str, ...] = ()
-
-
-LOOPBACK = Host()
-
-
-@dataclass
-class ReplicaState:
-    id: str
-    pool: str
-    site: str
-    node: str
-    gpu: int
-    address: str
-    port: int
-    agent_port: int
-    pid: int
-    # What its /proc cmdline holds while it runs, and whether it leads a process group of its
-    # own (a recipe's command does, with whatever it starts).
-    mark: str = ""
-    group: bool = False
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}:{self.port}"
-
-
-@dataclass
-class AgentState:
-    node: str
-    agent_port: int
-    http_port: int
-    pid: int
-    config: str
-    address: str = HOST
-
-    @property
-    def url(self) -> str:
-        """The agent's HTTP API: /healthz, /metrics and the control endpoint."""
-        return f"http://{self.address}:{self.http_port}"
-
-
-@dataclass
-class RunState:
-    stack: str
-    endpoint: str
-    admin_socket: str
-    prometheus: str
-    haproxy_pid: int
-    control_token: str
-    replicas: list[ReplicaState] = field(default_factory=list)
-    agents: list[AgentState] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> "RunState":
-        raw = json.loads(text)
-        raw["replicas"] = [ReplicaState(**r) for r in raw["replicas"]]
-        raw["agents"] = [AgentState(**a) for a in raw["agents"]]
-        return cls(**raw)
-
-    def agent_of(self, node: str) -> AgentState:
-        return next(a for a in self.agents if a.node == node)
-
-
-def run_dir(project: Path, stack: str) -> Path:
-    return project / ".denv" / check_stack_name(stack)
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read: run state holds the agents' control token."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(descriptor, 0o600)  # an older file keeps its mode through O_CREAT
-    with os.fdopen(descriptor, "w") as file:
-        file.write(text)
-
-
-class StackLock:
-    """One `denv local up` per stack: an exclusive lock on `.denv/<stack>/lock`, held for the
-    life of the process that took it, so a second run fails at once instead of clashing on
-    ports and leaving processes that no state file records."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "lock"
-        self._file: int | None = None
-        self._made: Path | None = None  # the highest folder acquire made, if it made any
-
-    def acquire(self, stack: str) -> None:
-        missing = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._made = missing[-1] if missing else None
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(descriptor, 32).decode(errors="replace").strip() or "?"
-            os.close(descriptor)
-            raise StackError(
-                [
-                    f"--stack: {stack} is already starting or running locally (pid {holder}); "
-                    f"`denv local down --stack {stack}` or Ctrl-C in its terminal stops it"
-                ]
-            ) from None
-        os.ftruncate(descriptor, 0)
-        os.write(descriptor, f"{os.getpid()}\n".encode())
-        self._file = descriptor
-
-    def release(self) -> None:
-        if self._file is not None:
-            os.close(self._file)  # closing drops the lock
-            self._file = None
-
-    def abandon(self) -> None:
-        """Release a start that was refused, and remove the folders acquire made for it: a
-        refused `local up` leaves nothing behind. A folder that was already there stays."""
-        self.release()
-        if self._made is not None:
-            shutil.rmtree(self._made, ignore_errors=True)
-            self._made = None
-
-    def holder(self) -> int | None:
-        """The pid of the process holding the lock (a foreground `denv local up` supervising the
-        stack), or None when it is free. The lock dies with its process, so a pid read while it
-        is held is never a recycled one."""
-        try:
-            descriptor = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.read(descriptor, 32).decode(errors="replace").strip()
-            return int(text) if text.isdigit() else None
-        finally:
-            os.close(descriptor)  # closing drops a shared lock taken just to look
-        return None
-
-
-@dataclass
-class RestartBackoff:
-    """When a supervised process may be restarted next."""
-
-    wait_s: float = 0.0
-    not_before: float = 0.0
-    started_at: float = field(default_factory=time.monotonic)
-    restarts: int = 0
-
-    def due(self, now: float) -> bool:
-        return now >= self.not_before
-
-    def restarted(self, now: float) -> None:
-        stable = now - self.started_at >= RESTART_STABLE_S
-        self.wait_s = (
-            RESTART_FIRST_S
-            if stable or not self.wait_s
-            else min(self.wait_s * 2, RESTART_CEILING_S)
-        )
-        self.not_before = now + self.wait_s
-        self.started_at = now
-        self.restarts += 1
-
-
-_HANDED_OUT: set[int] = set()
-_HANDED_OUT_LOCK = threading.Lock()
-
-
-def free_port() -> int:
-    """A port free now and never handed out before by this process.
-
-    The kernel may give the same free port to two binds in a row when the first socket is
-    closed before its port is used (an endpoint and a metrics port once came out equal), so
-    each port is handed out once.
-    """
-    with _HANDED_OUT_LOCK:
-        while True:
-            with socket.socket() as sock:
-                sock.bind((HOST, 0))
-                port = int(sock.getsockname()[1])
-            if port not in _HANDED_OUT:
-                _HANDED_OUT.add(port)
-                return port
 
 
 def check_local_only(stack: StackSpec) -> None:
@@ -835,125 +640,3 @@ def _replica_state(
         mark,
         group,
     )
-
-
-def endpoint_in_use(port: int, address: str = HOST) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex((address, port)) == 0
-
-
-def wait_for_port(port: int, what: str, address: str = HOST, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if endpoint_in_use(port, address):
-            return
-        time.sleep(0.02)
-    raise RuntimeError(f"{what} did not open {address}:{port} within {timeout_s:.0f} s")
-
-
-# What the command lines of the processes we start contain, and no other command line does.
-HAPROXY_MARK = "haproxy -W -f "
-AGENT_MARK = "-m denv_agent --config "
-REPLICA_MARK = "-m denv_iac.local.replica_sim --id="
-
-
-def ours(pid: int, marker: str) -> bool:
-    """Whether `pid` still runs one of our commands (a recycled pid must not be signalled): its
-    command line holds `marker`; for a recipe's own command, its environment holds it."""
-    environment = marker.startswith(f"{REPLICA_ENV}=")
-    try:
-        raw = Path(f"/proc/{pid}/{'environ' if environment else 'cmdline'}").read_bytes()
-    except OSError:
-        return False
-    if environment:
-        return marker.encode() in raw.split(b"\0")
-    return marker in raw.replace(b"\0", b" ").decode(errors="replace")
-
-
-def _recorded_processes(state: RunState) -> list[tuple[int, str, bool]]:
-    """(pid, command-line mark, whether it leads a process group) of each recorded process."""
-    targets = [(state.haproxy_pid, HAPROXY_MARK, True)]
-    targets += [(a.pid, AGENT_MARK, False) for a in state.agents]
-    targets += [(r.pid, r.mark or REPLICA_MARK, r.group) for r in state.replicas]
-    return targets
-
-
-def running_recorded(directory: Path) -> bool:
-    """Whether any process that `state.json` records still runs; False without a state file."""
-    state_file = directory / STATE_FILE
-    if not state_file.exists():
-        return False
-    try:
-        state = RunState.from_json(state_file.read_text())
-    except (ValueError, TypeError, KeyError):
-        return False
-    return any(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
-
-
-def stop_stack(directory: Path, timeout_s: float = 30.0) -> int:
-    """`denv local down`: stop a supervised stack through its supervisor, which would restart
-    anything stopped under it, then whatever state.json still records (a detached stack);
-    returns how many processes it stopped."""
-    lock = StackLock(directory)
-    supervisor = lock.holder()
-    if supervisor is None:
-        return stop_recorded(directory)
-    supervised = _running_count(directory)
-    os.kill(supervisor, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while lock.holder() is not None:
-        if time.monotonic() > deadline:
-            raise StackError(
-                [
-                    f"the supervising `denv local up` (pid {supervisor}) did not stop within "
-                    f"{timeout_s:.0f} s of SIGTERM; stop it with `kill -KILL {supervisor}`, "
-                    "then run `denv local down` again"
-                ]
-            )
-        time.sleep(0.05)
-    return 1 + supervised + stop_recorded(directory)
-
-
-def _running_count(directory: Path) -> int:
-    """How many processes that state.json records still run."""
-    state = read_state(directory)
-    if state is None:
-        return 0
-    return sum(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
-
-
-def read_state(directory: Path) -> RunState | None:
-    """The run's state file, None without one; StackError when it is not one `local up` wrote."""
-    state_file = directory / STATE_FILE
-    if not state_file.exists():
-        return None
-    try:
-        return RunState.from_json(state_file.read_text(encoding="utf-8"))
-    except (ValueError, TypeError, KeyError, AttributeError, OSError):
-        raise StackError(
-            [
-                f"{state_file}: not the run state `denv local up` writes (cut short or edited); "
-                "stop the stack's processes by hand (pgrep -f denv) and delete the file"
-            ]
-        ) from None
-
-
-def stop_recorded(directory: Path) -> int:
-    """Stop what state.json records; returns how many processes it stopped."""
-    state = read_state(directory)
-    if state is None:
-        return 0
-    targets = _recorded_processes(state)
-    stopped = 0
-    for pid, marker, group in targets:
-        if ours(pid, marker):
-            if group:
-                os.killpg(pid, signal.SIGTERM)
-            else:
-                os.kill(pid, signal.SIGTERM)
-            stopped += 1
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(ours(p, m) for p, m, _ in targets):
-        time.sleep(0.05)
-    (directory / STATE_FILE).unlink(missing_ok=True)
-    return stopped

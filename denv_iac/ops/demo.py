@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import httpx
 from denv_agent.control import inject_fault
 
-from denv_iac.local.replica_sim import control_headers
-from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.local.replica_model import control_headers
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.loadgen import FIGURES, LoadReport, Protocol, StreamResult, run_load
 from denv_iac.ops.voice_failover import FailoverReport, realtime_failover
 

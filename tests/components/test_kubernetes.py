@@ -12,7 +12,7 @@ import pytest
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.core.balancer.model import RenderedConfig
 from denv_iac.core.ingress import AGENT_PORT
-from denv_iac.core.kube_manifests import AGENT_PODS_PORT
+from denv_iac.core.kube_manifests.agent import AGENT_PODS_PORT
 from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy import check_haproxy_config
 from tests.components import stacks

@@ -43,7 +43,8 @@ from denv_iac.core.stack.ports import AGENT_PORT
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, server_stats
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig, control_headers
+from denv_iac.local.replica_model import ReplicaSimConfig, control_headers
+from denv_iac.local.replica_sim import ReplicaProcess
 from tests.stacks import EDGE, kube_site
 from tests.waiting import eventually
 

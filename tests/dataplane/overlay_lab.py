@@ -47,7 +47,7 @@ from denv_iac.local.netns import (
     running,
 )
 from denv_iac.local.netns import unavailable_reason as netns_unavailable
-from denv_iac.local.runner import Host, free_port
+from denv_iac.local.processes import Host, free_port
 
 NETNS_ETC = Path("/etc/netns")
 WIREGUARD_RUN = Path("/var/run/wireguard")

@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from denv_iac.cli import main
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess
 from denv_iac.ops.voice_failover import realtime_failover
 
 from .dataplane_harness import Dataplane

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from denv_iac.cli import main
 from denv_iac.core.balancer.saturation import PoolSaturation, pool_saturation
 from denv_iac.haproxy.runtime import server_stats, stats_command, stats_rows
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 
 from .dataplane_harness import Dataplane, PoolLayout, StreamOutcome, free_port, stream_chat
 

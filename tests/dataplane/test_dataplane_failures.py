@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from denv_iac.haproxy.runtime import server_stats
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 
 from .dataplane_harness import AGENT_UP, Dataplane, StreamOutcome, stream_chat
 

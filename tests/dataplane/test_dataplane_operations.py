@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import httpx
 
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 
 from .dataplane_harness import Dataplane, StreamOutcome, free_port, stream_chat
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 from tests.timing import RECOVERY_SLACK_S, assert_within
 
 from .dataplane_harness import (

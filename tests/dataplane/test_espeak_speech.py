@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import openai
 import pytest
 
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 
 from .dataplane_harness import Dataplane
 

@@ -31,7 +31,7 @@ from denv_iac.core.balancer import (
 )
 from denv_iac.core.balancer.gateway import GatewayRoute, render_gateway_config
 from denv_iac.core.endpoint import balancer_settings
-from denv_iac.core.kube_manifests import gateway_site
+from denv_iac.core.kube_manifests.gateway import gateway_site
 from denv_iac.core.stack.gateway_link import gateway_tls_name
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command

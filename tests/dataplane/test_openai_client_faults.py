@@ -13,7 +13,7 @@ import pytest
 from denv_agent.verdict import Verdict
 
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 from tests.timing import RECOVERY_SLACK_S, assert_within
 
 from .dataplane_harness import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica

@@ -14,12 +14,9 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import Protocol as WsProtocol
 from websockets.protocol import Side
 
-from denv_iac.local.replica_sim import (
-    ReplicaProcess,
-    ReplicaSim,
-    ReplicaSimConfig,
-    control_headers,
-)
+from denv_iac.local.replica_model import ReplicaSimConfig, control_headers
+from denv_iac.local.replica_server import ReplicaSim
+from denv_iac.local.replica_sim import ReplicaProcess
 
 Scenario = Callable[[ReplicaSim], Awaitable[None]]
 TOKEN = "t0k3n-of-this-test"

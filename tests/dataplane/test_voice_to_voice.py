@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import voice_pipeline
 from benchmarks.voice_to_voice import SESSION, STAGES, Turn, spoken_wav, turn_figures
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 
 from .dataplane_harness import Dataplane, PoolLayout, session_replica
 

@@ -22,8 +22,10 @@ import pytest
 from denv_agent.control import drain, undrain
 
 from denv_iac.haproxy.runtime import server_stats
+from denv_iac.local.processes import free_port
 from denv_iac.local.rollout import roll
-from denv_iac.local.runner import LocalCluster, ReplicaState, RunState, free_port, supervised
+from denv_iac.local.run_state import ReplicaState, RunState
+from denv_iac.local.runner import LocalCluster, supervised
 from denv_iac.ops.llama import DecodeLoopFreeze, LlamaEngine, build_engine
 from denv_iac.ops.loadgen import LoadReport, run_load
 from tests.waiting import eventually

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.voice_to_voice import spoken_wav
 from denv_iac.local.command_replica import CommandConfig, CommandReplica
-from denv_iac.local.runner import free_port
+from denv_iac.local.processes import free_port
 from denv_iac.local.transcriber import MODEL_RATE, model_pcm
 
 pytestmark = pytest.mark.needs_espeak

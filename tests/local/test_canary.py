@@ -23,8 +23,10 @@ import yaml
 from denv_iac.core.balancer.stats import server_rows
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_rows
+from denv_iac.local.processes import HOST
 from denv_iac.local.rollout import RollStopped, roll
-from denv_iac.local.runner import HOST, LocalCluster, RunState
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.status import (
     AgentEndpoint,
     pool_statuses,

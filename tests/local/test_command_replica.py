@@ -14,7 +14,9 @@ import pytest
 from denv_iac.core.stack.command import render_command
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.command_replica import CommandConfig, CommandReplica, CommandStartError
-from denv_iac.local.runner import LocalCluster, free_port, ours, stop_recorded
+from denv_iac.local.processes import free_port, ours
+from denv_iac.local.runner import LocalCluster
+from denv_iac.local.stopping import stop_recorded
 from tests.stacks import local_site
 
 HTTP_SERVER = (sys.executable, "-m", "http.server", "{port}", "--bind", "{host}")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from denv_iac.core.stack.reader import read_stack
-from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import replica_fault
 from tests.engine_load import agent_reply, all_up, server_row, streaming, wait_for, watch_full
 from tests.stacks import local_site

@@ -24,7 +24,8 @@ from denv_iac.local.rollout import (
     roll,
     server_rows,
 )
-from denv_iac.local.runner import LocalCluster, RunState
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
 from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import CONFIG as SUPERVISED
 from tests.local.test_local_supervision import _stack_project, _supervised_up

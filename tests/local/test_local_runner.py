@@ -19,16 +19,11 @@ from websockets.typing import Subprotocol
 from denv_iac.cli import main
 from denv_iac.core.balancer.client_secrets import subprotocols
 from denv_iac.core.stack.reader import StackError, read_stack
-from denv_iac.local import runner
-from denv_iac.local.runner import (
-    HAPROXY_MARK,
-    REPLICA_MARK,
-    LocalCluster,
-    RunState,
-    free_port,
-    ours,
-    stop_recorded,
-)
+from denv_iac.local import processes
+from denv_iac.local.processes import HAPROXY_MARK, REPLICA_MARK, free_port, ours
+from denv_iac.local.run_state import RunState
+from denv_iac.local.runner import LocalCluster
+from denv_iac.local.stopping import stop_recorded
 from denv_iac.ops.demo import kill_replica, run_demo
 from tests.stacks import local_site, valid_config
 
@@ -257,6 +252,6 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch)
         def getsockname(self) -> tuple[str, int]:
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(runner.socket, "socket", Socket)
-    monkeypatch.setattr(runner, "_HANDED_OUT", set())
+    monkeypatch.setattr(processes.socket, "socket", Socket)
+    monkeypatch.setattr(processes, "_HANDED_OUT", set())
     assert [free_port(), free_port()] == [47001, 47002]

@@ -11,7 +11,9 @@ import time
 import httpx
 import pytest
 
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSim, ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
+from denv_iac.local.replica_server import ReplicaSim
+from denv_iac.local.replica_sim import ReplicaProcess
 from tests.dataplane.test_replica_sim import (
     read_chunk,
     read_chunks,

@@ -29,8 +29,9 @@ from denv_iac.core.placement import PlacedReplica, place_replicas
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess
-from denv_iac.local.replica_sim import ReplicaProcess, ReplicaSimConfig
-from denv_iac.local.runner import free_port, wait_for_port
+from denv_iac.local.processes import free_port, wait_for_port
+from denv_iac.local.replica_model import ReplicaSimConfig
+from denv_iac.local.replica_sim import ReplicaProcess
 from denv_iac.node import agent
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeDeploySpec

@@ -79,9 +79,16 @@ SIM_IN_VM = "/opt/denv-sim"
 # What the simulator imports, sent to the nodes as they are here.
 SIM_MODULES = (
     "denv_iac/__init__.py",
+    "denv_iac/child_process.py",
     "denv_iac/local/__init__.py",
+    "denv_iac/local/engine_sim.py",
+    "denv_iac/local/replica_http.py",
+    "denv_iac/local/replica_model.py",
+    "denv_iac/local/replica_realtime.py",
+    "denv_iac/local/replica_server.py",
     "denv_iac/local/replica_sim.py",
     "denv_iac/local/voice_sim.py",
+    "denv_iac/core/__init__.py",
     "denv_iac/core/stack/__init__.py",
     "denv_iac/core/stack/model.py",
 )

@@ -1,0 +1,206 @@
+"""The simulated replica's minimal HTTP/1.1: reading a request, writing a response's head and
+body (whole or chunked), a server-sent event, a connection cut with a TCP reset; and the OpenAI
+shapes it answers in (a chat completion, whole or by chunks, and the error object)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from denv_iac.local.replica_model import ReplicaSimConfig
+
+SELF_HEADER = "X-Denv-Replica-Self"
+MAX_HEAD_BYTES = 64 * 1024
+_MAX_BODY_BYTES = 16 * 1024 * 1024
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    413: "Content Too Large",
+    500: "Internal Server Error",
+    501: "Not Implemented",
+    503: "Service Unavailable",
+}
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    keep_alive: bool
+    headers: dict[str, str]
+    body: bytes
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ConnectionAborted(Exception):
+    """The simulated fault reset the connection; stop serving it."""
+
+
+async def read_request(reader: asyncio.StreamReader) -> Request | None:
+    """One request from the connection, or None when the peer closed it between requests."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as error:
+        if error.partial.strip():
+            raise BadRequest(400, "truncated request head") from None
+        return None
+    except asyncio.LimitOverrunError:
+        raise BadRequest(400, "request head too large") from None
+    request_line, *header_lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+    try:
+        method, target, version = request_line.split(" ", 2)
+    except ValueError:
+        raise BadRequest(400, "malformed request line") from None
+    headers: dict[str, str] = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        raise BadRequest(501, "chunked request bodies are not supported; send Content-Length")
+    length = int(headers.get("content-length") or 0)
+    if length > _MAX_BODY_BYTES:
+        raise BadRequest(413, "request body too large")
+    body = await reader.readexactly(length) if length else b""
+    connection = headers.get("connection", "").lower()
+    keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
+    return Request(method, target, keep_alive, headers, body)
+
+
+def response_head(
+    status: int, content_type: str, config: ReplicaSimConfig, keep_alive: bool, chunked: bool
+) -> bytes:
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}",
+        f"Content-Type: {content_type}",
+        f"{SELF_HEADER}: {config.replica_id}",
+        "Connection: keep-alive" if keep_alive else "Connection: close",
+    ]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    return ("\r\n".join(lines) + "\r\n").encode("latin-1")
+
+
+async def respond_json(
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: dict[str, Any],
+    config: ReplicaSimConfig,
+    keep_alive: bool,
+) -> None:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    await respond_bytes(writer, status, "application/json", payload, config, keep_alive)
+
+
+async def respond_bytes(
+    writer: asyncio.StreamWriter,
+    status: int,
+    content_type: str,
+    payload: bytes,
+    config: ReplicaSimConfig,
+    keep_alive: bool,
+) -> None:
+    head = response_head(status, content_type, config, keep_alive, chunked=False)
+    writer.write(head + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    await writer.drain()
+
+
+def client_left(next_request: asyncio.Future[Request | None]) -> bool:
+    """Whether the read of the next request ended because the client closed or reset."""
+    if not next_request.done():
+        return False
+    error = next_request.exception()
+    if error is not None:
+        return isinstance(error, ConnectionError)
+    return next_request.result() is None
+
+
+def http_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def reset_connection(writer: asyncio.StreamWriter) -> None:
+    """Abort with a TCP reset, as a crashed model server's kernel would."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+def openai_error(
+    message: str, status: int, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape, as vLLM and SGLang answer it (and send it as a stream's event):
+    a client's mistake is an `invalid_request_error` naming the `param` at fault; the engine's
+    own failures keep vLLM's types and its numeric code."""
+    if status >= 500 and status != 501:
+        kind = "ServiceUnavailableError" if status == 503 else "InternalServerError"
+        code = status if code is None else code
+    else:
+        kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """The prompt's length as the engine would count it, a word for a token."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+
+
+def token_text(index: int) -> str:
+    return f"tok{index} "
+
+
+@dataclass(frozen=True)
+class Completion:
+    id: str
+    model: str
+    replica_id: str
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model,
+            "replica": self.replica_id,
+        }
+
+    def token_chunk(self, index: int) -> dict[str, Any]:
+        delta = {"content": token_text(index)}
+        if index == 0:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+
+    def final_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {}, "finish_reason": "stop"}
+        return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+
+    def whole(self, tokens: int) -> dict[str, Any]:
+        text = "".join(token_text(index) for index in range(tokens))
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop",
+        }
+        usage = {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
+        return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage}
