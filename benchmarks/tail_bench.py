@@ -38,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from denv_iac.local.replica_sim import ReplicaSimConfig
+from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.ops.loadgen import CONNECT_TIMEOUT_S, Connection, Endpoint, stream_once
 from tests.dataplane.dataplane_harness import STANDARD_POOLS, Dataplane, free_port
 
