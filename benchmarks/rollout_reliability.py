@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.goodput import CUT
 from benchmarks.reliability import fresh_stack
-from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.balancer.tiers import TWIN_SUFFIXES
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import RollReport, ready_servers, roll, server_rows
