@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from denv_iac.ops.loadgen import StreamResult, percentile
+from denv_iac.ops.loadgen_report import StreamResult, percentile
 
 REJECTED = ("http_503", "http_429")
 CUT = ("aborted", "closed")  # a stream or a realtime session ended mid-answer

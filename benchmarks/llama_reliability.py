@@ -45,7 +45,8 @@ from denv_iac.local.rollout import roll
 from denv_iac.local.run_state import ReplicaState, RunState
 from denv_iac.local.runner import LocalCluster, supervised
 from denv_iac.ops.llama import DecodeLoopFreeze, build_engine
-from denv_iac.ops.loadgen import LoadReport, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import LoadReport
 
 RESULTS = Path(__file__).parent / "results" / "llama_reliability.json"
 POOL = "chat"

@@ -47,7 +47,8 @@ from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import replica_fault, seen_by_replicas
-from denv_iac.ops.loadgen import LoadReport, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import LoadReport
 from tests.engine_load import sampling
 
 RESULTS = Path(__file__).parent / "results" / "overload_reliability.json"

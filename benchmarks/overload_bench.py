@@ -48,7 +48,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.goodput import account
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
 from denv_iac.local.replica_model import ReplicaSimConfig
-from denv_iac.ops.loadgen import StreamResult, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import StreamResult
 from tests.dataplane.dataplane_harness import Dataplane, PoolLayout
 from tests.dataplane.peer_router import PeerRouter
 

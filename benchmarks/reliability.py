@@ -48,7 +48,8 @@ from denv_iac.ops.demo import (
     replica_fault,
     seen_by_replicas,
 )
-from denv_iac.ops.loadgen import LoadReport, StreamResult, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import LoadReport, StreamResult
 
 RESULTS = Path(__file__).parent / "results" / "reliability.json"
 CONCURRENCY = 64

@@ -31,20 +31,16 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.goodput import CUT
 from benchmarks.reliability import fresh_stack
-from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.balancer.tiers import TWIN_SUFFIXES
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.rollout import RollReport, ready_servers, roll, server_rows
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
-from denv_iac.ops.loadgen import (
-    CONNECT_TIMEOUT_S,
-    Connection,
-    Endpoint,
-    Protocol,
-    RealtimeSession,
-    run_load,
-)
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_protocols import RealtimeSession
+from denv_iac.ops.loadgen_report import Protocol
+from denv_iac.ops.loadgen_transport import CONNECT_TIMEOUT_S, Connection, Endpoint
 from tests.engine_load import sampling
 
 RESULTS = Path(__file__).parent / "results" / "rollout_reliability.json"

@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.dataplane_bench import on_dataplane
 from denv_iac.local.replica_model import ReplicaSimConfig
-from denv_iac.ops.loadgen import LoadReport, Protocol, percentile, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import LoadReport, Protocol, percentile
 from denv_iac.ops.voice_failover import FailoverReport, realtime_failover
 from tests.dataplane.dataplane_harness import Dataplane
 

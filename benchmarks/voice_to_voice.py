@@ -77,7 +77,7 @@ from denv_iac.local.processes import free_port
 from denv_iac.local.run_state import ReplicaState, RunState
 from denv_iac.local.runner import LocalCluster, supervised
 from denv_iac.ops.llama import build_engine
-from denv_iac.ops.loadgen import percentile
+from denv_iac.ops.loadgen_report import percentile
 from denv_iac.stacks_dir import load_stack
 
 PCM_BYTES_PER_S = voice_sim.SAMPLE_RATE * 2  # what Pipecat's OpenAI TTS hands on: 24 kHz PCM16

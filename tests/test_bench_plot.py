@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from denv_iac.ops.bench_plot import BAR, DIRECT, DPI, ERROR, SIZE_IN, render_figure, write_plot
-from denv_iac.ops.loadgen import LoadReport, StreamResult
+from denv_iac.ops.loadgen_report import LoadReport, StreamResult
 
 
 def synthetic_report(seed: int = 7, requests: int = 400) -> LoadReport:

@@ -11,7 +11,7 @@ import botocore
 import pytest
 
 from denv_iac.core.catalog import PROVIDERS, load_catalog, parse_catalog, parse_server_types
-from denv_iac.core.stack.reader import HETZNER_LOCATIONS
+from denv_iac.core.stack.site_reader import HETZNER_LOCATIONS
 
 
 def ec2_instance_types() -> set[str]:

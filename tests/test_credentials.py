@@ -35,7 +35,7 @@ from denv_iac.lambda_api import API_URL as LAMBDA_URL
 from denv_iac.lambda_api import LambdaApiError, LambdaClient
 from denv_iac.local.rollout import ready_servers, roll_once, server_rows
 from denv_iac.local.runner import LocalCluster
-from denv_iac.ops.loadgen import PROTOCOLS
+from denv_iac.ops.loadgen_report import PROTOCOLS
 from denv_iac.robot_api import API_URL as ROBOT_URL
 from denv_iac.robot_api import RobotApiError, RobotClient
 from tests.stacks import local_site

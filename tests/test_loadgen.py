@@ -11,14 +11,9 @@ import pytest
 
 from denv_iac.local.replica_model import ReplicaSimConfig, control_headers
 from denv_iac.local.replica_sim import ReplicaProcess
-from denv_iac.ops.loadgen import (
-    OPEN_SESSIONS,
-    Arrival,
-    arrivals,
-    open_loop_problems,
-    percentile,
-    run_load,
-)
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_arrivals import OPEN_SESSIONS, Arrival, arrivals, open_loop_problems
+from denv_iac.ops.loadgen_report import percentile
 from tests.timing import assert_within
 
 

@@ -22,7 +22,8 @@ from websockets.protocol import Protocol as WsProtocol
 from websockets.protocol import Side, State
 
 from denv_iac.local import voice_sim
-from denv_iac.ops.loadgen import Endpoint, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_transport import Endpoint
 
 # The n-th request on a connection -> the raw response; a list is written piece by piece, a
 # pause between pieces, so that the client reads each on its own.

@@ -13,15 +13,9 @@ from websockets.protocol import Protocol as WsProtocol
 from websockets.protocol import Side
 
 from denv_iac.local import voice_sim
-from denv_iac.ops.loadgen import (
-    LoadReport,
-    Protocol,
-    StreamResult,
-    Via,
-    transcript_of,
-    transcription_request,
-    wav,
-)
+from denv_iac.ops.loadgen_protocols import transcript_of
+from denv_iac.ops.loadgen_report import LoadReport, Protocol, StreamResult, Via
+from denv_iac.ops.loadgen_requests import transcription_request, wav
 
 
 def result(first_ms: float | None, via: Via = "endpoint", error: str = "") -> StreamResult:

@@ -8,7 +8,7 @@ import pytest
 from benchmarks.goodput import account, tally
 from benchmarks.overload import count
 from benchmarks.overload_bench import goodput_ratio
-from denv_iac.ops.loadgen import LoadReport, StreamResult
+from denv_iac.ops.loadgen_report import LoadReport, StreamResult
 
 
 def _result(

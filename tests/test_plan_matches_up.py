@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from denv_iac.cli import main
 from denv_iac.components.cluster import validate_cluster
-from denv_iac.core.balancer.haproxy import MODELS_LIST_LIMIT
+from denv_iac.core.balancer.api_surface import MODELS_LIST_LIMIT
 from denv_iac.core.stack.reader import StackError
 from tests.balancer.sample_pools import aliases_filling
 from tests.stacks import SECRET

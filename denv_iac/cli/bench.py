@@ -24,15 +24,9 @@ from denv_iac.cli.console import (
     wide_console,
     write_output,
 )
-from denv_iac.ops.loadgen import (
-    FIGURES,
-    PROTOCOLS,
-    QUANTILES,
-    LoadReport,
-    Protocol,
-    open_loop_problems,
-    run_load,
-)
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_arrivals import open_loop_problems
+from denv_iac.ops.loadgen_report import FIGURES, PROTOCOLS, QUANTILES, LoadReport, Protocol
 
 TICK_S = 0.2
 

@@ -12,7 +12,7 @@ import pulumi
 from cryptography.hazmat.primitives import serialization
 
 from denv_iac.core.stack.fields import is_empty_secret
-from denv_iac.core.stack.reader import ROBOT_FIELDS
+from denv_iac.core.stack.site_reader import ROBOT_FIELDS
 
 SITE_SECRET_FIELDS = ("ssh_private_key", "api_key", "kubeconfig", *ROBOT_FIELDS)
 BALANCER_SECRET_FIELDS = ("tls_certificate", "client_secret_key")

@@ -3,7 +3,7 @@
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from denv_iac.core.balancer.haproxy import models_list_problem
+from denv_iac.core.balancer.api_surface import models_list_problem
 from denv_iac.core.catalog import Catalog, load_catalog
 from denv_iac.core.kube_manifests.site import resource_name_problems, site_problems
 from denv_iac.core.overlay import OverlayPlan, plan_overlay

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from denv_agent.control import ControlFailed, drain, undrain
 
-from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.balancer.tiers import TWIN_SUFFIXES
 from denv_iac.core.drain import drain_plan
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.rollout import (

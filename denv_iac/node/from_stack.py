@@ -1,7 +1,7 @@
 """What each placed node of a stack runs: the node deploys' input, built from the stack."""
 
 from denv_iac.core.agent_config import recipe_probe
-from denv_iac.core.balancer.haproxy import rejoin_s
+from denv_iac.core.balancer.tiers import rejoin_s
 from denv_iac.core.drain import drain_plan
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.overlay import plan_overlay

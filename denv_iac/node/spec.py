@@ -153,7 +153,7 @@ class NodeDeploySpec:
     drain_timeout_s: int = DRAIN_TIMEOUT_S
     ready_timeout_s: int = COLD_START_BUDGET_S
     # After a rolled replica is undrained, how long the balancers take to count it UP again
-    # (denv_iac.core.balancer.haproxy.rejoin_ms of the stack's timers), waited before the next goes.
+    # (denv_iac.core.balancer.tiers.rejoin_ms of the stack's timers), waited before the next goes.
     rejoin_s: int = 3
     # A connection with no byte either way for this long is idle, not waited for by a drain
     # (QUIET_CONNECTION_S, or the node's pools' longest silence budget where longer).

@@ -14,7 +14,7 @@ import re
 
 import yaml
 
-from denv_iac.core.balancer.haproxy import BOUNDED_TWIN_SUFFIXES, TWIN_SUFFIXES
+from denv_iac.core.balancer.tiers import BOUNDED_TWIN_SUFFIXES, TWIN_SUFFIXES
 from denv_iac.core.dataplane import tier_priority
 from denv_iac.core.stack.model import RecipeSpec, StackSpec
 

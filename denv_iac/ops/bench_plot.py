@@ -16,7 +16,7 @@ from matplotlib import rc_context
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from denv_iac.ops.loadgen import FIGURES, LoadReport, StreamResult
+from denv_iac.ops.loadgen_report import FIGURES, LoadReport, StreamResult
 
 FORMATS = (".png", ".svg")
 SIZE_IN = (9.0, 7.0)

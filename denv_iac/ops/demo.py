@@ -20,7 +20,8 @@ from denv_agent.control import inject_fault
 from denv_iac.local.replica_model import control_headers
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
-from denv_iac.ops.loadgen import FIGURES, LoadReport, Protocol, StreamResult, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import FIGURES, LoadReport, Protocol, StreamResult
 from denv_iac.ops.voice_failover import FailoverReport, realtime_failover
 
 Say = Callable[[str], None]

@@ -15,9 +15,10 @@ from typing import Any
 
 import httpx
 
-from denv_iac.core.balancer.haproxy import STATS_PATH, parse_tier_backend
+from denv_iac.core.balancer.haproxy import STATS_PATH
 from denv_iac.core.balancer.saturation import PoolSaturation
 from denv_iac.core.balancer.stats import parse_stats_rows
+from denv_iac.core.balancer.tiers import parse_tier_backend
 from denv_iac.core.stack.model import StackSpec
 
 AGENT_TIMEOUT_S = 1.0

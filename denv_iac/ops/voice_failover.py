@@ -24,13 +24,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from denv_iac.ops.loadgen import (
-    CONNECT_TIMEOUT_S,
-    Connection,
-    Endpoint,
-    RealtimeSession,
-    percentile,
-)
+from denv_iac.ops.loadgen_protocols import RealtimeSession
+from denv_iac.ops.loadgen_report import percentile
+from denv_iac.ops.loadgen_transport import CONNECT_TIMEOUT_S, Connection, Endpoint
 
 Seen = Callable[[], dict[str, list[str]]]  # request id -> the replicas that received it
 

@@ -12,7 +12,7 @@ from denv_iac.core.balancer import (
     BalancerTier,
     KeyScope,
 )
-from denv_iac.core.balancer.haproxy import models_list
+from denv_iac.core.balancer.api_surface import models_list
 
 MAP_DIR = "/etc/denv/maps"
 API_KEY = "sk-denv-example"

@@ -12,7 +12,7 @@ import pytest
 
 from denv_iac.core.balancer import BalancerConfigError, BalancerSettings, render_haproxy_config
 from denv_iac.core.balancer import client_secrets as ek
-from denv_iac.core.balancer.haproxy import _CLIENT_SECRET_OFFERED
+from denv_iac.core.balancer.key_checks import CLIENT_SECRET_OFFERED
 from denv_iac.haproxy import check_haproxy_config
 
 from .sample_pools import MAP_DIR, POOLS, SCOPED_SETTINGS
@@ -45,7 +45,7 @@ OFFERED = {
 
 @pytest.mark.parametrize("header", sorted(OFFERED))
 def test_the_offered_subprotocols_give_pool_expiry_and_mac(header: str) -> None:
-    found = re.match(_CLIENT_SECRET_OFFERED, header)
+    found = re.match(CLIENT_SECRET_OFFERED, header)
     assert (found.groups() if found else None) == OFFERED[header]
 
 

@@ -23,7 +23,7 @@ from denv_iac.core.balancer import (
     RenderedConfig,
     render_haproxy_config,
 )
-from denv_iac.core.balancer.haproxy import MODELS_LIST_LIMIT, models_list
+from denv_iac.core.balancer.api_surface import MODELS_LIST_LIMIT, models_list
 
 from .sample_pools import (
     LLM,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from denv_iac.core.balancer.haproxy import TierBackend, parse_tier_backend
 from denv_iac.core.balancer.saturation import PoolSaturation, pool_saturation
+from denv_iac.core.balancer.tiers import TierBackend, parse_tier_backend
 
 
 def _row(proxy: str, name: str, status: str = "UP", **fields: int) -> dict[str, str]:

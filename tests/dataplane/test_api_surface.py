@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from denv_iac.core.balancer.haproxy import MODELS_LIST_LIMIT, REQUEST_ID_MAX
+from denv_iac.core.balancer.api_surface import MODELS_LIST_LIMIT, REQUEST_ID_MAX
 from tests.balancer.sample_pools import aliases_filling
 
 from .dataplane_harness import STANDARD_POOLS, STANDARD_REPLICAS, Dataplane

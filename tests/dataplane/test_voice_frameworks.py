@@ -20,7 +20,7 @@ import pytest
 from loguru import logger
 
 from denv_iac.local import voice_sim
-from denv_iac.ops.loadgen import wav
+from denv_iac.ops.loadgen_requests import wav
 from tests.timing import RECOVERY_SLACK_S, assert_within
 from tests.waiting import eventually_async
 

@@ -18,7 +18,7 @@ from denv_agent.verdict import Verdict
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.local import voice_sim
 from denv_iac.local.replica_model import ReplicaSimConfig
-from denv_iac.ops.loadgen import wav
+from denv_iac.ops.loadgen_requests import wav
 
 from .dataplane_harness import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
 

@@ -27,7 +27,8 @@ from denv_iac.local.rollout import roll
 from denv_iac.local.run_state import ReplicaState, RunState
 from denv_iac.local.runner import LocalCluster, supervised
 from denv_iac.ops.llama import DecodeLoopFreeze, LlamaEngine, build_engine
-from denv_iac.ops.loadgen import LoadReport, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import LoadReport
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.needs_haproxy

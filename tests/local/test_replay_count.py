@@ -3,7 +3,7 @@
 import pytest
 
 from denv_iac.ops.demo import count_replayed, count_retried
-from denv_iac.ops.loadgen import StreamResult
+from denv_iac.ops.loadgen_report import StreamResult
 
 
 def result(request_id: str, error: str, replica: str) -> StreamResult:

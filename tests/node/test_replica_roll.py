@@ -7,8 +7,8 @@ import stat
 import subprocess
 from pathlib import Path
 
-from denv_iac.core.balancer.haproxy import rejoin_ms
 from denv_iac.core.balancer.model import BalancerSettings
+from denv_iac.core.balancer.tiers import rejoin_ms
 from denv_iac.node import replicas
 from denv_iac.node.plan import plan_node
 from denv_iac.node.spec import ReplicaSpec

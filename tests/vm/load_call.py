@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from denv_iac.ops.loadgen import Protocol, run_load
+from denv_iac.ops.loadgen import run_load
+from denv_iac.ops.loadgen_report import Protocol
 
 ROUND_S = 5.0
 TIMEOUT_S = 30.0

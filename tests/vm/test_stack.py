@@ -53,7 +53,7 @@ from denv_iac.core.stack.reader import read_stack
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeDeploySpec, spec_to_json
 from denv_iac.ops.demo import count_replayed
-from denv_iac.ops.loadgen import StreamResult
+from denv_iac.ops.loadgen_report import StreamResult
 from tests.node import standin
 from tests.vm.bed import HOST, Bed, Vm
 from tests.vm.conftest import TIMINGS

@@ -9,7 +9,7 @@ under the balancer's client secret key, so HAProxy checks it without state:
 
     ek_<pool>.<expires_at, unix seconds>.<hex HMAC-SHA256 of "<pool>.<expires_at>">
 
-Pure: formats and constants; the HAProxy rules that mint and check it are in haproxy.py.
+Pure: formats and constants; the HAProxy rules that mint and check it are in key_checks.py.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from denv_iac.core.balancer.haproxy import TierBackend, parse_tier_backend
+from denv_iac.core.balancer.tiers import TierBackend, parse_tier_backend
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """How denv-iac writes every HAProxy config it renders (the endpoint's and each Kubernetes
-gateway's): sections, the header, addresses and the text agent checks send."""
+gateway's): sections, the header, addresses, quoted config words and the text agent checks
+send."""
 
 from __future__ import annotations
 
@@ -46,3 +47,9 @@ def duration(seconds: int) -> str:
 def agent_send(replica_id: str) -> str:
     """What an agent check sends, as a quoted config string: the replica id and a newline."""
     return f'"{replica_id}\\n"'
+
+
+def config_word(text: str) -> str:
+    """One config word in double quotes: a backslash, a quote or a `$` stays literal."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+    return f'"{escaped}"'

@@ -9,7 +9,7 @@ import csv
 import io
 from collections.abc import Iterable, Mapping
 
-from denv_iac.core.balancer.haproxy import TWIN_SUFFIXES
+from denv_iac.core.balancer.tiers import TWIN_SUFFIXES
 
 
 def parse_stats_rows(text: str) -> list[dict[str, str]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from denv_iac.core.balancer.gateway import (
     gateway_rejoin_ms,
 )
-from denv_iac.core.balancer.haproxy import rejoin_s
+from denv_iac.core.balancer.tiers import rejoin_s
 from denv_iac.core.drain import drain_plan
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.kube_manifests.agent import agent_pods_url

@@ -7,6 +7,7 @@ input: they record the problem and return a placeholder, so one pass reports eve
 import difflib
 import math
 import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -61,6 +62,8 @@ def is_secret(value: object) -> bool:
     return isinstance(value, dict) and set(value) == {"secure"} and isinstance(value["secure"], str)
 
 
+# How a secret field is set: the `how` of most Fields.secret calls.
+SECRET_HOW = "set it with 'pulumi config set --secret' (see docs/stacks.md)"
 EMPTY_SECRET = "secure: is empty, a secret of nothing; set it with 'pulumi config set --secret'"
 
 
@@ -267,3 +270,8 @@ class Fields:
             self.problems.add(
                 self.at(repr(key) if control_character(text) else text), f"unknown key; {fix}"
             )
+
+
+def listed_twice(names: list[str]) -> list[str]:
+    """The names (not empty) that stand more than once in `names`, sorted."""
+    return sorted(n for n, c in Counter(names).items() if c > 1 and n)

@@ -7,7 +7,7 @@ forbid. TLS to the gateway needs nothing of the nodes, and HAProxy does it nativ
 the gateway's listeners accept only TLS with a client certificate of the stack's own private CA
 (`verify required`), and the balancer verifies the gateway's certificate by its name. Agent
 checks, which HAProxy's agent-check cannot send over TLS, go through a relay on the balancer host's
-loopback that forwards them over the same mutual TLS (see `denv_iac.core.balancer.haproxy`).
+loopback that forwards them over the same mutual TLS (see `denv_iac.core.balancer.agent_relays`).
 
 Pure: no Pulumi, no I/O.
 """
