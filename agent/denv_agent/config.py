@@ -217,11 +217,17 @@ class _Table:
 def load(path: Path) -> AgentConfig:
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            str(path),
+            f"is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})",
+            "save it as UTF-8, as denv writes it",
+        ) from None
     except FileNotFoundError:
         raise ConfigError(
             str(path), "not found", "pass --config with the agent's config file"
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise ConfigError(
             str(path), f"cannot read: {e}", "check the file and its permissions"
         ) from None

@@ -209,6 +209,17 @@ def test_unreadable_token_file_says_which(tmp_path: Path) -> None:
         load(path)
 
 
+def test_a_config_that_is_not_utf8_says_so_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_bytes(b'control_token = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert str(raised.value) == (
+        f"agent config: {path}: is not UTF-8 text (byte 0xe9 at offset 20); save it as UTF-8,"
+        " as denv writes it"
+    )
+
+
 def test_xid_overrides_move_an_xid_to_another_class(tmp_path: Path) -> None:
     data = config_data(
         tmp_path,
