@@ -44,7 +44,9 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "Per pool, site and replica: state, weight, reason, active streams, last probe TTFT;"
         " per pool, its slots in use, queued, spilled and shed requests; for a pool with a"
         " canary, both versions side by side (ready, share of new sessions, probe TTFT,"
-        " request time).",
+        " request time); per site, its round trip from the balancer as the health checks"
+        " measure it, beside the one the stack states (which sets its tiers' connect"
+        " timeouts).",
     ),
 }
 PACKAGES = ("denv-iac", "denv-agent")
