@@ -207,6 +207,48 @@ def test_a_full_home_tier_spills_to_the_next_tier_and_takes_requests_back_once_f
     assert _most_at_once(plane, home) == 1
 
 
+def test_a_turn_whose_replica_is_full_goes_to_the_next_tier_while_its_tier_has_one_slot_left(
+    start_dataplane: Start,
+) -> None:
+    # HAProxy's bounded-load hash lets one of two replicas take a second request when the tier
+    # has one slot left: a turn hashed to the full one waited in its queue and was refused
+    # after the queue budget (80 ms here) while the next tier idled.
+    layout = PoolLayout(
+        "voice",
+        ((10, ("home-a", "home-b")), (20, ("fallback",))),
+        max_concurrency=1,
+        first_token_timeout_ms=3000,
+    )
+    fallback = "voice.fallback.n2.0"
+    plane = start_dataplane(pools=(layout,), replica_ids=(*HOME, fallback), sim=SLOW)
+    with plane.client(timeout_s=10) as client:
+        conversation: dict[str, str] = {}  # replica -> a conversation hashed to it
+        for n in range(64):
+            turn = stream_chat(client, {**BODY, "max_tokens": 1}, {"X-Denv-Session": f"c{n}"})
+            assert _served_whole(turn), turn
+            conversation.setdefault(str(turn.replica), f"c{n}")
+            if set(HOME) <= conversation.keys():
+                break
+        assert set(HOME) <= conversation.keys(), conversation
+
+    with ThreadPoolExecutor(max_workers=2) as pool, plane.client(timeout_s=10) as client:
+        for replica in HOME:
+            session = {"X-Denv-Session": conversation[replica]}
+            holding = pool.submit(stream_chat, client, {**BODY, "max_tokens": 8}, session)
+            plane.wait_until(lambda r=replica: _busy(plane, r) == 1, 5, f"{replica} is full")
+            turn = stream_chat(client, {**BODY, "max_tokens": 2}, session)
+            # Without a conversation the request takes the tier's last slot.
+            other = stream_chat(client, {**BODY, "max_tokens": 2})
+            held = holding.result()
+            assert _served_whole(held) and held.replica == replica, held
+            # Never left waiting on its full replica: served at once, here by the next tier.
+            assert _served_whole(turn) and turn.replica != replica, (replica, turn)
+            assert turn.first_token_s is not None and turn.first_token_s < 0.5, turn
+            assert _served_whole(other) and other.replica in set(HOME) - {replica}, other
+            assert turn.replica == fallback, turn
+    assert _queued(plane, "voice.tier10") == 0
+
+
 def test_the_wait_for_a_slot_does_not_count_against_the_replica_silence_budget(
     start_dataplane: Start,
 ) -> None:

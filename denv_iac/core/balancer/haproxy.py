@@ -52,6 +52,7 @@ from denv_iac.core.balancer.maps import (
 from denv_iac.core.balancer.model import BalancerPool, BalancerSettings, RenderedConfig
 from denv_iac.core.balancer.sections import LOG_STDOUT, config_word, header, host_port, section
 from denv_iac.core.balancer.tiers import (
+    TURN_SLOTS,
     TWINS,
     default_server,
     no_replica_backend,
@@ -307,6 +308,15 @@ def _endpoint_frontend(
         "# connections, and in a stopping process nbsrv() is 0 for every backend: those go to",
         "# the first tier rather than to a 503.",
         "acl reloading stopping",
+        *(
+            [
+                "# A conversation's turn (X-Denv-Session) is hashed to its replica, which may be",
+                "# the full one while its tier has one slot left: the turn takes a tier with two.",
+                f"http-request set-var({TURN_SLOTS}) req.fhdr_cnt(X-Denv-Session),bool",
+            ]
+            if any(pool.session_affinity for pool in pools)
+            else []
+        ),
         "# A realtime session or a speech stream goes to the twin of the same tier (the same",
         "# replicas), which ends it when its replica is marked down.",
         *(f"acl {twin.acl} path {twin.path}" for twin in TWINS),
