@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from denv_iac.local.voice_sim import FRAME_BYTES, audio_frame
+from denv_iac.wire.audio import FRAME_BYTES, audio_frame
 
 from .dataplane_harness import FAST_REPLICA, STANDARD_POOLS, Dataplane, PoolLayout
 
