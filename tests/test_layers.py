@@ -326,6 +326,19 @@ def test_the_operating_tools_import_no_local_data_plane(path: Path) -> None:
     assert local == [], f"{_module(path)} imports the local data plane: {local}"
 
 
+# The benchmarks run on their own lab (benchmarks/lab/), which the tests share; they never import
+# the tests, so that a benchmark runs from a checkout whatever the test suite holds.
+BENCHMARKS = sorted((PACKAGE.parent / "benchmarks").rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    "path", BENCHMARKS, ids=lambda p: str(p.relative_to(PACKAGE.parent / "benchmarks"))
+)
+def test_the_benchmarks_import_no_tests(path: Path) -> None:
+    found = [n for n in _imports(path) if n == "tests" or n.startswith("tests.")]
+    assert found == [], f"{path.name} imports the tests: {found}"
+
+
 def _reads_own_data(call: ast.AST) -> bool:
     """Whether a call chain starts at `resources.files("denv_iac")`: the package's own data."""
     while isinstance(call, ast.Call | ast.Attribute):

@@ -19,11 +19,7 @@ import openai
 import pytest
 from loguru import logger
 
-from denv_iac.wire.audio import FRAME_BYTES, wav
-from tests.timing import RECOVERY_SLACK_S, assert_within
-from tests.waiting import eventually_async
-
-from .dataplane_harness import (
+from benchmarks.lab.dataplane import (
     FIRST_TOKEN_S,
     LONG_STREAMS,
     STALL_S,
@@ -32,6 +28,9 @@ from .dataplane_harness import (
     SimulatedReplica,
     session_replica,
 )
+from benchmarks.lab.waiting import eventually_async
+from denv_iac.wire.audio import FRAME_BYTES, wav
+from tests.timing import RECOVERY_SLACK_S, assert_within
 
 # Pipecat logs through loguru, at DEBUG by default and from its import on: every frame of every
 # test, and a banner, on stderr.

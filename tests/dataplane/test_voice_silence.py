@@ -15,11 +15,10 @@ import openai
 import pytest
 from denv_agent.verdict import Verdict
 
+from benchmarks.lab.dataplane import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.wire.audio import FRAME_BYTES, wav
-
-from .dataplane_harness import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
 
 Client = Literal["sdk", "httpx"]
 CLIENTS: tuple[Client, ...] = ("sdk", "httpx")

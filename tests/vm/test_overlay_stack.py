@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.lab.overlay import Capture
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.core.balancer import (
     BalancerPool,
@@ -61,7 +62,6 @@ from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.netns import call_in
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeDeploySpec, spec_to_json
-from tests.dataplane.overlay_lab import Capture
 from tests.node import standin
 from tests.vm.bed import HOST, NAT_ADDRESS, NAT_LINK, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
