@@ -39,9 +39,7 @@ class RealtimeSession:
         self.sim, self.ws = sim, ws
         self.seq = 0
         self.turns = 0
-        query = request.path.partition("?")[2]
-        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
-        self.model = params.get("model", "")
+        self.model = request.query.get("model", "")
         session = request.headers.get("x-denv-session", "")
         self.id = f"sess_{sim.config.replica_id}_{session or sim.stats.realtime_sessions}"
 

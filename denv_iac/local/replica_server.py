@@ -152,7 +152,7 @@ class ReplicaSim:
                 self._idle.discard(writer)
                 if request is None:
                     return
-                if (request.method, request.path.split("?", 1)[0]) == ("GET", "/v1/realtime"):
+                if (request.method, request.path) == ("GET", "/v1/realtime"):
                     # A WebSocket reads its own frames from the connection.
                     await self._dispatch(request, reader, writer)
                     return
@@ -197,7 +197,7 @@ class ReplicaSim:
         self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         """Serve one request; False when the connection must close afterwards."""
-        path = request.path.split("?", 1)[0]
+        path = request.path
         route = (request.method, path)
         if route == ("GET", "/stats"):
             await self._respond(writer, 200, self._stats_body(), request)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import h11
 import pytest
 import websockets
 
@@ -275,9 +276,10 @@ def _simulator_code(workdir: Path) -> Path:
     folder = workdir / "sim"
     skip = shutil.ignore_patterns("__pycache__", "*.so")
     shutil.copytree(ROOT / "denv_iac", folder / "denv_iac", ignore=skip)
-    # Its one package from outside the standard library, pure Python (its C speedups left out:
-    # it falls back without them); the VMs have no way out to install it.
+    # Its packages from outside the standard library, pure Python (websockets' C speedups left
+    # out: it falls back without them); the VMs have no way out to install them.
     shutil.copytree(Path(websockets.__file__).parent, folder / "websockets", ignore=skip)
+    shutil.copytree(Path(h11.__file__).parent, folder / "h11", ignore=skip)
     return folder
 
 
