@@ -69,6 +69,7 @@ from tests.vm.debian_repo import offer_packages
 from tests.vm.standin_vm import make_gpu_machine, send_folder
 from tests.vm.test_join import STATS_PORT, provider, reach
 from tests.vm.test_nat import connect
+from tests.vm.test_stack import simulator_dependencies
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = {"secure": "v1:dGVzdC1jaXBoZXJ0ZXh0"}  # never read: the keys come from the bed
@@ -76,7 +77,8 @@ BALANCER_SITE, OFFICE = "fsn", "office"
 ENDPOINT_PORT = 8080
 PLAIN_PORT = 8100  # the negative control's replica, on node1's public address
 SIM_IN_VM = "/opt/denv-sim"
-# What the simulator imports, sent to the nodes as they are here.
+# What the simulator imports of the package, sent to the nodes as they are here (with the
+# packages it needs from outside the standard library, simulator_dependencies).
 SIM_MODULES = (
     "denv_iac/__init__.py",
     "denv_iac/child_process.py",
@@ -326,6 +328,7 @@ def site(bed: Bed) -> Iterator[Site]:
         for module in SIM_MODULES:
             (Path(tmp) / module).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / module).write_bytes((ROOT / module).read_bytes())
+        simulator_dependencies(Path(tmp))
         for vm in (node1, node2):
             send_folder(vm, Path(tmp), SIM_IN_VM)
     TIMINGS["overlay stack: stand-in GPUs, packages, simulator"] = time.monotonic() - start
