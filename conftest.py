@@ -3,7 +3,7 @@
 Mark a test, or a module with `pytestmark`, `needs_haproxy`, `needs_espeak`, `needs_nft` or
 `needs_netns`: where the tool is missing it is skipped, with a reason that says how to get it.
 Each condition is checked once a run, and only when a collected test carries its marker. The
-waits that tests poll with are in tests/waiting.py (a conftest is not for importing).
+waits that tests poll with are in benchmarks/lab/waiting.py (a conftest is not for importing).
 """
 
 import shutil

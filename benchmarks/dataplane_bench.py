@@ -35,11 +35,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lab.dataplane import AGENT_UP, STANDARD_POOLS, Dataplane
 from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.ops.loadgen_protocols import stream_once
 from denv_iac.ops.loadgen_report import StreamResult
 from denv_iac.ops.loadgen_transport import CONNECT_TIMEOUT_S, Connection, Endpoint
-from tests.dataplane.dataplane_harness import AGENT_UP, STANDARD_POOLS, Dataplane
 
 HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 TTFT_PAIRS = 150

@@ -18,7 +18,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.dataplane.overlay_lab import measure_ttft, plain_and_overlay, unavailable_reason
+from benchmarks.lab.overlay import measure_ttft, plain_and_overlay, unavailable_reason
 
 PAIRS = 400
 

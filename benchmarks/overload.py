@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput import tally
+from benchmarks.lab.sampling import sampling
 from benchmarks.reliability import (
     fresh_stack,
     stats_of,
@@ -49,7 +50,6 @@ from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import replica_fault, seen_by_replicas
 from denv_iac.ops.loadgen import run_load
 from denv_iac.ops.loadgen_report import LoadReport
-from tests.engine_load import sampling
 
 RESULTS = Path(__file__).parent / "results" / "overload_reliability.json"
 LEVELS = (0.5, 0.9, 1.3, 2.0)

@@ -46,12 +46,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.goodput import account
+from benchmarks.lab.dataplane import Dataplane, PoolLayout
+from benchmarks.lab.peer_router import PeerRouter
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS
 from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.ops.loadgen import run_load
 from denv_iac.ops.loadgen_report import StreamResult
-from tests.dataplane.dataplane_harness import Dataplane, PoolLayout
-from tests.dataplane.peer_router import PeerRouter
 
 REPLICA_IDS = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 SLOTS = 8

@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.goodput import CUT
+from benchmarks.lab.sampling import sampling
 from benchmarks.reliability import fresh_stack
 from denv_iac.core.balancer.tiers import TWIN_SUFFIXES
 from denv_iac.core.stack.reader import read_stack
@@ -41,7 +42,6 @@ from denv_iac.ops.loadgen import run_load
 from denv_iac.ops.loadgen_protocols import RealtimeSession
 from denv_iac.ops.loadgen_report import Protocol
 from denv_iac.ops.loadgen_transport import CONNECT_TIMEOUT_S, Connection, Endpoint
-from tests.engine_load import sampling
 
 RESULTS = Path(__file__).parent / "results" / "rollout_reliability.json"
 POOL = "voice"

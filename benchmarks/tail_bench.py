@@ -38,10 +38,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.lab.dataplane import STANDARD_POOLS, Dataplane
+from denv_iac.local.processes import free_port
 from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.ops.loadgen_protocols import stream_once
 from denv_iac.ops.loadgen_transport import CONNECT_TIMEOUT_S, Connection, Endpoint
-from tests.dataplane.dataplane_harness import STANDARD_POOLS, Dataplane, free_port
 
 HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 ONE_ROUNDS = 300

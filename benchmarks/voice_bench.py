@@ -28,11 +28,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.dataplane_bench import on_dataplane
+from benchmarks.lab.dataplane import Dataplane
 from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.ops.loadgen import run_load
 from denv_iac.ops.loadgen_report import LoadReport, Protocol, percentile
 from denv_iac.ops.voice_failover import FailoverReport, realtime_failover
-from tests.dataplane.dataplane_harness import Dataplane
 
 HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 # A turn of 3 audio frames: first audio at 50 ms, then one frame every 20 ms, as a real voice

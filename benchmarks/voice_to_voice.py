@@ -72,15 +72,15 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import httpx
 
 from denv_iac.haproxy.runtime import server_stats
-from denv_iac.local import voice_sim
 from denv_iac.local.processes import free_port
 from denv_iac.local.run_state import ReplicaState, RunState
 from denv_iac.local.runner import LocalCluster, supervised
 from denv_iac.ops.llama import build_engine
 from denv_iac.ops.loadgen_report import percentile
 from denv_iac.stacks_dir import load_stack
+from denv_iac.wire.audio import SAMPLE_RATE
 
-PCM_BYTES_PER_S = voice_sim.SAMPLE_RATE * 2  # what Pipecat's OpenAI TTS hands on: 24 kHz PCM16
+PCM_BYTES_PER_S = SAMPLE_RATE * 2  # what Pipecat's OpenAI TTS hands on: 24 kHz PCM16
 STACK = "local-voice"
 MAX_TOKENS = 24  # the answer: a sentence or two, so that a turn is bounded
 TURNS = 20

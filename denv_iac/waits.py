@@ -1,7 +1,8 @@
 """Waits on this machine's own clock: `poll_until` with `time.monotonic` and `time.sleep`.
 
-A node's reboot and HAProxy's start wait this way, and so do the tests (tests/waiting.py). The
-API clients call `poll_until` with the clock and sleep they were given, which tests replace.
+A node's reboot and HAProxy's start wait this way, and so do the tests and the benchmarks' lab
+(benchmarks/lab/waiting.py). The API clients call `poll_until` with the clock and sleep they
+were given, which tests replace.
 """
 
 import time

@@ -1,6 +1,7 @@
-"""What the zombie and full-replica tests and the reliability benchmarks share: a stream of chat
-through an endpoint, waits polled against HAProxy's stats, a sampler that reads the pool while
-load runs, and the agent's own reply to an agent check."""
+"""What the zombie and full-replica tests share: a stream of chat through an endpoint, waits
+polled against HAProxy's stats, and the agent's own reply to an agent check (the sampler that
+reads the pool while load runs is benchmarks.lab.sampling, which the reliability benchmarks use
+too)."""
 
 import socket
 import threading
@@ -8,14 +9,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 
+from benchmarks.lab.sampling import sampling
+from benchmarks.lab.waiting import eventually
 from denv_iac.haproxy.runtime import server_stats
-from tests.waiting import eventually
-
-T = TypeVar("T")
 
 
 def wait_for(what: str, check: Callable[[], bool], within_s: float) -> float:
@@ -31,33 +30,6 @@ def server_row(admin_socket: Path, replica_id: str) -> dict[str, str]:
 def all_up(admin_socket: Path, replica_ids: list[str]) -> bool:
     rows = server_stats(admin_socket)
     return all(rows[replica_id]["status"] == "UP" for replica_id in replica_ids)
-
-
-@contextmanager
-def sampling(take: Callable[[], T], every_s: float) -> Iterator[list[T]]:
-    """`take()` every `every_s` in a thread of its own while the block runs (after a first
-    wait of `every_s`): the list of samples, in order, grows as the block runs. A sample that
-    raised stops the sampling and raises once the block is done."""
-    samples: list[T] = []
-    failed: list[Exception] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        try:
-            while not stop.wait(every_s):
-                samples.append(take())
-        except Exception as error:
-            failed.append(error)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield samples
-    finally:
-        stop.set()
-        sampler.join()
-    if failed:
-        raise failed[0]
 
 
 def agent_reply(address: str, port: int, replica_id: str) -> str:

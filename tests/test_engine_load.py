@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tests.engine_load import sampling, wait_for
+from benchmarks.lab.sampling import sampling
+from tests.engine_load import wait_for
 
 
 def test_samples_are_taken_in_order_while_the_block_runs_and_stop_with_it() -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from denv_agent.agentcheck import AgentCheckServer
 
+from benchmarks.lab.waiting import eventually
 from tests.test_kube_manifests import VOICE, _manifests, _site
-from tests.waiting import eventually
 
 pytestmark = pytest.mark.needs_haproxy
 REPLICA = "voice.k8s.node-1.0"

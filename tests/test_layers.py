@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "denv_iac.robot_api",
             "denv_iac.waits",
             "denv_iac.child_process",
+            "denv_iac.wire",
         ),
     ),
     ("wiring", ("denv_iac.components",)),
@@ -41,7 +42,8 @@ NOT_IN_CORE = (
     "matplotlib",
 )
 # Within the machines layer, lowest first, as LAYERS: the local data plane runs the installed
-# HAProxy, never the other way round.
+# HAProxy, never the other way round; the protocols the simulator and the load generator share
+# (denv_iac.wire) sit below both.
 MACHINES: tuple[tuple[str, ...], ...] = (
     (
         "denv_iac.waits",
@@ -49,6 +51,7 @@ MACHINES: tuple[tuple[str, ...], ...] = (
         "denv_iac.stacks_dir",
         "denv_iac.lambda_api",
         "denv_iac.robot_api",
+        "denv_iac.wire",
     ),
     ("denv_iac.node", "denv_iac.haproxy"),
     ("denv_iac.local",),
@@ -309,6 +312,33 @@ def test_the_order_check_sees_an_upward_arrow(
     assert machines_upward(module, imports) == upward
 
 
+# The load generator speaks the simulator's protocols through denv_iac.wire, never through the
+# simulator itself: it measures any endpoint, and the simulator is one replica among others. The
+# one operating tool on the local data plane is the demo, which runs a local stack and acts out
+# faults on its replicas.
+ON_LOCAL = ("denv_iac.ops.demo",)
+OPS = [p for p in MODULES if _module(p).startswith("denv_iac.ops.") and _module(p) not in ON_LOCAL]
+
+
+@pytest.mark.parametrize("path", OPS, ids=_module)
+def test_the_operating_tools_import_no_local_data_plane(path: Path) -> None:
+    local = [n for n in _imports(path) if n == "denv_iac.local" or n.startswith("denv_iac.local.")]
+    assert local == [], f"{_module(path)} imports the local data plane: {local}"
+
+
+# The benchmarks run on their own lab (benchmarks/lab/), which the tests share; they never import
+# the tests, so that a benchmark runs from a checkout whatever the test suite holds.
+BENCHMARKS = sorted((PACKAGE.parent / "benchmarks").rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    "path", BENCHMARKS, ids=lambda p: str(p.relative_to(PACKAGE.parent / "benchmarks"))
+)
+def test_the_benchmarks_import_no_tests(path: Path) -> None:
+    found = [n for n in _imports(path) if n == "tests" or n.startswith("tests.")]
+    assert found == [], f"{path.name} imports the tests: {found}"
+
+
 def _reads_own_data(call: ast.AST) -> bool:
     """Whether a call chain starts at `resources.files("denv_iac")`: the package's own data."""
     while isinstance(call, ast.Call | ast.Attribute):
@@ -354,6 +384,17 @@ CORE = [p for p in MODULES if _layer(_module(p)) == 0]
 def test_the_core_does_no_io(path: Path) -> None:
     found = io_in(path.read_text())
     assert found == [], f"{_module(path)} (core) does I/O: {found}; move it to the machines layer"
+
+
+WIRE = [p for p in MODULES if _module(p).startswith("denv_iac.wire")]
+
+
+@pytest.mark.parametrize("path", WIRE, ids=_module)
+def test_the_wire_does_io_only_on_the_streams_it_is_given(path: Path) -> None:
+    """The shared protocols hold rules, not connections: asyncio's stream types are all the I/O
+    they name, and only on the streams a caller opened."""
+    found = [io for io in io_in(path.read_text()) if not io.endswith(": import asyncio")]
+    assert found == [], f"{_module(path)} does I/O of its own: {found}"
 
 
 @pytest.mark.parametrize("module", AGENT_IN_CORE)

@@ -21,9 +21,11 @@ from websockets.frames import Opcode
 from websockets.protocol import Protocol as WsProtocol
 from websockets.protocol import Side, State
 
-from denv_iac.local import voice_sim
+from denv_iac.local.voice_sim import realtime_event
 from denv_iac.ops.loadgen import run_load
 from denv_iac.ops.loadgen_transport import Endpoint
+from denv_iac.wire.audio import audio_frame
+from denv_iac.wire.websocket import WebSocket, handshake_response
 
 # The n-th request on a connection -> the raw response; a list is written piece by piece, a
 # pause between pieces, so that the client reads each on its own.
@@ -179,7 +181,7 @@ def test_streams_framed_by_length_by_the_close_or_after_informational_answers(
 def test_a_speech_chunk_read_in_pieces_is_one_unit_of_audio(
     serve: Callable[..., Server],
 ) -> None:
-    frame = voice_sim.audio_frame(0)
+    frame = audio_frame(0)
     stream = _chunked([frame, frame]).replace(b"text/event-stream", b"audio/pcm")
     split = stream.index(frame) + len(frame) // 2  # mid-way through the first chunk's data
     server = serve(lambda n: [stream[:split], stream[split:]])
@@ -196,17 +198,17 @@ async def _realtime_server(reader: asyncio.StreamReader, writer: asyncio.StreamW
     HTTP parser holds the first frame when the 101 is parsed; then one audio delta per turn."""
     head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")[1:]
     headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head if h)}
-    answer = voice_sim.handshake_response(headers, {})
+    answer = handshake_response(headers, {})
     assert answer is not None
     server = WsProtocol(Side.SERVER, state=State.OPEN)
-    server.send_text(voice_sim.realtime_event("session.created", 0))
+    server.send_text(realtime_event("session.created", 0))
     writer.write(answer + b"".join(server.data_to_send()))
-    ws = voice_sim.WebSocket(reader, writer, Side.SERVER)
+    ws = WebSocket(reader, writer, Side.SERVER)
     with contextlib.suppress(ConnectionError):
         while (await ws.receive())[0] is Opcode.TEXT:
-            delta = voice_sim.realtime_event("response.output_audio.delta", 1, delta="AAAA")
+            delta = realtime_event("response.output_audio.delta", 1, delta="AAAA")
             await ws.send_text(delta)
-            await ws.send_text(voice_sim.realtime_event("response.done", 2))
+            await ws.send_text(realtime_event("response.done", 2))
     writer.close()
 
 

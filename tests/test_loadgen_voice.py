@@ -12,10 +12,13 @@ from websockets.frames import Close, Frame, Opcode
 from websockets.protocol import Protocol as WsProtocol
 from websockets.protocol import Side
 
-from denv_iac.local import voice_sim
+from denv_iac.local.voice_sim import WavToPcm
 from denv_iac.ops.loadgen_protocols import transcript_of
 from denv_iac.ops.loadgen_report import LoadReport, Protocol, StreamResult, Via
-from denv_iac.ops.loadgen_requests import transcription_request, wav
+from denv_iac.ops.loadgen_requests import transcription_request
+from denv_iac.wire.audio import SAMPLE_RATE, wav
+from denv_iac.wire.multipart import parse_multipart
+from denv_iac.wire.websocket import WebSocket, WebSocketClosed
 
 
 def result(first_ms: float | None, via: Via = "endpoint", error: str = "") -> StreamResult:
@@ -82,16 +85,16 @@ def test_transcript_of_an_answer(body: bytes, text: str) -> None:
 def test_the_upload_is_a_playable_wav_in_a_form_the_simulator_reads() -> None:
     with wave.open(io.BytesIO(wav(1.0))) as audio:
         assert (audio.getnchannels(), audio.getsampwidth()) == (1, 2)
-        assert audio.getframerate() == voice_sim.SAMPLE_RATE
-        assert audio.getnframes() == voice_sim.SAMPLE_RATE
+        assert audio.getframerate() == SAMPLE_RATE
+        assert audio.getnframes() == SAMPLE_RATE
     path, headers, body = transcription_request("stt")
-    upload = voice_sim.parse_multipart(headers["Content-Type"], body)
+    upload = parse_multipart(headers["Content-Type"], body)
     assert path == "/v1/audio/transcriptions"
     assert upload.fields == {"model": "stt"} and upload.filename == "bench.wav"
     assert upload.audio == wav(1.0)
 
 
-Peer = tuple[voice_sim.WebSocket, WsProtocol, asyncio.StreamReader, asyncio.StreamWriter]
+Peer = tuple[WebSocket, WsProtocol, asyncio.StreamReader, asyncio.StreamWriter]
 
 
 async def _pair(side: Side) -> Peer:
@@ -101,7 +104,7 @@ async def _pair(side: Side) -> Peer:
     reader, writer = await asyncio.open_connection(sock=ours)
     peer_reader, peer_writer = await asyncio.open_connection(sock=theirs)
     peer = WsProtocol(Side.CLIENT if side is Side.SERVER else Side.SERVER)
-    return voice_sim.WebSocket(reader, writer, side), peer, peer_reader, peer_writer
+    return WebSocket(reader, writer, side), peer, peer_reader, peer_writer
 
 
 async def _peer_frames(peer: WsProtocol, reader: asyncio.StreamReader) -> list[Frame]:
@@ -164,7 +167,7 @@ def test_an_unmasked_client_frame_is_refused_with_a_protocol_error_close() -> No
         ws, peer, reader, writer = await _pair(Side.SERVER)
         writer.write(bytes([0x81, 5]) + b"hello")  # a final text frame, no mask
         await writer.drain()
-        with pytest.raises(voice_sim.WebSocketClosed):
+        with pytest.raises(WebSocketClosed):
             await ws.receive()
         return await _peer_frames(peer, reader)
 
@@ -181,7 +184,7 @@ def test_a_close_from_the_peer_is_answered_and_ends_the_session() -> None:
         await writer.drain()
         message = await ws.receive()
         answers = await _peer_frames(peer, reader)
-        with pytest.raises(voice_sim.WebSocketClosed):
+        with pytest.raises(WebSocketClosed):
             await ws.receive()
         return message, answers
 
@@ -203,7 +206,7 @@ def test_wav_to_pcm_resamples_to_24_khz_whatever_the_pieces(piece: int) -> None:
     interpolation); the header and odd bytes may be split anywhere."""
     ramp = list(range(22_050))
     stream = _wav_stream(22_050, ramp)
-    convert = voice_sim.WavToPcm()
+    convert = WavToPcm()
     pcm = b"".join(convert.feed(stream[at : at + piece]) for at in range(0, len(stream), piece))
     out = struct.unpack(f"<{len(pcm) // 2}h", pcm)
     assert abs(len(out) - 24_000) <= 1
@@ -215,4 +218,4 @@ def test_wav_to_pcm_refuses_what_is_not_pcm16_mono() -> None:
     stereo = bytearray(_wav_stream(22_050, [0] * 10))
     stereo[22:24] = struct.pack("<H", 2)
     with pytest.raises(ValueError, match="PCM16 mono"):
-        voice_sim.WavToPcm().feed(bytes(stereo))
+        WavToPcm().feed(bytes(stereo))

@@ -1,6 +1,7 @@
-"""The simulated replica's minimal HTTP/1.1: reading a request, writing a response's head and
-body (whole or chunked), a server-sent event, a connection cut with a TCP reset; and the OpenAI
-shapes it answers in (a chat completion, whole or by chunks, and the error object)."""
+"""The simulated replica's minimal HTTP/1.1: reading a request (its head parsed by h11), writing
+a response's head and body (whole or chunked), a server-sent event, a connection cut with a TCP
+reset; and the OpenAI shapes it answers in (a chat completion, whole or by chunks, and the error
+object)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import json
 import socket
 import struct
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
+
+import h11
 
 from denv_iac.local.replica_model import ReplicaSimConfig
 
@@ -33,10 +37,20 @@ _REASONS = {
 @dataclass
 class Request:
     method: str
-    path: str
+    target: str
     keep_alive: bool
-    headers: dict[str, str]
+    headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
     body: bytes
+
+    @property
+    def path(self) -> str:
+        """The target without its query string."""
+        return self.target.partition("?")[0]
+
+    @property
+    def query(self) -> dict[str, str]:
+        """The query string's parameters, percent-decoded; a repeated one keeps its last value."""
+        return dict(urllib.parse.parse_qsl(self.target.partition("?")[2], keep_blank_values=True))
 
 
 class BadRequest(Exception):
@@ -59,15 +73,16 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
         return None
     except asyncio.LimitOverrunError:
         raise BadRequest(400, "request head too large") from None
-    request_line, *header_lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+    # The head alone goes to h11: the body is read by its length from the stream, so that what
+    # follows it (the next request, or a WebSocket's first frames) stays there for its reader.
+    http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    http.receive_data(head)
     try:
-        method, target, version = request_line.split(" ", 2)
-    except ValueError:
-        raise BadRequest(400, "malformed request line") from None
-    headers: dict[str, str] = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+        event = http.next_event()
+    except h11.RemoteProtocolError as error:
+        raise BadRequest(400, f"malformed request head: {error}") from None
+    assert isinstance(event, h11.Request)  # a whole head always makes one, or the error above
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in event.headers}
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise BadRequest(501, "chunked request bodies are not supported; send Content-Length")
     length = int(headers.get("content-length") or 0)
@@ -75,7 +90,11 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
         raise BadRequest(413, "request body too large")
     body = await reader.readexactly(length) if length else b""
     connection = headers.get("connection", "").lower()
-    keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
+    if event.http_version == b"1.1":
+        keep_alive = connection != "close"
+    else:
+        keep_alive = connection == "keep-alive"
+    method, target = event.method.decode("ascii"), event.target.decode("ascii")
     return Request(method, target, keep_alive, headers, body)
 
 

@@ -9,9 +9,11 @@ import json
 import time
 from typing import Any, Protocol
 
-from denv_iac.local import voice_sim
 from denv_iac.local.replica_http import ConnectionAborted, Request, reset_connection, token_text
 from denv_iac.local.replica_model import FaultMode, ReplicaSimConfig, ReplicaStats
+from denv_iac.local.voice_sim import realtime_event
+from denv_iac.wire.audio import SAMPLE_RATE, audio_frame
+from denv_iac.wire.websocket import WebSocket
 
 
 class ServingReplica(Protocol):
@@ -33,20 +35,18 @@ class RealtimeSession:
     (`openai.types.realtime`), e.g. `response.output_audio.delta`, not the beta
     `response.audio.delta`."""
 
-    def __init__(self, sim: ServingReplica, ws: voice_sim.WebSocket, request: Request) -> None:
+    def __init__(self, sim: ServingReplica, ws: WebSocket, request: Request) -> None:
         self.sim, self.ws = sim, ws
         self.seq = 0
         self.turns = 0
-        query = request.path.partition("?")[2]
-        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
-        self.model = params.get("model", "")
+        self.model = request.query.get("model", "")
         session = request.headers.get("x-denv-session", "")
         self.id = f"sess_{sim.config.replica_id}_{session or sim.stats.realtime_sessions}"
 
     def config(self) -> dict[str, Any]:
         """The session object of `session.created` and `session.updated`; `replica` is the
         simulator's own addition (which replica serves the session)."""
-        audio_format = {"type": "audio/pcm", "rate": voice_sim.SAMPLE_RATE}
+        audio_format = {"type": "audio/pcm", "rate": SAMPLE_RATE}
         return {
             "type": "realtime",
             "object": "realtime.session",
@@ -59,7 +59,7 @@ class RealtimeSession:
 
     async def send(self, kind: str, **fields: Any) -> None:
         self.seq += 1
-        await self.ws.send_text(voice_sim.realtime_event(kind, self.seq, **fields))
+        await self.ws.send_text(realtime_event(kind, self.seq, **fields))
 
     async def on_event(self, payload: bytes) -> None:
         try:
@@ -120,7 +120,7 @@ class RealtimeSession:
                 sim.stats.realtime_turns_aborted += 1
                 reset_connection(self.ws.writer)
                 raise ConnectionAborted
-            audio = base64.b64encode(voice_sim.audio_frame(index)).decode()
+            audio = base64.b64encode(audio_frame(index)).decode()
             await self.send("response.output_audio.delta", **at_part, delta=audio)
             await self.send(
                 "response.output_audio_transcript.delta", **at_part, delta=token_text(index)

@@ -44,6 +44,9 @@ from denv_iac.local.replica_http import (
 )
 from denv_iac.local.replica_model import FaultMode, ReplicaSimConfig, ReplicaStats, control_headers
 from denv_iac.local.replica_realtime import RealtimeSession
+from denv_iac.wire.audio import audio_frame, wav_header
+from denv_iac.wire.multipart import parse_multipart
+from denv_iac.wire.websocket import WebSocket, WebSocketClosed, handshake_response
 
 _ROUTES = (
     "/stats",
@@ -149,7 +152,7 @@ class ReplicaSim:
                 self._idle.discard(writer)
                 if request is None:
                     return
-                if (request.method, request.path.split("?", 1)[0]) == ("GET", "/v1/realtime"):
+                if (request.method, request.path) == ("GET", "/v1/realtime"):
                     # A WebSocket reads its own frames from the connection.
                     await self._dispatch(request, reader, writer)
                     return
@@ -194,7 +197,7 @@ class ReplicaSim:
         self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         """Serve one request; False when the connection must close afterwards."""
-        path = request.path.split("?", 1)[0]
+        path = request.path
         route = (request.method, path)
         if route == ("GET", "/stats"):
             await self._respond(writer, 200, self._stats_body(), request)
@@ -457,8 +460,8 @@ class ReplicaSim:
                 self.stats.streams_aborted += 1
                 reset_connection(writer)
                 raise ConnectionAborted
-            header = voice_sim.wav_header() if index == 0 and not pcm else b""
-            writer.write(http_chunk(header + voice_sim.audio_frame(index)))
+            header = wav_header() if index == 0 and not pcm else b""
+            writer.write(http_chunk(header + audio_frame(index)))
             await writer.drain()
 
     @staticmethod
@@ -493,9 +496,7 @@ class ReplicaSim:
     async def _transcription(self, request: Request, writer: asyncio.StreamWriter) -> None:
         """The transcript of an uploaded file, whole, after the first-token time."""
         try:
-            upload = voice_sim.parse_multipart(
-                request.headers.get("content-type", ""), request.body
-            )
+            upload = parse_multipart(request.headers.get("content-type", ""), request.body)
         except ValueError as error:
             await self._respond(writer, 400, openai_error(f"invalid upload: {error}", 400), request)
             return
@@ -524,9 +525,7 @@ class ReplicaSim:
         self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """A realtime session: session.created, then one answer per response.create."""
-        handshake = voice_sim.handshake_response(
-            request.headers, {SELF_HEADER: self.config.replica_id}
-        )
+        handshake = handshake_response(request.headers, {SELF_HEADER: self.config.replica_id})
         if handshake is None:
             await self._respond(writer, 400, openai_error("send a WebSocket upgrade", 400), request)
             return
@@ -535,13 +534,13 @@ class ReplicaSim:
         self._count(request.headers.get("x-request-id"))
         await self.hang_if_asked()
         writer.write(handshake)
-        ws = voice_sim.WebSocket(reader, writer, Side.SERVER)
+        ws = WebSocket(reader, writer, Side.SERVER)
         session = RealtimeSession(self, ws, request)
         await session.send("session.created", session=session.config())
         while True:
             try:
                 opcode, payload = await ws.receive()
-            except voice_sim.WebSocketClosed:
+            except WebSocketClosed:
                 return
             if opcode == Opcode.CLOSE:  # the protocol has sent the answering close frame
                 writer.close()

@@ -3,13 +3,14 @@
 It stands in for a model server in the local runner, the data-plane tests and the benchmarks:
 `POST /v1/chat/completions` (SSE when `stream` is true), the voice paths (`POST
 /v1/audio/speech` streamed PCM, `POST /v1/audio/transcriptions` and `/translations` of a
-multipart upload, `GET /v1/realtime` over WebSocket; see voice_sim), `GET /health`, `GET
-/metrics` (the engine's own Prometheus names: vLLM's, SGLang's or TGI's), `GET /stats` (what
-it received, so tests can prove a request was never replayed) and `POST /control/fault` to make
-it fail the ways real replicas do (only with `Authorization: Bearer <control token>`, see
-control_headers). Plain asyncio and a minimal HTTP/1.1, so that it is never the bottleneck of a
-measurement; beyond the standard library it needs only the `websockets` sans-IO protocol, which
-frames the realtime sessions (see voice_sim).
+multipart upload, `GET /v1/realtime` over WebSocket; see voice_sim and denv_iac.wire), `GET
+/health`, `GET /metrics` (the engine's own Prometheus names: vLLM's, SGLang's or TGI's), `GET
+/stats` (what it received, so tests can prove a request was never replayed) and `POST
+/control/fault` to make it fail the ways real replicas do (only with `Authorization: Bearer
+<control token>`, see control_headers). Plain asyncio and a minimal HTTP/1.1, so that it is
+never the bottleneck of a measurement; beyond the standard library it needs only two sans-IO
+protocols: h11, which parses each request's head, and `websockets`, which frames the realtime
+sessions (see denv_iac.wire.websocket).
 
 Chat, speech and transcription each have the capacity of an engine (see engine_sim): a few
 slots and a FIFO queue behind them. As a uvicorn/starlette StreamingResponse does, a streamed

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from denv_iac.local import voice_sim
+from denv_iac.wire.multipart import parse_multipart
 
 PATH = "/v1/audio/transcriptions"
 HEALTH_PATH = "/health"
@@ -103,7 +103,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(503, "loading the model")
             return
         try:
-            upload = voice_sim.parse_multipart(self.headers.get("Content-Type", ""), body)
+            upload = parse_multipart(self.headers.get("Content-Type", ""), body)
             text = recogniser.transcribe(upload.audio)
         except ValueError as error:
             self._error(400, f"invalid upload: {error}")

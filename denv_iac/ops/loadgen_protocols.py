@@ -5,10 +5,8 @@ is tried again once, on a new one).
 """
 
 import asyncio
-import base64
 import contextlib
 import json
-import os
 import time
 import urllib.parse
 import uuid
@@ -16,11 +14,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from websockets.frames import Opcode
+from websockets.utils import generate_key
 
-from denv_iac.local import voice_sim
 from denv_iac.ops.loadgen_report import StreamResult, Via
 from denv_iac.ops.loadgen_requests import chat_request
 from denv_iac.ops.loadgen_transport import Connection, PeerClosed
+from denv_iac.wire.websocket import upgrade_accepted, upgrade_headers
 
 REPLICA_HEADER = "x-denv-replica"
 
@@ -241,14 +240,10 @@ class RealtimeSession:
     async def open(self, session: str | None) -> str:
         """The handshake and `session.created`: "" when served, else the error's kind."""
         self.request_id, self.replica, self.status = uuid.uuid4().hex, "", 0
-        key = base64.b64encode(os.urandom(16)).decode()
+        key = generate_key()
         headers = {
             **_common_headers(self.request_id, session, self.api_key),
-            "Upgrade": "websocket",
-            "Connection": "Upgrade",
-            "Sec-WebSocket-Key": key,
-            "Sec-WebSocket-Version": "13",
-            "Sec-WebSocket-Protocol": voice_sim.REALTIME_SUBPROTOCOL,
+            **upgrade_headers(key),
         }
         path = f"/v1/realtime?model={urllib.parse.quote(self.pool)}"
         try:
@@ -257,7 +252,7 @@ class RealtimeSession:
             self.status, response = await self.connection.head()
             if self.status != 101:
                 return self._give_up(f"http_{self.status}")
-            if response.get("sec-websocket-accept") != voice_sim.websocket_accept(key):
+            if not upgrade_accepted(key, response):
                 return self._give_up("bad_answer")
             self.replica = response.get(REPLICA_HEADER, "")
             self.connection.upgrade()

@@ -2,10 +2,10 @@
 a speech request, and a transcription's multipart upload of a short PCM16 WAV.
 """
 
-import io
 import json
 
-from denv_iac.local import voice_sim
+from denv_iac.wire.audio import wav
+from denv_iac.wire.multipart import form_data
 
 
 def speech_request(pool: str) -> tuple[str, dict[str, str], bytes]:
@@ -14,32 +14,13 @@ def speech_request(pool: str) -> tuple[str, dict[str, str], bytes]:
     return "/v1/audio/speech", {"Content-Type": "application/json"}, json.dumps(body).encode()
 
 
-def wav(seconds: float) -> bytes:
-    """A PCM16 mono 24 kHz WAV of the simulator's tone: the upload a transcription bench sends."""
-    frames = round(seconds * 1000 / voice_sim.FRAME_MS)
-    audio = b"".join(voice_sim.audio_frame(index) for index in range(frames))
-    out = io.BytesIO()
-    header = voice_sim.wav_header()  # sizes filled in: a file, not a stream
-    out.write(header[:4] + (36 + len(audio)).to_bytes(4, "little") + header[8:-4])
-    out.write(len(audio).to_bytes(4, "little") + audio)
-    return out.getvalue()
-
-
 UPLOAD = wav(1.0)
 BOUNDARY = "denv-bench-boundary"
 
 
 def transcription_request(pool: str) -> tuple[str, dict[str, str], bytes]:
-    parts = [
-        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="model"\r\n\r\n{pool}\r\n'.encode(),
-        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="bench.wav"\r\n'
-        "Content-Type: audio/wav\r\n\r\n".encode()
-        + UPLOAD
-        + b"\r\n",
-        f"--{BOUNDARY}--\r\n".encode(),
-    ]
-    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
-    return "/v1/audio/transcriptions", headers, b"".join(parts)
+    content_type, body = form_data(BOUNDARY, {"model": pool}, "bench.wav", "audio/wav", UPLOAD)
+    return "/v1/audio/transcriptions", {"Content-Type": content_type}, body
 
 
 def chat_request(pool: str, max_tokens: int | None) -> tuple[str, dict[str, str], bytes]:

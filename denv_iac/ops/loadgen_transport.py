@@ -11,7 +11,7 @@ import h11
 from websockets.frames import Opcode
 from websockets.protocol import Side
 
-from denv_iac.local import voice_sim
+from denv_iac.wire.websocket import WebSocket
 
 CONNECT_TIMEOUT_S = 5.0
 
@@ -57,7 +57,7 @@ class Connection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._http: h11.Connection | None = None
-        self._ws: voice_sim.WebSocket | None = None
+        self._ws: WebSocket | None = None
         self._ssl = ssl.create_default_context() if endpoint.tls else None
 
     @property
@@ -102,7 +102,7 @@ class Connection:
         what the peer sent past the answer is its first WebSocket bytes."""
         assert self._reader is not None and self._writer is not None and self._http is not None
         received, _ = self._http.trailing_data
-        self._ws = voice_sim.WebSocket(self._reader, self._writer, Side.CLIENT, received)
+        self._ws = WebSocket(self._reader, self._writer, Side.CLIENT, received)
 
     async def send_text(self, payload: bytes) -> None:
         """One WebSocket text message (masked, as a client's frames must be)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from .dataplane_harness import Dataplane
+from benchmarks.lab.dataplane import Dataplane
 
 HERE = Path(__file__).parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from .dataplane_harness import PoolLayout
+from benchmarks.lab.dataplane import PoolLayout
 
 FULL_KEY = "sk-denv-every-pool"
 SIDE_KEY = "sk-denv-side-only"  # may use the side pool alone

@@ -11,9 +11,8 @@ import httpx
 import openai
 import pytest
 
-from denv_iac.local.voice_sim import FRAME_BYTES, audio_frame
-
-from .dataplane_harness import FAST_REPLICA, STANDARD_POOLS, Dataplane, PoolLayout
+from benchmarks.lab.dataplane import FAST_REPLICA, STANDARD_POOLS, Dataplane, PoolLayout
+from denv_iac.wire.audio import FRAME_BYTES, audio_frame
 
 WHISPER = "openai/whisper-large-v3"
 SMALL_LLM = "small-llm:8b"

@@ -8,10 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
+from benchmarks.lab.dataplane import STANDARD_POOLS, STANDARD_REPLICAS, Dataplane
 from denv_iac.core.balancer.api_surface import MODELS_LIST_LIMIT, REQUEST_ID_MAX
 from tests.balancer.sample_pools import aliases_filling
-
-from .dataplane_harness import STANDARD_POOLS, STANDARD_REPLICAS, Dataplane
 
 VOICE = ("voice.home-a.n0.0", "voice.home-b.n1.0", "voice.fallback.n2.0")
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .dataplane_harness import Dataplane
+from benchmarks.lab.dataplane import Dataplane
 
 KEY = "sk-test-0123456789"
 

@@ -11,12 +11,11 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from benchmarks.lab.dataplane import Dataplane
 from denv_iac.cli import main
 from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.local.replica_sim import ReplicaProcess
 from denv_iac.ops.voice_failover import realtime_failover
-
-from .dataplane_harness import Dataplane
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
+from benchmarks.lab.dataplane import Dataplane
 from denv_iac.core.balancer import KeyScope
 from denv_iac.core.balancer.client_secrets import client_secret, key_map, subprotocols
 
-from .dataplane_harness import Dataplane
 from .scoped_keys import FULL_KEY, POOLS, REPLICAS, SIDE_KEY, digest
 
 SIGNING_KEY = "client-secret-signing-key-of-the-test-0123456789"

@@ -23,12 +23,12 @@ import httpx
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.lab.dataplane import Dataplane, PoolLayout, StreamOutcome, stream_chat
 from denv_iac.cli import main
 from denv_iac.core.balancer.saturation import PoolSaturation, pool_saturation
 from denv_iac.haproxy.runtime import server_stats, stats_command, stats_rows
+from denv_iac.local.processes import free_port
 from denv_iac.local.replica_model import ReplicaSimConfig
-
-from .dataplane_harness import Dataplane, PoolLayout, StreamOutcome, free_port, stream_chat
 
 # A token every 100 ms: a stream of n tokens holds its slot for about n / 10 seconds, and no
 # pause comes near the stall budget.

@@ -7,10 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
+from benchmarks.lab.dataplane import AGENT_UP, Dataplane, StreamOutcome, stream_chat
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.replica_model import ReplicaSimConfig
-
-from .dataplane_harness import AGENT_UP, Dataplane, StreamOutcome, stream_chat
 
 VOICE_HOME = ("voice.home-a.n0.0", "voice.home-b.n1.0")
 VOICE_FALLBACK = "voice.fallback.n2.0"

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import httpx
 
+from benchmarks.lab.dataplane import Dataplane, StreamOutcome, stream_chat
+from denv_iac.local.processes import free_port
 from denv_iac.local.replica_model import ReplicaSimConfig
-
-from .dataplane_harness import Dataplane, StreamOutcome, free_port, stream_chat
 
 
 def test_reload_keeps_the_running_stream_and_loses_no_request(

@@ -6,7 +6,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable
 
-from .dataplane_harness import Dataplane, stream_chat
+from benchmarks.lab.dataplane import Dataplane, stream_chat
 
 VOICE_HOME = {"voice.home-a.n0.0", "voice.home-b.n1.0"}
 

@@ -10,10 +10,7 @@ from typing import Any
 
 import pytest
 
-from denv_iac.local.replica_model import ReplicaSimConfig
-from tests.timing import RECOVERY_SLACK_S, assert_within
-
-from .dataplane_harness import (
+from benchmarks.lab.dataplane import (
     AGENT_UP,
     FIRST_TOKEN_S,
     LONG_STREAMS,
@@ -24,6 +21,8 @@ from .dataplane_harness import (
     session_replica,
     stream_chat,
 )
+from denv_iac.local.replica_model import ReplicaSimConfig
+from tests.timing import RECOVERY_SLACK_S, assert_within
 
 pytestmark = pytest.mark.timing
 

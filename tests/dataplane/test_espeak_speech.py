@@ -11,9 +11,8 @@ from collections.abc import Callable, Iterator
 import openai
 import pytest
 
+from benchmarks.lab.dataplane import Dataplane
 from denv_iac.local.replica_model import ReplicaSimConfig
-
-from .dataplane_harness import Dataplane
 
 pytestmark = pytest.mark.needs_espeak
 

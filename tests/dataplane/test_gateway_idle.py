@@ -19,8 +19,8 @@ import pytest
 from denv_iac.core.balancer.gateway import GatewayRoute, render_gateway_config
 from denv_iac.core.endpoint import balancer_settings
 from denv_iac.core.kube_manifests.gateway import gateway_site
-
-from .dataplane_harness import free_port, gateway_on_loopback, gateway_stack
+from denv_iac.local.processes import free_port
+from tests.dataplane.gateway_loopback import gateway_on_loopback, gateway_stack
 
 pytestmark = pytest.mark.timing
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.lab.dataplane import FAST_REPLICA, AgentStandIn, stream_chat
+from benchmarks.lab.waiting import eventually
 from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
@@ -35,18 +37,10 @@ from denv_iac.core.kube_manifests.gateway import gateway_site
 from denv_iac.core.stack.gateway_link import gateway_tls_name
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, stats_command
+from denv_iac.local.processes import free_port
 from denv_iac.local.replica_sim import ReplicaProcess
+from tests.dataplane.gateway_loopback import gateway_on_loopback, gateway_stack
 from tests.gateway_pki import GatewayPki, reading_tls_from, write_pki
-from tests.waiting import eventually
-
-from .dataplane_harness import (
-    FAST_REPLICA,
-    AgentStandIn,
-    free_port,
-    gateway_on_loopback,
-    gateway_stack,
-    stream_chat,
-)
 
 WAIT_S = 15.0  # for the gateway, its agents and its checks to come up or change
 

@@ -10,9 +10,9 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from benchmarks.lab.dataplane import Dataplane
 from denv_iac.core.balancer import KeyScope
 
-from .dataplane_harness import Dataplane
 from .scoped_keys import FULL_KEY, POOLS, REPLICAS, SIDE_KEY
 from .scoped_keys import digest as _digest
 

@@ -12,11 +12,10 @@ import openai
 import pytest
 from denv_agent.verdict import Verdict
 
+from benchmarks.lab.dataplane import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
 from denv_iac.local.replica_model import ReplicaSimConfig
 from tests.timing import RECOVERY_SLACK_S, assert_within
-
-from .dataplane_harness import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
 
 pytestmark = pytest.mark.timing
 

@@ -19,8 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from denv_iac.local.netns import NetnsLab
-from tests.dataplane.overlay_lab import (
+from benchmarks.lab.overlay import (
     NETNS_ETC,
     SITE,
     Capture,
@@ -33,6 +32,7 @@ from tests.dataplane.overlay_lab import (
     unavailable_reason,
     wg_show,
 )
+from denv_iac.local.netns import NetnsLab
 
 TTFT_PAIRS = 100
 reason = unavailable_reason()

@@ -9,10 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.lab.dataplane import FAST_REPLICA, stream_chat
+from benchmarks.lab.peer_router import PeerRouter
 from denv_iac.local.replica_sim import ReplicaProcess
-
-from .dataplane_harness import FAST_REPLICA, stream_chat
-from .peer_router import PeerRouter
 
 
 @pytest.fixture

@@ -20,9 +20,8 @@ from openai.types.realtime import (
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from denv_iac.local.voice_sim import FRAME_BYTES, audio_frame
-
-from .dataplane_harness import FAST_REPLICA, Dataplane, Frozen
+from benchmarks.lab.dataplane import FAST_REPLICA, Dataplane, Frozen
+from denv_iac.wire.audio import FRAME_BYTES, audio_frame
 
 
 def _open(plane: Dataplane, session: str | None = None) -> ClientConnection:

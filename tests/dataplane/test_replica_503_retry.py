@@ -8,13 +8,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.lab.waiting import eventually
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.processes import free_port
 from denv_iac.local.replica_model import control_headers
 from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.loadgen import run_load
 from tests.stacks import local_site
-from tests.waiting import eventually
 
 pytestmark = pytest.mark.needs_haproxy
 

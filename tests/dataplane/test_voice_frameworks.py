@@ -19,12 +19,7 @@ import openai
 import pytest
 from loguru import logger
 
-from denv_iac.local import voice_sim
-from denv_iac.ops.loadgen_requests import wav
-from tests.timing import RECOVERY_SLACK_S, assert_within
-from tests.waiting import eventually_async
-
-from .dataplane_harness import (
+from benchmarks.lab.dataplane import (
     FIRST_TOKEN_S,
     LONG_STREAMS,
     STALL_S,
@@ -33,6 +28,9 @@ from .dataplane_harness import (
     SimulatedReplica,
     session_replica,
 )
+from benchmarks.lab.waiting import eventually_async
+from denv_iac.wire.audio import FRAME_BYTES, wav
+from tests.timing import RECOVERY_SLACK_S, assert_within
 
 # Pipecat logs through loguru, at DEBUG by default and from its import on: every frame of every
 # test, and a banner, on stderr.
@@ -64,7 +62,7 @@ with warnings.catch_warnings():
 pytestmark = pytest.mark.timing
 
 SESSION = {"X-Denv-Session": "framework-call-7"}
-WHOLE_UTTERANCE = LONG_STREAMS.tokens * voice_sim.FRAME_BYTES
+WHOLE_UTTERANCE = LONG_STREAMS.tokens * FRAME_BYTES
 # A fault comes once this much audio has reached the caller: 10 of the 40 frames.
 MID_UTTERANCE = WHOLE_UTTERANCE // 4
 # How long a test waits on anything before calling it lost: far past every budget.
@@ -201,7 +199,7 @@ class _PipecatTTSInFrames(OpenAITTSService):
 
     @property
     def chunk_size(self) -> int:
-        return voice_sim.FRAME_BYTES
+        return FRAME_BYTES
 
 
 def _pipecat_tts(plane: Dataplane, heard: Heard, service: type = OpenAITTSService) -> Any:
@@ -245,10 +243,10 @@ def test_first_audio_reaches_the_framework_as_the_replica_sends_it(
     assert heard.audio_bytes >= WHOLE_UTTERANCE
     if speaker == "pipecat-default":
         assert first_bytes == 24_000  # 0.5 s of 24 kHz PCM16
-        frames = first_bytes // voice_sim.FRAME_BYTES
+        frames = first_bytes // FRAME_BYTES
         assert first_at - heard.sent_at > frames * LONG_STREAMS.itl_ms / 1000 - 0.1
     else:
-        assert first_bytes <= voice_sim.FRAME_BYTES
+        assert first_bytes <= FRAME_BYTES
         assert_within(
             first_at - heard.sent_at, LONG_STREAMS.ttft_ms / 1000, f"{speaker}'s first audio"
         )

@@ -15,19 +15,17 @@ import openai
 import pytest
 from denv_agent.verdict import Verdict
 
+from benchmarks.lab.dataplane import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
 from denv_iac.core.stack.model import FIRST_TOKEN_TIMEOUT_MS, STALL_TIMEOUT_MS
-from denv_iac.local import voice_sim
 from denv_iac.local.replica_model import ReplicaSimConfig
-from denv_iac.ops.loadgen_requests import wav
-
-from .dataplane_harness import AGENT_UP, Dataplane, Frozen, SimulatedReplica, session_replica
+from denv_iac.wire.audio import FRAME_BYTES, wav
 
 Client = Literal["sdk", "httpx"]
 CLIENTS: tuple[Client, ...] = ("sdk", "httpx")
 SESSION = {"X-Denv-Session": "voice-call-3"}
 # 40 frames of 20 ms audio, 50 ms apart: an utterance still speaking when the fault comes.
 LONG_SPEECH = ReplicaSimConfig("template", ttft_ms=20, itl_ms=50, tokens=40)
-WHOLE_UTTERANCE = LONG_SPEECH.tokens * voice_sim.FRAME_BYTES
+WHOLE_UTTERANCE = LONG_SPEECH.tokens * FRAME_BYTES
 FIRST_BYTE_S = FIRST_TOKEN_TIMEOUT_MS / 1000
 STALL_S = STALL_TIMEOUT_MS / 1000
 # HAProxy's timer wheel, a healthy replica's own first byte (20 ms) and two shared cores.

@@ -11,10 +11,9 @@ from itertools import product
 import pytest
 
 from benchmarks import voice_pipeline
+from benchmarks.lab.dataplane import Dataplane, PoolLayout, session_replica
 from benchmarks.voice_to_voice import SESSION, STAGES, Turn, spoken_wav, turn_figures
 from denv_iac.local.replica_model import ReplicaSimConfig
-
-from .dataplane_harness import Dataplane, PoolLayout, session_replica
 
 pytestmark = pytest.mark.needs_espeak
 

@@ -21,6 +21,7 @@ import openai
 import pytest
 from denv_agent.control import drain, undrain
 
+from benchmarks.lab.waiting import eventually
 from denv_iac.haproxy.runtime import server_stats
 from denv_iac.local.processes import free_port
 from denv_iac.local.rollout import roll
@@ -29,7 +30,6 @@ from denv_iac.local.runner import LocalCluster, supervised
 from denv_iac.ops.llama import DecodeLoopFreeze, LlamaEngine, build_engine
 from denv_iac.ops.loadgen import run_load
 from denv_iac.ops.loadgen_report import LoadReport
-from tests.waiting import eventually
 
 pytestmark = pytest.mark.needs_haproxy
 

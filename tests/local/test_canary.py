@@ -20,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.lab.waiting import eventually
 from denv_iac.core.balancer.stats import server_rows
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_rows
@@ -38,7 +39,6 @@ from tests.local.test_local_roll import VOICE, Load, _cmdline, _ready
 from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import _stack_project, _supervised_up
 from tests.stacks import local_site
-from tests.waiting import eventually
 
 pytestmark = pytest.mark.needs_haproxy
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.lab.waiting import eventually
 from denv_iac.core.rollout import RolloutRefused
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
@@ -30,7 +31,6 @@ from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import CONFIG as SUPERVISED
 from tests.local.test_local_supervision import _stack_project, _supervised_up
 from tests.stacks import local_site
-from tests.waiting import eventually
 
 pytestmark = pytest.mark.needs_haproxy
 

@@ -14,13 +14,13 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.lab.waiting import eventually
 from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.local.processes import RestartBackoff
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
 from denv_iac.local.stopping import StackLock
 from tests.local.test_local_runner import CONFIG, alive, free_endpoint_port
-from tests.waiting import eventually
 
 pytestmark = pytest.mark.needs_haproxy
 

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from benchmarks.lab.waiting import eventually_async
 from denv_iac.local.replica_model import ReplicaSimConfig
 from denv_iac.local.replica_server import ReplicaSim
 from denv_iac.local.replica_sim import ReplicaProcess
@@ -23,7 +24,6 @@ from tests.dataplane.test_replica_sim import (
     run_with_sim,
     send,
 )
-from tests.waiting import eventually_async
 
 CHAT = "/v1/chat/completions"
 VLLM_RUNNING = 'vllm:num_requests_running{model_name="simulated"}'

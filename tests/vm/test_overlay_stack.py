@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.lab.overlay import Capture
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.core.balancer import (
     BalancerPool,
@@ -61,7 +62,6 @@ from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.netns import call_in
 from denv_iac.node.from_stack import node_deploy_specs
 from denv_iac.node.spec import NodeDeploySpec, spec_to_json
-from tests.dataplane.overlay_lab import Capture
 from tests.node import standin
 from tests.vm.bed import HOST, NAT_ADDRESS, NAT_LINK, OUTSIDE, Bed, Vm
 from tests.vm.conftest import TIMINGS
@@ -69,6 +69,7 @@ from tests.vm.debian_repo import offer_packages
 from tests.vm.standin_vm import make_gpu_machine, send_folder
 from tests.vm.test_join import STATS_PORT, provider, reach
 from tests.vm.test_nat import connect
+from tests.vm.test_stack import simulator_dependencies
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = {"secure": "v1:dGVzdC1jaXBoZXJ0ZXh0"}  # never read: the keys come from the bed
@@ -76,7 +77,8 @@ BALANCER_SITE, OFFICE = "fsn", "office"
 ENDPOINT_PORT = 8080
 PLAIN_PORT = 8100  # the negative control's replica, on node1's public address
 SIM_IN_VM = "/opt/denv-sim"
-# What the simulator imports, sent to the nodes as they are here.
+# What the simulator imports of the package, sent to the nodes as they are here (with the
+# packages it needs from outside the standard library, simulator_dependencies).
 SIM_MODULES = (
     "denv_iac/__init__.py",
     "denv_iac/child_process.py",
@@ -88,6 +90,10 @@ SIM_MODULES = (
     "denv_iac/local/replica_server.py",
     "denv_iac/local/replica_sim.py",
     "denv_iac/local/voice_sim.py",
+    "denv_iac/wire/__init__.py",
+    "denv_iac/wire/audio.py",
+    "denv_iac/wire/multipart.py",
+    "denv_iac/wire/websocket.py",
     "denv_iac/core/__init__.py",
     "denv_iac/core/stack/__init__.py",
     "denv_iac/core/stack/model.py",
@@ -322,6 +328,7 @@ def site(bed: Bed) -> Iterator[Site]:
         for module in SIM_MODULES:
             (Path(tmp) / module).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / module).write_bytes((ROOT / module).read_bytes())
+        simulator_dependencies(Path(tmp))
         for vm in (node1, node2):
             send_folder(vm, Path(tmp), SIM_IN_VM)
     TIMINGS["overlay stack: stand-in GPUs, packages, simulator"] = time.monotonic() - start

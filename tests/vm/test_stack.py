@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import h11
 import pytest
 import websockets
 
@@ -273,12 +274,20 @@ def _prepare_node(bed: Bed, vm: Vm, sim: Path) -> None:
 def _simulator_code(workdir: Path) -> Path:
     """The product's package as it is here, for the simulator to run from in the VMs."""
     folder = workdir / "sim"
-    skip = shutil.ignore_patterns("__pycache__", "*.so")
-    shutil.copytree(ROOT / "denv_iac", folder / "denv_iac", ignore=skip)
-    # Its one package from outside the standard library, pure Python (its C speedups left out:
-    # it falls back without them); the VMs have no way out to install it.
-    shutil.copytree(Path(websockets.__file__).parent, folder / "websockets", ignore=skip)
+    shutil.copytree(ROOT / "denv_iac", folder / "denv_iac", ignore=_SKIP)
+    simulator_dependencies(folder)
     return folder
+
+
+_SKIP = shutil.ignore_patterns("__pycache__", "*.so")
+
+
+def simulator_dependencies(folder: Path) -> None:
+    """The simulator's packages from outside the standard library into `folder`, pure Python
+    (websockets' C speedups left out: it falls back without them); the VMs have no way out to
+    install them."""
+    shutil.copytree(Path(websockets.__file__).parent, folder / "websockets", ignore=_SKIP)
+    shutil.copytree(Path(h11.__file__).parent, folder / "h11", ignore=_SKIP)
 
 
 def deploy_inputs(

@@ -1,7 +1,8 @@
-"""The one wait tests poll with: until a condition holds, or fail saying what never came.
+"""The one wait tests and the lab poll with: until a condition holds, or fail saying what never
+came.
 
 It is the product's own wait on the real clock (denv_iac/waits.py), so a test waits the way a
-node's reboot and HAProxy's start do. The skip markers every folder shares are in the root
+node's reboot and HAProxy's start do. The skip markers every test folder shares are in the root
 conftest.py.
 """
 

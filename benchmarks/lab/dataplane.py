@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import socketserver
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import httpx
 from denv_agent.verdict import Verdict
 
+from benchmarks.lab.waiting import eventually
 from denv_iac.core.balancer import (
     BalancerPool,
     BalancerServer,
@@ -31,22 +31,17 @@ from denv_iac.core.balancer import (
     BalancerTier,
     render_haproxy_config,
 )
-from denv_iac.core.balancer.gateway import GATEWAY_HEALTH_PORT
 from denv_iac.core.balancer.model import connect_timeout_for
 from denv_iac.core.stack.model import (
     FIRST_TOKEN_TIMEOUT_MS,
     MAX_CONCURRENCY,
     STALL_TIMEOUT_MS,
-    StackSpec,
 )
-from denv_iac.core.stack.ports import AGENT_PORT
-from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.files import write_config
 from denv_iac.haproxy.runtime import HaproxyProcess, server_stats
+from denv_iac.local.processes import free_port
 from denv_iac.local.replica_model import ReplicaSimConfig, control_headers
 from denv_iac.local.replica_sim import ReplicaProcess
-from tests.stacks import EDGE, kube_site
-from tests.waiting import eventually
 
 # What the real agent says of a healthy replica.
 AGENT_UP = Verdict("up", 100, ()).reply
@@ -367,36 +362,6 @@ def _sse_events(lines: Iterator[str]) -> Iterator[str]:
     for line in lines:
         if line.startswith("data: "):
             yield line.removeprefix("data: ")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def gateway_stack() -> StackSpec:
-    """A stack with one Kubernetes site (`k8s`, one planning node) serving voice, and its
-    balancer on a local site (`edge`)."""
-    recipe = {"name": "voice", "min_warm": 1, "spare": 0, "sites": ["k8s"], "image": "x/y:1"}
-    config = {"denv:sites": [kube_site(), EDGE], "denv:recipes": [recipe]}
-    return read_stack("prod", {**config, "denv:balancer": {"sites": ["edge"]}})
-
-
-def gateway_on_loopback(config: str, agent_port: int, agents_port: int, health_port: int) -> str:
-    """A rendered gateway config listening on 127.0.0.1: its agent frontend on `agent_port`,
-    its health port on `health_port`, and the node agents, which the cluster's headless
-    Service finds, at `agents_port`."""
-    config = config.replace("bind :", "bind 127.0.0.1:")
-    config = config.replace(f"bind 127.0.0.1:{AGENT_PORT} ", f"bind 127.0.0.1:{agent_port} ")
-    config = config.replace(f":{GATEWAY_HEALTH_PORT}\n", f":{health_port}\n")
-    lines = [
-        f"    server agent0 127.0.0.1:{agents_port} check inter 1s rise 1 fall 1"
-        if "server-template" in line
-        else line
-        for line in config.splitlines()
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def session_replica(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.dataplane.dataplane_harness import free_port
+from denv_iac.local.processes import free_port
 
 # The load-aware policy: of two workers drawn at random, the one with fewer requests in flight.
 PEER_POLICY = "power_of_two"
