@@ -17,7 +17,7 @@ from denv_iac.components.nebius import (
 )
 from denv_iac.components.secrets import public_key_of
 from denv_iac.core.ingress import IngressRule
-from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.overlay_plan import plan_overlay
 from denv_iac.core.sites import CLOUD_SSH_USER
 from denv_iac.core.stack.reader import StackError
 from tests.components import stacks
