@@ -163,6 +163,21 @@ def test_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins(
     assert all(rule["parentId"] == "prod-nebius-eun1-sg-id" for rule in rules.values())
 
 
+def test_a_balancer_host_on_ipv6_is_one_host_of_128_bits() -> None:
+    """Its rule's source is the host alone (/128), as on every other provider; /32 would open
+    the port to a 2^96-address range around it."""
+    args = nebius_stack()
+    office = next(s for s in stacks.multicloud()["sites"] if s["name"] == "office")
+    office["nodes"][0]["address"] = "2001:db8::10"
+    args["sites"] = [copy.deepcopy(NEBIUS_SITE), office]
+    args["recipes"] = [r for r in args["recipes"] if r["name"] == "voice"]
+    args["balancer"]["sites"] = ["office"]
+    run = _run(preview=False, args=args)
+    assert run.outputs["balancer_addresses"] == ["2001:db8::10"]
+    rule = run.named("prod-nebius-eun1-in-wireguard-from-office").inputs
+    assert rule["ingress"]["sourceCidrs"] == ["2001:db8::10/128"]
+
+
 @pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "overlay-off"])
 def test_the_balancer_routes_voice_to_the_instances_addresses(overlay: bool) -> None:
     args = nebius_stack() if overlay else _overlay_off()
