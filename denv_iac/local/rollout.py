@@ -393,6 +393,8 @@ def wait_warm(replica: ReplicaState, recipe: RecipeSpec, deadline: float) -> Non
     """Health 200, then a first token from a streamed request sent to the replica itself, both
     before `deadline`; RuntimeError saying which did not come."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    # Not poll_until: each request is bounded by the time left to `deadline`, which the
+    # first-token read below shares and which may have passed before the first try.
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
