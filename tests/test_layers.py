@@ -181,20 +181,58 @@ def _refused_in_core(name: str) -> bool:
     return top in NOT_IN_CORE or (top == "denv_agent" and name not in AGENT_IN_CORE)
 
 
-@pytest.mark.parametrize("path", MODULES, ids=_module)
-def test_imports_go_down_the_layers_only(path: Path) -> None:
-    module = _module(path)
+def layers_upward(module: str, imports: list[str]) -> list[str]:
+    """What `module` imports from a layer above its own (with that layer's name), and, in the
+    core, what it may not import at all."""
     own = _layer(module)
     assert own is not None
     upward = []
-    for name in _imports(path):
+    for name in imports:
         if name.startswith("denv_iac."):
             other = _layer(name)
             if other is not None and other > own:
                 upward.append(f"{name} ({LAYERS[other][0]})")
         elif own == 0 and _refused_in_core(name):
             upward.append(name)
-    assert upward == [], f"{module} ({LAYERS[own][0]}) imports from above: {upward}"
+    return upward
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_module)
+def test_imports_go_down_the_layers_only(path: Path) -> None:
+    module = _module(path)
+    upward = layers_upward(module, _imports(path))
+    assert upward == [], f"{module} ({LAYERS[_layer(module) or 0][0]}) imports from above: {upward}"
+
+
+@pytest.mark.parametrize(
+    ("module", "imports", "upward"),
+    [
+        (
+            "denv_iac.core.plan",
+            ["denv_iac.core.placement", "denv_iac.components.preview"],
+            ["denv_iac.components.preview (wiring)"],
+        ),
+        ("denv_iac.core.overlay_plan", ["ipaddress", "pulumi"], ["pulumi"]),
+        (
+            "denv_iac.core.agent_config",
+            ["denv_agent.toml_text", "denv_agent.control"],
+            ["denv_agent.control"],
+        ),
+        ("denv_iac.local.runner", ["denv_iac.cli.console"], ["denv_iac.cli.console (cli)"]),
+        ("denv_iac.components.cluster", ["denv_iac.ops.status"], ["denv_iac.ops.status (ops)"]),
+        # Down the layers, and a third-party name anywhere above the core: allowed.
+        (
+            "denv_iac.cli.plan",
+            ["denv_iac.core.plan", "denv_iac.stacks_dir", "denv_iac.components.preview", "click"],
+            [],
+        ),
+        ("denv_iac.node.deploy", ["pyinfra", "denv_iac.waits", "denv_iac.core.polling"], []),
+    ],
+)
+def test_the_layer_check_sees_an_upward_arrow(
+    module: str, imports: list[str], upward: list[str]
+) -> None:
+    assert layers_upward(module, imports) == upward
 
 
 MACHINE_MODULES = [p for p in MODULES if _level(_module(p), MACHINES) is not None]
@@ -287,10 +325,35 @@ def test_no_module_of_the_package_imports_itself_through_others() -> None:
         ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
         ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
         ({"a": {"a"}}, [["a"]]),
+        # Across layers: the core's plan and the command that shows it, each importing the other.
+        (
+            {
+                "denv_iac.core.plan": {"denv_iac.cli.plan"},
+                "denv_iac.cli.plan": {"denv_iac.core.plan"},
+            },
+            [["denv_iac.cli.plan", "denv_iac.core.plan"]],
+        ),
     ],
 )
 def test_the_cycle_check_sees_a_cycle(graph: dict[str, set[str]], found: list[list[str]]) -> None:
     assert cycles(graph) == found
+
+
+def test_a_cycle_between_layers_is_refused_by_both_checks() -> None:
+    """A cycle across layers holds an import up the layers: the cycle check refuses the loop,
+    and the layer check the one import that goes up, naming the module that makes it."""
+    graph = {
+        "denv_iac.core.plan": {"denv_iac.core.placement"},
+        "denv_iac.core.placement": {"denv_iac.stacks_dir"},
+        "denv_iac.stacks_dir": {"denv_iac.core.plan"},
+    }
+    assert cycles(graph) == [sorted(graph)]
+    refused = {m: layers_upward(m, sorted(deps)) for m, deps in graph.items()}
+    assert refused == {
+        "denv_iac.core.plan": [],
+        "denv_iac.core.placement": ["denv_iac.stacks_dir (machines)"],
+        "denv_iac.stacks_dir": [],
+    }
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import yaml
 from click.testing import CliRunner, Result
 
 from denv_iac.cli import main
-from denv_iac.core.overlay import (
+from denv_iac.core.overlay_plan import (
     ANYWHERE,
     CONFIG_PATH,
     NAT_KEEPALIVE_S,

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from denv_iac.core.polling import SleptClock, poll_until
+from denv_iac.core.polling import SleptClock, poll_until, poll_until_or_last
 
 
 class TimedOut(Exception):
@@ -82,6 +82,36 @@ def test_poll_until(
         assert _poll(fake, timeout_s, interval_s, wait_first) == outcome
     assert fake.asked_at == asked_at
     # A pause between tries (and before the first when asked), never after the last.
+    assert fake.slept == [interval_s] * (len(asked_at) - 1 + wait_first)
+
+
+@pytest.mark.parametrize(
+    ("answers", "probe_s", "timeout_s", "interval_s", "wait_first", "outcome", "asked_at"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_poll_until_or_last(
+    answers: list[int],
+    probe_s: float,
+    timeout_s: float,
+    interval_s: float,
+    wait_first: bool,
+    outcome: int | str,
+    asked_at: list[float],
+) -> None:
+    """The same tries as poll_until's; where that one raises, the last answer comes back."""
+    fake = Fake(list(answers), probe_s)
+    answer = poll_until_or_last(
+        fake.probe,
+        lambda answer: answer >= 3,
+        timeout_s=timeout_s,
+        interval_s=interval_s,
+        clock=lambda: fake.now,
+        sleep=fake.sleep,
+        wait_first=wait_first,
+    )
+    assert answer == (outcome if isinstance(outcome, int) else int(outcome.split()[-1]))
+    assert fake.asked_at == asked_at
     assert fake.slept == [interval_s] * (len(asked_at) - 1 + wait_first)
 
 

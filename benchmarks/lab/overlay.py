@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from denv_iac.components.overlay import new_key_pair
-from denv_iac.core.overlay import (
+from denv_iac.core.overlay_plan import (
     OverlayMember,
     OverlayPlan,
     allocate,

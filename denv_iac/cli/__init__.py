@@ -1,19 +1,8 @@
 """The `denv` command."""
 
-import hashlib
 import importlib
-import json
-import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import click
-
-from denv_iac.cli.console import fail, output_file_problems, wide_console, write_output
-
-if TYPE_CHECKING:
-    from denv_iac.components.preview import PreviewResource
-    from denv_iac.core.stack.model import StackSpec
 
 # Each command's module is imported only when that command runs: together they pull in
 # matplotlib, pyinfra, httpx and rich, seconds of start-up that `denv --help` must not pay.
@@ -35,9 +24,17 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "denv_iac.cli.local:local",
         "Run a stack's whole data plane here: simulated GPUs, real agents, real HAProxy.",
     ),
+    "key": (
+        "denv_iac.cli.key:key",
+        "API keys for the endpoint (only their digests go into stack config).",
+    ),
     "node": (
         "denv_iac.cli.node:node",
         "Join, repair, drain and undrain GPU nodes (pyinfra over SSH, or @local / @chroot/PATH).",
+    ),
+    "plan": (
+        "denv_iac.cli.plan:plan",
+        "Show where every replica goes, the nodes to create and the warm cost, offline.",
     ),
     "status": (
         "denv_iac.cli.status:status",
@@ -96,13 +93,6 @@ def _print_versions(ctx: click.Context, _param: click.Parameter, value: bool) ->
         ctx.exit()
 
 
-STACKS_DIR = click.option(
-    "--stacks-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Folder holding Pulumi.<stack>.yaml (default: stacks/ of the project here).",
-)
-
-
 @click.group(cls=LazyGroup)
 @click.option(
     "--version",
@@ -114,125 +104,3 @@ STACKS_DIR = click.option(
 )
 def main() -> None:
     """One cluster, one endpoint, warm GPU replicas across providers."""
-
-
-@main.command()
-@click.option("--stack", "stack_name", required=True, help="Stack name, e.g. local.")
-@STACKS_DIR
-@click.option(
-    "--json",
-    "json_file",
-    help="Also write the plan as JSON to FILE ('-' for standard output), resources included.",
-)
-@click.option(
-    "--lock",
-    is_flag=True,
-    help="Write Pulumi.<stack>.placement.json so later edits never move these replicas.",
-)
-@click.option(
-    "--resources",
-    "show_resources",
-    is_flag=True,
-    help="Also show the Pulumi resources the stack registers (a preview under mocks, offline).",
-)
-@click.option(
-    "--strict",
-    is_flag=True,
-    help="Refuse the stack on warnings too (SSH open to the world, an endpoint without keys).",
-)
-def plan(
-    stack_name: str,
-    stacks_dir: Path | None,
-    json_file: str | None,
-    lock: bool,
-    show_resources: bool,
-    strict: bool,
-) -> None:
-    """Show where every replica goes, the nodes to create and the warm cost, offline."""
-    from denv_iac.cli.plan_view import render_plan, render_resources
-    from denv_iac.core.plan import make_plan
-    from denv_iac.core.stack.exposure import stack_warnings
-    from denv_iac.core.stack.reader import StackError
-    from denv_iac.stacks_dir import (
-        check_lock_writable,
-        find_stacks_dir,
-        load_lock,
-        load_stack,
-        load_stack_config,
-        write_lock,
-    )
-
-    problems = output_file_problems("--json", json_file)
-    if problems:
-        fail(problems)
-    try:
-        folder = stacks_dir or find_stacks_dir()
-        if lock:
-            check_lock_writable(folder, stack_name)
-        stack = load_stack(folder, stack_name)
-        warnings = stack_warnings(stack)
-        if strict and warnings:
-            fail([f"{line} (--strict)" for line in warnings])
-        for line in warnings:
-            click.echo(f"warning: {line}", err=True)
-        previous = load_lock(folder, stack_name)
-        result = make_plan(stack, previous)
-        resources = (
-            _preview(stack, load_stack_config(folder, stack_name), previous)
-            if show_resources or json_file
-            else None
-        )
-    except StackError as error:
-        fail(error.problems)
-    document = result.to_json()
-    if resources is not None:
-        document["resources"] = [r.to_json() for r in resources]
-    if json_file == "-":
-        click.echo(json.dumps(document, indent=2))
-    else:
-        console = wide_console()
-        render_plan(result, console)
-        if resources is not None:
-            render_resources(resources, console)
-        if json_file:
-            write_output("--json", json_file, json.dumps(document, indent=2) + "\n")
-    if lock:
-        try:
-            path = write_lock(folder, stack_name, [r.id for r in result.placement.replicas])
-        except StackError as error:
-            fail(error.problems)
-        click.echo(f"wrote {path.name}", err=True)
-
-
-def _preview(
-    stack: "StackSpec", config: dict[str, Any], previous: list[str]
-) -> "list[PreviewResource]":
-    # Imported here: Pulumi and the provider SDKs take seconds to load, a plain plan none.
-    from denv_iac.components.preview import preview_stack
-
-    return preview_stack(stack, config, previous)
-
-
-@main.group()
-def key() -> None:
-    """API keys for the endpoint (only their digests go into stack config)."""
-
-
-@key.command()
-def digest() -> None:
-    """Read an API key on standard input and print its SHA-256 digest for api_key_digests."""
-    # Bytes, not text: a key is whatever its owner typed, in any encoding, and is hashed as is.
-    # One key, one line: a trailing newline (echo's) is not part of it, and a second line is
-    # refused rather than silently left out of the digest.
-    lines = sys.stdin.buffer.read().strip().splitlines()
-    if len(lines) > 1:
-        fail(
-            [
-                f"stdin: {len(lines)} lines given, and a key is one line; pipe one key at a "
-                'time, e.g. `printf %s "$KEY" | denv key digest`'
-            ]
-        )
-    secret = lines[0].strip() if lines else b""
-    if not secret:
-        fail(['stdin: no API key given; pipe one in, e.g. `printf %s "$KEY" | denv key digest`'])
-    click.echo(hashlib.sha256(secret).hexdigest())

@@ -33,7 +33,7 @@ from denv_iac.core.ingress import (
     replica_port,
     wireguard_rules,
 )
-from denv_iac.core.overlay import host_member, node_member, overlay_hosts, plan_overlay
+from denv_iac.core.overlay_plan import host_member, node_member, overlay_hosts, plan_overlay
 from denv_iac.core.placement import Placement, place_replicas
 from denv_iac.core.plan import deploy_problems
 from denv_iac.core.rollout import rollout_after, rollout_units, workload_id

@@ -21,6 +21,7 @@ from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.core.ingress import (
     IngressRule,
     OverlayAccess,
+    host_cidr,
     node_overlay_access,
     site_ingress_rules,
 )
@@ -71,7 +72,7 @@ def firewall_rules(
             {
                 "protocol": rule.protocol,
                 "port_range": [rule.from_port, rule.to_port],
-                "source_network": source if "/" in source else f"{source}/32",
+                "source_network": source if "/" in source else host_cidr(source),
                 "description": rule.description[:128],
             }
         )

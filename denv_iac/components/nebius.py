@@ -15,6 +15,7 @@ from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.core.ingress import (
     IngressRule,
     OverlayAccess,
+    host_cidr,
     node_overlay_access,
     site_ingress_rules,
 )
@@ -263,7 +264,7 @@ class NebiusSite(pulumi.ComponentResource):
         )
         for rule in rules:
             source = (
-                pulumi.Output.from_input(balancers[rule.source]).apply(lambda a: f"{a}/32")
+                pulumi.Output.from_input(balancers[rule.source]).apply(host_cidr)
                 if rule.from_machine
                 else pulumi.Output.from_input(rule.source)
             )

@@ -22,7 +22,7 @@ from denv_iac.components.dynamic_resource import DynamicResource, whole_numbers
 from denv_iac.components.naming import child_name
 from denv_iac.components.secrets import public_key_of
 from denv_iac.core.balancer import RenderedConfig
-from denv_iac.core.overlay import with_private_key
+from denv_iac.core.overlay_plan import with_private_key
 from denv_iac.core.stack.model import WIREGUARD_PORT
 from denv_iac.node import (
     NodeDeploySpec,

@@ -4,7 +4,7 @@ A `pulumi.dynamic` resource makes each key when it is created and keeps it in th
 encrypted as a secret (`additional_secret_outputs`); only the public half is a plain output. It
 has nothing to update: rotating a machine's key is replacing its key resource
 (`pulumi up --replace <urn>`), and then only the configs of that machine's peers change, since
-no config names its own machine's key (see `denv_iac.core.overlay.render_config`).
+no config names its own machine's key (see `denv_iac.core.overlay_plan.render_config`).
 """
 
 import base64
@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from denv_iac.components.dynamic_resource import DynamicResource
 from denv_iac.components.naming import child_name, resolved
-from denv_iac.core.overlay import OverlayMember, OverlayPlan, render_config, wireguard_sources
+from denv_iac.core.overlay_plan import OverlayMember, OverlayPlan, render_config, wireguard_sources
 
 PRIVATE_KEY = "private_key"
 
@@ -47,6 +47,8 @@ def key_name(member: OverlayMember) -> str:
     return f"{member.site}-balancer-host"
 
 
+# Kept in this module under this name: each key's state holds the provider pickled as
+# `denv_iac.components.overlay.WireGuardKeyProvider`, and deleting a key unpickles it from there.
 class WireGuardKeyProvider(pulumi.dynamic.ResourceProvider):
     """Create makes the key pair; a changed member name is another machine, so a new key."""
 
@@ -126,7 +128,7 @@ class Overlay(pulumi.ComponentResource):
 
     def access(self, member: str) -> "MachineOverlay":
         """What `member`'s deploy needs: its config, its private key, and whom its firewall
-        admits WireGuard packets from (see denv_iac.core.overlay.wireguard_sources)."""
+        admits WireGuard packets from (see denv_iac.core.overlay_plan.wireguard_sources)."""
         plan = self._plan
         return {
             "overlay_config": self.configs.apply(lambda configs: configs[member]),

@@ -12,7 +12,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Literal
 
-from denv_iac.core.overlay import OverlayPlan, node_peer_sites, wireguard_senders
+from denv_iac.core.overlay_plan import OverlayPlan, node_peer_sites, wireguard_senders
 from denv_iac.core.stack.model import BalancerSpec, RecipeSpec, SiteSpec, StackSpec
 from denv_iac.core.stack.ports import (
     AGENT_PORT,
@@ -73,7 +73,7 @@ def node_overlay_access(stack: StackSpec, site_name: str) -> OverlayAccess | Non
     """What a site's nodes take from the overlay: WireGuard from each balancer host (by site).
 
     None when its nodes join no overlay. The hosts always have public addresses: a node behind
-    NAT cannot host the balancer (`denv_iac.core.stack.overlay`).
+    NAT cannot host the balancer (`denv_iac.core.stack.overlay_reader`).
     """
     hosts = node_peer_sites(stack, site_name)
     return OverlayAccess(stack.balancer.overlay.port, hosts) if hosts else None
@@ -84,7 +84,7 @@ def host_overlay_access(plan: OverlayPlan, member: str) -> OverlayAccess | None:
 
     None when the overlay links nothing. From anywhere when a peer is behind NAT, or is listed
     by a host name, which no provider's rule can hold (as for the node's own firewall,
-    `denv_iac.core.overlay.wireguard_sources`).
+    `denv_iac.core.overlay_plan.wireguard_sources`).
     """
     if not plan.on:
         return None

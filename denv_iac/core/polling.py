@@ -2,8 +2,9 @@
 time is up.
 
 The API clients wait on a cloud this way (a booting instance, a terminating one, a resource still
-held, a firewall being switched), a node deploy waits on a rebooting machine, and HAProxy's start
-waits on its stats socket. The caller gives the clock and the sleep, so that this module reads no
+held, a firewall being switched), a node deploy waits on a rebooting machine, HAProxy's start
+waits on its stats socket, and the local runner on its processes, ports and HAProxy's view of a
+rolled replica. The caller gives the clock and the sleep, so that this module reads no
 time itself (it is part of the pure core) and a test runs any wait on a fake clock in no time.
 """
 
@@ -31,15 +32,47 @@ def poll_until(
     the first question too: a machine just told to reboot still answers from its old boot. What
     `probe` raises is not caught: an answer that can never become done raises at once.
     """
+    answer, finished = _poll(probe, done, timeout_s, interval_s, clock, sleep, wait_first)
+    if not finished:
+        raise timed_out(answer)
+    return answer
+
+
+def poll_until_or_last(
+    probe: Callable[[], T],
+    done: Callable[[T], bool],
+    *,
+    timeout_s: float,
+    interval_s: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    wait_first: bool = False,
+) -> T:
+    """As `poll_until`, but past `timeout_s` the last answer comes back instead of an error: for
+    a wait whose end is not a failure (processes given time to exit before what follows goes on
+    anyway) or whose caller reports what was left (sessions still open when a drain is cut)."""
+    return _poll(probe, done, timeout_s, interval_s, clock, sleep, wait_first)[0]
+
+
+def _poll(
+    probe: Callable[[], T],
+    done: Callable[[T], bool],
+    timeout_s: float,
+    interval_s: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    wait_first: bool,
+) -> tuple[T, bool]:
+    """The last answer asked, and whether it is done."""
     deadline = clock() + timeout_s
     if wait_first:
         sleep(interval_s)
     while True:
         answer = probe()
         if done(answer):
-            return answer
+            return answer, True
         if clock() >= deadline:
-            raise timed_out(answer)
+            return answer, False
         sleep(interval_s)
 
 

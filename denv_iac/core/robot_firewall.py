@@ -8,7 +8,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from denv_iac.core.ingress import IngressRule, Protocol, node_overlay_access, site_ingress_rules
+from denv_iac.core.ingress import (
+    IngressRule,
+    Protocol,
+    host_cidr,
+    node_overlay_access,
+    site_ingress_rules,
+)
 from denv_iac.core.stack.model import SiteSpec, StackSpec
 
 # Robot's webservice refuses a firewall with more rules than this in one direction.
@@ -83,7 +89,7 @@ def robot_rules(rules: Sequence[IngressRule], addresses: Mapping[str, str]) -> l
         source = addresses[rule.source] if rule.from_machine else rule.source
         if not source or ":" in source:
             continue
-        cidr = source if "/" in source else f"{source}/32"
+        cidr = source if "/" in source else host_cidr(source)
         ports.setdefault((cidr, rule.protocol), []).append((rule.from_port, rule.to_port))
         who = f"balancer {rule.source}" if rule.from_machine else rule.description
         names.setdefault(cidr, rule_name(who))

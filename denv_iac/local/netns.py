@@ -27,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from denv_iac.local.processes import Host, free_port
 from denv_iac.local.run_state import AgentState, ReplicaState, RunState
 from denv_iac.local.runner import LocalCluster, Progress
 from denv_iac.local.slow_link import SlowLink
+from denv_iac.waits import wait_until_or_last
 
 PREFIX = "denvnet-"
 BALANCER_ADDRESS = "10.231.0.1"
@@ -116,9 +116,13 @@ def remove_namespace(namespace: str, timeout_s: float = 5.0) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(running(pid) for pid in pids):
-        time.sleep(0.02)
+    # Past the wait the namespace goes anyway: what still runs in it is killed already.
+    wait_until_or_last(
+        lambda: any(running(pid) for pid in pids),
+        lambda alive: not alive,
+        timeout_s=timeout_s,
+        interval_s=0.02,
+    )
     subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, check=False)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from denv_iac.local.command_replica import REPLICA_ENV
+from denv_iac.waits import wait_until
 
 HOST = "127.0.0.1"
 
@@ -50,12 +51,16 @@ def endpoint_in_use(port: int, address: str = HOST) -> bool:
 
 
 def wait_for_port(port: int, what: str, address: str = HOST, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if endpoint_in_use(port, address):
-            return
-        time.sleep(0.02)
-    raise RuntimeError(f"{what} did not open {address}:{port} within {timeout_s:.0f} s")
+    def closed(_: bool) -> RuntimeError:
+        return RuntimeError(f"{what} did not open {address}:{port} within {timeout_s:.0f} s")
+
+    wait_until(
+        lambda: endpoint_in_use(port, address),
+        bool,
+        timeout_s=timeout_s,
+        interval_s=0.02,
+        timed_out=closed,
+    )
 
 
 # What the command lines of the processes we start contain, and no other command line does.

@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from denv_agent.control import ControlFailed, drain, undrain
 
@@ -46,6 +47,7 @@ from denv_iac.core.stack.reader import StackError
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.local.run_state import ReplicaState, write_private
 from denv_iac.local.runner import LocalCluster, ReplicaConfig
+from denv_iac.waits import wait_until, wait_until_or_last
 
 Progress = Callable[[str], None]
 # What a local roll applies: what the simulated replica runs (model names, ports and health
@@ -358,37 +360,41 @@ class _Step:
             ) from None
 
     def _until(self, done: Callable[[list[dict[str, str]]], bool], what: str) -> None:
-        deadline = time.monotonic() + BALANCER_SEES_S
-        while not done(self.rows()):
-            if time.monotonic() > deadline:
-                status = tier_status(self.rows(), self.replica.id)
-                raise RollStopped(
-                    f"replica {self.replica.id}: HAProxy did not show the {what} within "
-                    f"{BALANCER_SEES_S:.0f} s (status {status})"
-                )
-            time.sleep(POLL_S)
+        def not_shown(rows: list[dict[str, str]]) -> RollStopped:
+            return RollStopped(
+                f"replica {self.replica.id}: HAProxy did not show the {what} within "
+                f"{BALANCER_SEES_S:.0f} s (status {tier_status(rows, self.replica.id)})"
+            )
+
+        wait_until(
+            self.rows, done, timeout_s=BALANCER_SEES_S, interval_s=POLL_S, timed_out=not_shown
+        )
 
     def _wait_sessions(self) -> int:
         # The recipe's drain plan (denv_iac.core.drain) gives the bound. Its settle time is
         # waited already (the roll saw HAProxy show the drain), and its quiet rule is HAProxy's
         # own: scur counts sessions, never an idle connection HAProxy keeps for reuse.
         plan = drain_plan([self.recipe], settle_s=0)
-        deadline = time.monotonic() + plan.bound_s
-        while (left := sessions_on(self.rows(), self.replica.id)) > 0:
-            if time.monotonic() > deadline:
-                self.progress(
-                    f"replica {self.replica.id}: {left} session(s) still open after "
-                    f"drain_timeout_s {plan.bound_s} s: cut"
-                )
-                return left
-            time.sleep(POLL_S)
-        return 0
+        left = wait_until_or_last(
+            lambda: sessions_on(self.rows(), self.replica.id),
+            lambda sessions: sessions == 0,
+            timeout_s=plan.bound_s,
+            interval_s=POLL_S,
+        )
+        if left:
+            self.progress(
+                f"replica {self.replica.id}: {left} session(s) still open after "
+                f"drain_timeout_s {plan.bound_s} s: cut"
+            )
+        return left
 
 
 def wait_warm(replica: ReplicaState, recipe: RecipeSpec, deadline: float) -> None:
     """Health 200, then a first token from a streamed request sent to the replica itself, both
     before `deadline`; RuntimeError saying which did not come."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    # Not poll_until: each request is bounded by the time left to `deadline`, which the
+    # first-token read below shares and which may have passed before the first try.
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -495,16 +501,20 @@ def ask_roll(directory: Path, supervisor: int, timeout_s: float) -> RollAnswer:
     nonce = secrets.token_hex(8)
     write_private(directory / ROLL_REQUEST, nonce + "\n")
     os.kill(supervisor, ROLL_SIGNAL)
-    deadline = time.monotonic() + timeout_s
     result = directory / ROLL_RESULT
-    while time.monotonic() < deadline:
+
+    def read() -> Any:
+        # Not there yet, or half written: no answer so far.
         try:
-            answer = json.loads(result.read_text())
+            return json.loads(result.read_text())
         except (OSError, ValueError):
-            answer = {}
-        if answer.get("nonce") == nonce:
-            return RollAnswer(tuple(str(line) for line in answer["lines"]), int(answer["code"]))
-        time.sleep(0.1)
+            return {}
+
+    answer = wait_until_or_last(
+        read, lambda answer: answer.get("nonce") == nonce, timeout_s=timeout_s, interval_s=0.1
+    )
+    if answer.get("nonce") == nonce:
+        return RollAnswer(tuple(str(line) for line in answer["lines"]), int(answer["code"]))
     return RollAnswer(
         (
             f"error: no answer from the supervising `denv local up` (pid {supervisor}) within "

@@ -6,12 +6,12 @@ import fcntl
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 from denv_iac.core.stack.reader import StackError
 from denv_iac.local.processes import AGENT_MARK, HAPROXY_MARK, REPLICA_MARK, ours
 from denv_iac.local.run_state import STATE_FILE, RunState, read_state
+from denv_iac.waits import wait_until, wait_until_or_last
 
 
 class StackLock:
@@ -113,17 +113,23 @@ def stop_stack(directory: Path, timeout_s: float = 30.0) -> int:
         return stop_recorded(directory)
     supervised = _running_count(directory)
     os.kill(supervisor, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while lock.holder() is not None:
-        if time.monotonic() > deadline:
-            raise StackError(
-                [
-                    f"the supervising `denv local up` (pid {supervisor}) did not stop within "
-                    f"{timeout_s:.0f} s of SIGTERM; stop it with `kill -KILL {supervisor}`, "
-                    "then run `denv local down` again"
-                ]
-            )
-        time.sleep(0.05)
+
+    def still_running(_: int | None) -> StackError:
+        return StackError(
+            [
+                f"the supervising `denv local up` (pid {supervisor}) did not stop within "
+                f"{timeout_s:.0f} s of SIGTERM; stop it with `kill -KILL {supervisor}`, "
+                "then run `denv local down` again"
+            ]
+        )
+
+    wait_until(
+        lock.holder,
+        lambda holder: holder is None,
+        timeout_s=timeout_s,
+        interval_s=0.05,
+        timed_out=still_running,
+    )
     return 1 + supervised + stop_recorded(directory)
 
 
@@ -141,8 +147,13 @@ def stop_recorded(directory: Path) -> int:
             else:
                 os.kill(pid, signal.SIGTERM)
             stopped += 1
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(ours(p, m) for p, m, _ in targets):
-        time.sleep(0.05)
+    # Past the wait the state file goes anyway: a process that outlives SIGTERM is no longer
+    # the stack's to stop.
+    wait_until_or_last(
+        lambda: any(ours(p, m) for p, m, _ in targets),
+        lambda alive: not alive,
+        timeout_s=5,
+        interval_s=0.05,
+    )
     (directory / STATE_FILE).unlink(missing_ok=True)
     return stopped

@@ -6,7 +6,7 @@ import posixpath
 import shlex
 
 from denv_iac.core.agent_config import AgentConfig, AgentReplica, agent_config_toml
-from denv_iac.node import overlay
+from denv_iac.node import wireguard
 from denv_iac.node.agent_wheel import agent_wheel
 from denv_iac.node.driver import service_steps
 from denv_iac.node.facts import AGENT_VENV, NodeFacts
@@ -62,7 +62,7 @@ def config(spec: NodeDeploySpec) -> FileContent:
 
 
 def unit(spec: NodeDeploySpec) -> FileContent:
-    needs_wg = overlay.unit_dependencies(spec)
+    needs_wg = wireguard.unit_dependencies(spec)
     return text_file(
         unit_path(UNIT),
         f"""[Unit]

@@ -16,7 +16,7 @@ from denv_iac.core.balancer.model import (
     TLS_CERT_PATH,
     RenderedConfig,
 )
-from denv_iac.node import firewall, overlay, ssh_keys
+from denv_iac.node import firewall, ssh_keys, wireguard
 from denv_iac.node.deploy import Progress, Target, connect, quiet_progress
 from denv_iac.node.facts import FactQuery, NodeFacts
 from denv_iac.node.firewall import BalancerAccess
@@ -218,7 +218,7 @@ def plan_host(
     login's keys (`keys`, when given), its firewall, then its overlay interface (when it is on
     the overlay), then HAProxy, which reaches the nodes through that interface."""
     steps = ssh_keys.plan(facts, keys) + firewall.plan_balancer_host(facts, access)
-    steps += overlay.plan(facts, overlay_config)
+    steps += wireguard.plan(facts, overlay_config)
     # cloud-init's first boot installs packages and writes files too: it finishes first.
     return (
         cloud_init_wait(facts.cloud_init)
@@ -247,7 +247,7 @@ def prepare_balancer(
     `client_secret_key`: the key that signs realtime client secrets (a secret), when on.
     `ssh_wait_s`: how long to wait for a machine just created to answer on its SSH port."""
     with connect(target, ssh_wait_s) as session:
-        query = fact_query(rendered) | firewall.balancer_fact_query() | overlay.fact_query()
+        query = fact_query(rendered) | firewall.balancer_fact_query() | wireguard.fact_query()
         facts = session.facts(query | ssh_keys.fact_query(keys))
         steps = plan_host(
             facts, rendered, access, certificate, gateway, overlay_config, keys, client_secret_key

@@ -18,7 +18,7 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from denv_iac.core.overlay import INTERFACE
+from denv_iac.core.overlay_plan import INTERFACE
 from denv_iac.node.driver import service_steps
 from denv_iac.node.facts import FactQuery, NodeFacts
 from denv_iac.node.spec import NodeDeploySpec, NodeSpecError
@@ -92,7 +92,8 @@ def node_guards(spec: NodeDeploySpec) -> list[Guard]:
     guards = [_balancers(spec, ports)]
     if spec.listen_address:
         # The peers' public addresses, or anywhere when a peer is behind NAT (see
-        # denv_iac.core.overlay.wireguard_senders): WireGuard answers no packet without a valid key.
+        # denv_iac.core.overlay_plan.wireguard_senders): WireGuard answers no packet without a
+        # valid key.
         senders = (spec.overlay_port,)
         guards.append(Guard("overlay_senders", spec.overlay_senders, senders, protocol="udp"))
     if spec.admin_cidrs:

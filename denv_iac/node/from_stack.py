@@ -4,7 +4,7 @@ from denv_iac.core.agent_config import recipe_probe
 from denv_iac.core.balancer.tiers import rejoin_s
 from denv_iac.core.drain import drain_plan
 from denv_iac.core.endpoint import balancer_settings
-from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.overlay_plan import plan_overlay
 from denv_iac.core.placement import Placement
 from denv_iac.core.plan import imageless_problems
 from denv_iac.core.sites import CLOUD_SITE_KINDS, cache_root, node_id

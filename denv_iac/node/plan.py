@@ -11,10 +11,10 @@ from denv_iac.node import (
     fabric,
     firewall,
     mig,
-    overlay,
     replicas,
     runtime,
     ssh_keys,
+    wireguard,
 )
 from denv_iac.node.driver import UnsupportedNode, check_supported
 from denv_iac.node.facts import AGENT_VENV, FactQuery, NodeFacts
@@ -43,7 +43,7 @@ def fact_query(spec: NodeDeploySpec) -> FactQuery:
         firewall.UNIT,
         *(r.unit for r in spec.replicas),
     ]
-    return overlay.fact_query() | FactQuery(
+    return wireguard.fact_query() | FactQuery(
         files=(
             *(content.path for content in files),
             agent.TOKEN,
@@ -88,7 +88,7 @@ def plan_node(
     # Before any port it guards listens (and before a reboot): right after nft is installed.
     steps += firewall.plan(facts, spec)
     # Up before the agent and the replicas bind its address; behind the firewall's UDP guard.
-    steps += overlay.plan(facts, overlay_config)
+    steps += wireguard.plan(facts, overlay_config)
     spec = driver.branch_for(facts, spec)
     steps += driver.keyring_steps(facts, spec)
     steps += driver.plan(facts, spec)
@@ -111,7 +111,7 @@ def removal_steps(facts: NodeFacts, spec: NodeDeploySpec) -> list[Step]:
     return (
         replicas.stale_steps(facts, bare)
         + mig.boot_steps(facts, bare)
-        + overlay.removal_steps(facts)
+        + wireguard.removal_steps(facts)
         + firewall.removal_steps(facts)
     )
 

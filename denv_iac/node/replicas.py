@@ -7,7 +7,7 @@ import shlex
 from denv_iac.core.scripts import script
 from denv_iac.core.stack.command import ANY_ADDRESS, render_command
 from denv_iac.core.stack.model import SERVER_STOP_S
-from denv_iac.node import mig, overlay
+from denv_iac.node import mig, wireguard
 from denv_iac.node.facts import NodeFacts
 from denv_iac.node.holders import AGENT
 from denv_iac.node.spec import NodeDeploySpec, ReplicaSpec
@@ -68,7 +68,7 @@ def unit(spec: NodeDeploySpec, replica: ReplicaSpec) -> FileContent:
     # A MIG instance exists only once the boot unit has recreated it: without it the replica
     # would crash-loop on a device that is not there.
     mig_unit = f" {mig.UNIT}" if replica.mig_profile else ""
-    needs_wg = overlay.unit_dependencies(spec)
+    needs_wg = wireguard.unit_dependencies(spec)
     return text_file(
         unit_path(replica.unit),
         f"""[Unit]

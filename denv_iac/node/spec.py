@@ -140,10 +140,10 @@ class NodeDeploySpec:
     admin_cidrs: tuple[str, ...] = ()
     ssh_port: int = 22  # the port sshd listens on, which admin_cidrs guard
     agent_port: int = 9100
-    # The node's address on the overlay (denv_iac.core.overlay); "": not on it, so the agent and the
-    # replicas listen on every address, guarded by the firewall alone. On it, they listen there
-    # only, balancer_addresses are the balancer hosts' overlay addresses, and overlay_senders
-    # the public addresses WireGuard packets may come from on overlay_port (UDP).
+    # The node's address on the overlay (denv_iac.core.overlay_plan); "": not on it, so the agent
+    # and the replicas listen on every address, guarded by the firewall alone. On it, they listen
+    # there only, balancer_addresses are the balancer hosts' overlay addresses, and
+    # overlay_senders the public addresses WireGuard packets may come from on overlay_port (UDP).
     listen_address: str = ""
     overlay_port: int = WIREGUARD_PORT
     overlay_senders: tuple[str, ...] = ()

@@ -11,7 +11,7 @@ from denv_iac.components import Cluster
 from denv_iac.components.cluster import SITE_BUILDERS, validate_cluster
 from denv_iac.components.preview import _address as mock_address
 from denv_iac.components.secrets import public_key_of
-from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.overlay_plan import plan_overlay
 from denv_iac.core.sites import CLOUD_SITE_KINDS
 from denv_iac.core.stack.model import SITE_KINDS
 from denv_iac.core.stack.reader import StackError

@@ -11,7 +11,7 @@ from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.lambda_cloud import ssh_key_name, wire_rules
 from denv_iac.components.preview import SECRET_MARK, SECRET_SIG
 from denv_iac.components.secrets import public_key_of
-from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.overlay_plan import plan_overlay
 from denv_iac.core.stack.reader import StackError
 from tests.components import stacks
 from tests.components.harness import Run, cluster_outputs, plain_strings, run_program

@@ -17,7 +17,7 @@ from denv_iac.components.nebius import (
 )
 from denv_iac.components.secrets import public_key_of
 from denv_iac.core.ingress import IngressRule
-from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.overlay_plan import plan_overlay
 from denv_iac.core.sites import CLOUD_SSH_USER
 from denv_iac.core.stack.reader import StackError
 from tests.components import stacks
@@ -161,6 +161,21 @@ def test_node_ports_open_only_to_balancer_hosts_and_ssh_to_admins(
     group = run.named("prod-nebius-eun1-sg").inputs
     assert group["networkId"] == "vpcnetwork-e00example"  # the site subnet's network
     assert all(rule["parentId"] == "prod-nebius-eun1-sg-id" for rule in rules.values())
+
+
+def test_a_balancer_host_on_ipv6_is_one_host_of_128_bits() -> None:
+    """Its rule's source is the host alone (/128), as on every other provider; /32 would open
+    the port to a 2^96-address range around it."""
+    args = nebius_stack()
+    office = next(s for s in stacks.multicloud()["sites"] if s["name"] == "office")
+    office["nodes"][0]["address"] = "2001:db8::10"
+    args["sites"] = [copy.deepcopy(NEBIUS_SITE), office]
+    args["recipes"] = [r for r in args["recipes"] if r["name"] == "voice"]
+    args["balancer"]["sites"] = ["office"]
+    run = _run(preview=False, args=args)
+    assert run.outputs["balancer_addresses"] == ["2001:db8::10"]
+    rule = run.named("prod-nebius-eun1-in-wireguard-from-office").inputs
+    assert rule["ingress"]["sourceCidrs"] == ["2001:db8::10/128"]
 
 
 @pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "overlay-off"])

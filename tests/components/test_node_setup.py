@@ -33,7 +33,7 @@ from denv_iac.components.preview import SECRET_MARK, SECRET_SIG, shown
 from denv_iac.components.secrets import public_key_of
 from denv_iac.core.balancer import RenderedConfig
 from denv_iac.core.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
-from denv_iac.core.overlay import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
+from denv_iac.core.overlay_plan import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.stack.reader import StackError, read_stack
 from denv_iac.node import (
@@ -48,10 +48,10 @@ from denv_iac.node.balancer_host import GatewayCredentials
 from denv_iac.node.deploy import SSH_WAIT_S, CannotConnect, NodeUnreachable, no_answer
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.from_stack import node_deploy_specs
-from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
 from denv_iac.node.spec import spec_to_json
 from denv_iac.node.ssh_keys import SshKeys
 from denv_iac.node.steps import wants_link
+from denv_iac.node.wireguard import UNIT as OVERLAY_UNIT
 from tests.components import stacks
 from tests.components.harness import cluster_outputs, plain_strings, run_program, waits_for
 from tests.components.test_lambda import lambda_stack

@@ -26,7 +26,7 @@ from denv_iac.components.preview import (
     run_program,
     shown,
 )
-from denv_iac.core.overlay import PRIVATE_KEY_PLACEHOLDER, plan_overlay
+from denv_iac.core.overlay_plan import PRIVATE_KEY_PLACEHOLDER, plan_overlay
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.stack.reader import read_stack
 from tests.test_overlay import HUB, config

@@ -10,7 +10,7 @@ from denv_iac.components.cluster import validate_cluster
 from denv_iac.components.node_setup import NodeSetupProvider
 from denv_iac.components.overlay import new_key_pair
 from denv_iac.components.preview import SECRET_MARK, SECRET_SHOWN, SECRET_SIG, shown
-from denv_iac.core.overlay import PRIVATE_KEY_PLACEHOLDER, plan_overlay
+from denv_iac.core.overlay_plan import PRIVATE_KEY_PLACEHOLDER, plan_overlay
 from denv_iac.node import NodeDeploySpec, ReplicaSpec
 from denv_iac.node.firewall import BalancerAccess
 from denv_iac.node.spec import spec_to_json

@@ -16,7 +16,7 @@ from denv_iac.core.ingress import (
     site_ingress_rules,
     ssh_rules,
 )
-from denv_iac.core.overlay import plan_overlay
+from denv_iac.core.overlay_plan import plan_overlay
 from denv_iac.core.placement import PlacedReplica, place_replicas
 from denv_iac.core.stack.model import WIREGUARD_PORT, BalancerSpec, RecipeSpec, SiteSpec
 from denv_iac.core.stack.reader import read_stack

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from denv_iac.node import agent, driver, fabric, firewall, holders, mig, overlay, replicas
+from denv_iac.node import agent, driver, fabric, firewall, holders, mig, replicas, wireguard
 from denv_iac.node.facts import AGENT_VENV, GpuInfo, MigDevice, NodeFacts
 from denv_iac.node.plan import BASE_PACKAGES, fact_query
 from denv_iac.node.spec import NodeDeploySpec
@@ -77,7 +77,7 @@ def converged(
     """
     query = fact_query(spec)
     # The overlay's interface is the deploy's only on a node that listens on it.
-    off_overlay = set() if spec.listen_address else {overlay.UNIT, wants_link(overlay.UNIT)}
+    off_overlay = set() if spec.listen_address else {wireguard.UNIT, wants_link(wireguard.UNIT)}
     files = {
         c.path: c.sha256 for c in (*agent.files(spec), *replicas.files(spec), *mig.files(spec))
     }

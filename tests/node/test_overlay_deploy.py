@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from denv_iac.core.overlay import CONFIG_PATH
+from denv_iac.core.overlay_plan import CONFIG_PATH
 from denv_iac.node import NodeDeploySpec, NodeSpecError, ReplicaSpec, agent, plan_node, replicas
 from denv_iac.node.facts import NodeFacts
-from denv_iac.node.overlay import PACKAGE, UNIT, config_file, plan
 from denv_iac.node.plan import fact_query, removal_steps
 from denv_iac.node.steps import Step, wants_link
+from denv_iac.node.wireguard import PACKAGE, UNIT, config_file, plan
 
 from .fixtures import converged, node_facts
 from .test_plan import FRESH as FRESH_PACKAGES

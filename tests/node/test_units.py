@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from denv_iac.node import ReplicaSpec, agent, replicas
-from denv_iac.node.overlay import UNIT as OVERLAY_UNIT
+from denv_iac.node.wireguard import UNIT as OVERLAY_UNIT
 
 from .test_plan import spec
 

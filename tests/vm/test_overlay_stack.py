@@ -48,7 +48,7 @@ from denv_iac.core.balancer import (
 from denv_iac.core.balancer.model import CONFIG_DIR
 from denv_iac.core.dataplane import balancer_pools
 from denv_iac.core.endpoint import balancer_settings
-from denv_iac.core.overlay import (
+from denv_iac.core.overlay_plan import (
     INTERFACE,
     OverlayPlan,
     node_member,

@@ -13,7 +13,7 @@ from denv_iac.core.stack.model import (
     KeyScope,
     OverlaySpec,
 )
-from denv_iac.core.stack.overlay import read_overlay
+from denv_iac.core.stack.overlay_reader import read_overlay
 from denv_iac.core.stack.values import (
     HOST_NAME,
     HOST_RULE,

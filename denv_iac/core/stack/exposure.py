@@ -10,7 +10,7 @@ import ipaddress
 from denv_iac.core.stack.contradictions import contradiction_warnings
 from denv_iac.core.stack.gateway_link import KUBERNETES, gateway_link_warnings
 from denv_iac.core.stack.model import StackSpec
-from denv_iac.core.stack.overlay import overlay_warnings
+from denv_iac.core.stack.overlay_reader import overlay_warnings
 
 # Kinds whose machines get a cloud firewall from the stack: without admin_cidrs it has no SSH
 # rule, so the deploy cannot reach the machines it just created.

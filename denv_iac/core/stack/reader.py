@@ -25,7 +25,7 @@ from denv_iac.core.stack.model import (
     StackSpec,
     canary_recipe,
 )
-from denv_iac.core.stack.overlay import overlay_problems
+from denv_iac.core.stack.overlay_reader import overlay_problems
 from denv_iac.core.stack.ports import stack_port_problems
 from denv_iac.core.stack.recipe_reader import read_recipe
 from denv_iac.core.stack.site_reader import read_site

@@ -36,7 +36,6 @@ REGION_FORMATS = {
     "nebius": (re.compile(r"^[a-z]{2}-[a-z]+\d$"), "eu-north1"),
 }
 HETZNER_LOCATIONS = ("fsn1", "nbg1", "hel1", "ash", "hil", "sin")
-PROVIDER_OF_KIND = {"aws": "aws", "lambda": "lambda", "nebius": "nebius", "hetzner": "hetzner"}
 
 
 def _read_node(problems: Problems, path: str, raw: object, kind: str, catalog: Catalog) -> NodeSpec:

@@ -1,6 +1,6 @@
 """The WireGuard overlay on a machine: wireguard-tools, its config (0600), wg-quick@denv0 up.
 
-The config comes whole from the overlay (`denv_iac.core.overlay.render_config`, its private key
+The config comes whole from the overlay (`denv_iac.core.overlay_plan.render_config`, its private key
 filled in by `with_private_key` only on its way here), so this area only makes the machine match
 it. A changed config is applied with `systemctl reload`, which runs `wg syncconf`: only the peers
 that differ change and every other session stays up. Only a changed address of the machine
@@ -13,7 +13,7 @@ import posixpath
 import re
 import shlex
 
-from denv_iac.core.overlay import CONFIG_PATH, INTERFACE
+from denv_iac.core.overlay_plan import CONFIG_PATH, INTERFACE
 from denv_iac.node.facts import FactQuery, NodeFacts
 from denv_iac.node.spec import NodeDeploySpec
 from denv_iac.node.steps import (

@@ -16,7 +16,7 @@ PRIVATE_RANGES = tuple(
     ipaddress.IPv4Network(c) for c in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
 )
 # At least a /24, and four addresses per machine that may join: hashed addresses then rarely
-# collide, so adding a machine rarely moves another (see denv_iac.core.overlay).
+# collide, so adding a machine rarely moves another (see denv_iac.core.overlay_plan).
 MAX_PREFIX = 24
 ADDRESSES_PER_MACHINE = 4
 # Every kind whose balancer host joins the overlay: a machine made for it, and a joined
