@@ -407,3 +407,21 @@ def test_settings_that_work_against_each_other_are_a_warning(
     warned = result.stderr.splitlines()
     assert warned[: len(WARNINGS)] == [f"warning: {w}" for w in WARNINGS]
     assert warned[len(WARNINGS) :] == ([] if line is None else [f"warning: {line}"])
+
+
+def test_admin_cidrs_of_a_family_the_site_is_not_reached_over_are_a_warning(
+    tmp_path: Path,
+) -> None:
+    config = copy.deepcopy(WORLD_OPEN)
+    config["denv:sites"][2]["admin_cidrs"] = ["2001:db8::/32"]
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": config})))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        f"warning: {line}"
+        for line in (
+            *(w for w in WARNINGS if not w.startswith("sites[2].")),
+            "sites[2].admin_cidrs: 2001:db8::/32 holds no IPv4 block, but aws gives the machines"
+            " it creates a public IPv4 address only, so the firewall refuses the deploy's SSH"
+            " over IPv4; add the IPv4 addresses you administer from, e.g. 198.51.100.7/32",
+        )
+    ]
