@@ -425,3 +425,23 @@ def test_admin_cidrs_of_a_family_the_site_is_not_reached_over_are_a_warning(
             " over IPv4; add the IPv4 addresses you administer from, e.g. 198.51.100.7/32",
         )
     ]
+
+
+@pytest.mark.parametrize(
+    ("lock", "problem"),
+    [
+        (b'{"replicas": ["caf\xe9"]}', ": byte 0xe9 at offset 18 is not UTF-8"),
+        (b"[" * 100_000, ": nested too deeply to be one denv writes"),
+        (b'{"replicas": ["a"', " line 1 column 18: not JSON (Expecting ',' delimiter)"),
+        (b'{"replicas": ["a", "a"]}', ': replicas[1] "a" is listed twice (first as replicas[0])'),
+    ],
+)
+def test_a_placement_lock_that_cannot_be_read_is_one_line(
+    tmp_path: Path, lock: bytes, problem: str
+) -> None:
+    folder = stack_dir(tmp_path, LOCAL_STACK.read_bytes())  # a stack without warnings
+    (folder / "Pulumi.s.placement.json").write_bytes(lock)
+    refused(
+        plan(folder),
+        f"Pulumi.s.placement.json{problem}; delete it and run `denv plan --lock` again",
+    )

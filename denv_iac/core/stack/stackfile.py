@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from denv_iac.core.stack.fields import describe
 from denv_iac.core.stack.reader import StackError
 
 # Pulumi's own rule for stack names; no '/' and no leading '.', so a name never leaves its folder.
@@ -75,17 +76,36 @@ def _refuse_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _refuse_duplicates)
 
 
-def parse_yaml(data: bytes, name: str) -> Any:
-    """A YAML document from untrusted bytes; StackError with one line for any problem."""
+def _utf8(data: bytes, name: str, fix: str) -> str:
+    """The text of a file's bytes; StackError naming the first byte that is not UTF-8."""
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise StackError(
-            [
-                f"{name}: byte 0x{data[error.start]:02x} at offset {error.start} is not UTF-8; "
-                "save the file as UTF-8"
-            ]
+            [f"{name}: byte 0x{data[error.start]:02x} at offset {error.start} is not UTF-8; {fix}"]
         ) from None
+
+
+def parse_json(data: bytes, name: str, fix: str) -> Any:
+    """A JSON document from untrusted bytes; StackError with one line, ending in `fix`, for any
+    problem. The files denv writes itself are JSON: what is wrong with one is said the same way
+    whichever it is, and `fix` says how to get a good one back."""
+    text = _utf8(data, name, fix)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise StackError(
+            [f"{name} line {error.lineno} column {error.colno}: not JSON ({error.msg}); {fix}"]
+        ) from None
+    except ValueError:  # the one other: an integer past Python's 4300 digits
+        raise StackError([f"{name}: holds a number too long to read; {fix}"]) from None
+    except RecursionError:
+        raise StackError([f"{name}: nested too deeply to be one denv writes; {fix}"]) from None
+
+
+def parse_yaml(data: bytes, name: str) -> Any:
+    """A YAML document from untrusted bytes; StackError with one line for any problem."""
+    text = _utf8(data, name, "save the file as UTF-8")
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no Python objects
     except _DuplicateKey as error:
@@ -111,17 +131,36 @@ def stack_config(document: Any, file_name: str) -> dict[str, Any]:
     return config
 
 
-def parse_lock(text: str | bytes, file_name: str) -> list[str]:
-    """Replica ids of a placement lock's text (or its bytes, as the file holds them); StackError
-    when it is not a lock, bytes that are not UTF-8 included."""
-    try:
-        ids = json.loads(text)["replicas"]
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise StackError(
-            [f"{file_name}: not a placement lock; delete it and run `denv plan --lock` again"]
-        ) from None
+# How a placement lock that cannot be read is replaced: it is denv's own, made by the plan.
+LOCK_FIX = "delete it and run `denv plan --lock` again"
+
+
+def parse_lock(data: bytes, file_name: str) -> list[str]:
+    """Replica ids of a placement lock's bytes, as the file holds them; StackError with one line
+    saying what is wrong when it is not a lock."""
+    document = parse_json(data, file_name, LOCK_FIX)
+
+    def refuse(problem: str) -> StackError:
+        return StackError([f"{file_name}: {problem}; {LOCK_FIX}"])
+
+    if not isinstance(document, dict):
+        raise refuse(f'{describe(document)}, not a placement lock (an object with "replicas")')
+    if "replicas" not in document:
+        raise refuse('no "replicas" key, so not a placement lock')
+    ids = document["replicas"]
+    if not isinstance(ids, list):
+        raise refuse(f"replicas is {describe(ids)}, not a list of replica ids")
+    first: dict[str, int] = {}
+    for index, replica in enumerate(ids):
+        if not isinstance(replica, str):
+            raise refuse(f"replicas[{index}] is {describe(replica)}, not a replica id")
+        if replica in first:
+            # Each id is one replica placed: the plan would pin it twice.
+            raise refuse(
+                f"replicas[{index}] {json.dumps(replica)} is listed twice (first as"
+                f" replicas[{first[replica]}])"
+            )
+        first[replica] = index
     return ids
 
 
