@@ -4,6 +4,7 @@ Each case is run through the real command line; `--strict` turns the warnings in
 """
 
 import copy
+import json
 import shutil
 import time
 from pathlib import Path
@@ -226,26 +227,111 @@ def test_local_down_touches_nothing_outside_the_project(
     assert outside.read_text() == "{}"
 
 
+STATE = {
+    "stack": "local",
+    "endpoint": "http://127.0.0.1:8080",
+    "admin_socket": "/p/.denv/local/haproxy.sock",
+    "prometheus": "http://127.0.0.1:8405/metrics",
+    "haproxy_pid": 4242,
+    "control_token": "t" * 32,
+    "replicas": [],
+    "agents": [],
+}
+REPLICA = {
+    "id": "voice.local.node-a.0",
+    "pool": "voice",
+    "site": "local",
+    "node": "node-a",
+    "gpu": 0,
+    "address": "127.0.0.1",
+    "port": 8001,
+    "agent_port": 9300,
+    "pid": 4243,
+}
+AGENT = {"node": "node-a", "agent_port": 9300, "http_port": 9301, "pid": 4244, "config": "a.toml"}
+
+
+def _state(**fields: object) -> bytes:
+    return json.dumps({**STATE, **fields}).encode()
+
+
 @pytest.mark.parametrize("command", [("local", "down"), ("status",)], ids=["local-down", "status"])
 @pytest.mark.parametrize(
-    "text",
-    ['{"replicas": [', "{}", "[]", '{"replicas": [1], "agents": []}', "\udcff", "null"],
-    ids=["truncated", "no-keys", "a-list", "odd-replica", "not-utf8", "null"],
+    ("data", "problem"),
+    [
+        (b'{"replicas": [', " line 1 column 15: not JSON (Expecting value)"),
+        (b"\xff{}", ": byte 0xff at offset 0 is not UTF-8"),
+        (b"[" * 100_000, ": nested too deeply to be one denv writes"),
+        (b"[]", ": holds a list, not an object of fields"),
+        (b"null", ": holds empty, not an object of fields"),
+        (b"{}", ": stack is missing"),
+        (_state(haproxy_pid="12"), ": haproxy_pid is a string, not a whole number of 0 or more"),
+        (_state(haproxy_pid=True), ": haproxy_pid is a boolean, not a whole number of 0 or more"),
+        (_state(haproxy_pid=-1), ": haproxy_pid is -1, not a whole number of 0 or more"),
+        (_state(haproxy_pid=1.5), ": haproxy_pid is a number, not a whole number of 0 or more"),
+        (_state(endpoint=None), ": endpoint is empty, not a string"),
+        (_state(endpoint="a\nb"), ": endpoint holds a newline"),
+        (_state(replicas={}), ": replicas is a mapping, not a list"),
+        (_state(replicas=[1]), ": replicas[0] is a number, not an object of fields"),
+        (_state(replicas=[{**REPLICA, "id": 1}]), ": replicas[0].id is a number, not a string"),
+        (
+            _state(replicas=[{**REPLICA, "group": "yes"}]),
+            ": replicas[0].group is a string, not true or false",
+        ),
+        (
+            _state(replicas=[{k: v for k, v in REPLICA.items() if k != "pid"}]),
+            ": replicas[0].pid is missing",
+        ),
+        (
+            _state(agents=[{**AGENT, "http_port": [9301]}]),
+            ": agents[0].http_port is a list, not a whole number of 0 or more",
+        ),
+        (
+            _state(agents=[{**AGENT, "pi\nd": 1}]),
+            ': agents[0]."pi\\nd" is not a field of the run state',
+        ),
+    ],
 )
-def test_a_state_file_local_up_did_not_write_is_named_not_parsed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...], text: str
+def test_a_state_file_local_up_did_not_write_says_what_is_wrong_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+    data: bytes,
+    problem: str,
 ) -> None:
     project = _project(tmp_path, monkeypatch)
     shutil.copy(LOCAL_STACK, project / "stacks" / "Pulumi.local.yaml")
     state = project / ".denv" / "local" / "state.json"
     state.parent.mkdir(parents=True)
-    state.write_bytes(text.encode("utf-8", "surrogateescape"))
+    state.write_bytes(data)
     refused(
         denv(*command, "--stack", "local"),
-        f"{state.resolve()}: not the run state `denv local up` writes (cut short or edited); "
-        "stop the stack's processes by hand (pgrep -f denv) and delete the file",
+        f"{state.resolve()}{problem}; the file was cut short or edited: stop the stack's"
+        " processes by hand (pgrep -f denv) and delete it",
     )
     assert state.exists()
+
+
+def test_local_up_refuses_a_state_file_it_cannot_read_and_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK, project / "stacks" / "Pulumi.local.yaml")
+    state = project / ".denv" / "local" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_bytes(_state(haproxy_pid="12"))
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the stack was started")
+
+    monkeypatch.setattr("denv_iac.cli.local.LocalCluster", started)
+    refused(
+        denv("local", "up", "--stack", "local", "--detach"),
+        f"{state.resolve()}: haproxy_pid is a string, not a whole number of 0 or more; the file"
+        " was cut short or edited: stop the stack's processes by hand (pgrep -f denv) and"
+        " delete it",
+    )
+    assert state.read_bytes() == _state(haproxy_pid="12")
 
 
 def test_status_with_a_missing_admin_socket_names_the_reason(
