@@ -531,3 +531,93 @@ def test_a_placement_lock_that_cannot_be_read_is_one_line(
         plan(folder),
         f"Pulumi.s.placement.json{problem}; delete it and run `denv plan --lock` again",
     )
+
+
+# Integers YAML reads that Python cannot turn into a float (10**400) or write in digits (over
+# 4300 of them, which a hexadecimal value holds in fewer characters).
+PAST_FLOAT = "9" * 400
+PAST_DIGITS = "0x" + "f" * 4000
+PAST_RANGE_RULE = "a number this large is out of range; use a number from"
+ENV_RULE = "expected a mapping of names to string values or secure: values"
+UNREADABLE = "write a value of that type, or quote it if it is text"
+TOO_LARGE = "expected a number >= 0, got a number too large to compute with"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line"),
+    [
+        (
+            "kind: local",
+            f"kind: local\n      round_trip_ms: {PAST_FLOAT}",
+            f"sites[0].round_trip_ms: {TOO_LARGE}",
+        ),
+        (
+            "kind: local",
+            f"kind: local\n      price_per_gpu_hour: -{PAST_DIGITS}",
+            f"sites[0].price_per_gpu_hour: {TOO_LARGE}",
+        ),
+        (
+            "ttft_ms: 40,",
+            f"ttft_ms: 40, itl_growth: {PAST_FLOAT},",
+            f"recipes[0].simulate.itl_growth: {TOO_LARGE}",
+        ),
+        (
+            "max_concurrency: 2",
+            f"max_concurrency: 2\n      ttft_budget_ms: {PAST_FLOAT}",
+            f"recipes[2].ttft_budget_ms: {PAST_RANGE_RULE} 1 to 600000",
+        ),
+        (
+            "max_concurrency: 2",
+            f"max_concurrency: 2\n      canary: {{share: {PAST_FLOAT}}}",
+            "recipes[2].canary.share: a number this large is out of range; give the fraction of"
+            " new sessions it takes, above 0 and below 1 (0.1 = 10 %)",
+        ),
+        (
+            "max_concurrency: 2",
+            f"max_concurrency: 2\n      env: {{A: {PAST_DIGITS}}}",
+            f"recipes[2].env: {ENV_RULE}",
+        ),
+        ("port: 8080", f"port: {PAST_DIGITS}", f"balancer.port: {PAST_RANGE_RULE} 1 to 65535"),
+        (
+            "port: 8080",
+            "port: 1" + "0" * 5000,
+            f'Pulumi.s.yaml line 46: "1{"0" * 39}"... cannot be read as !!int; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: 2001-02-30",
+            f'Pulumi.s.yaml line 46: "2001-02-30" cannot be read as !!timestamp; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!int x",
+            f'Pulumi.s.yaml line 46: "x" cannot be read as !!int; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!bool x",
+            f'Pulumi.s.yaml line 46: "x" cannot be read as !!bool; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!timestamp x",
+            f'Pulumi.s.yaml line 46: "x" cannot be read as !!timestamp; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!map [1]",
+            f"Pulumi.s.yaml line 46: a sequence cannot be read as !!map; {UNREADABLE}",
+        ),
+        (
+            "port: 8080",
+            "port: !!int |\n      80\n      80",
+            f'Pulumi.s.yaml line 46: "80\\n80\\n" cannot be read as !!int; {UNREADABLE}',
+        ),
+    ],
+)
+def test_a_stack_value_python_cannot_convert_is_one_line(
+    tmp_path: Path, old: str, new: str, line: str
+) -> None:
+    text = LOCAL_STACK.read_text()
+    assert old in text
+    refused(plan(stack_dir(tmp_path, text.replace(old, new, 1))), line)

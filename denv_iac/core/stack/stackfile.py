@@ -38,15 +38,26 @@ def lock_path(stacks_dir: Path, name: str) -> Path:
     return stacks_dir / f"Pulumi.{check_stack_name(name)}.placement.json"
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping.
+class _Refused(yaml.YAMLError):
+    """A document PyYAML would read, or fail to read with another error than its own: the
+    message starts with the line."""
 
-    PyYAML keeps the last one silently: a second `denv:recipes` drops the whole first list.
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping, and says on which line a value
+    cannot be read as its tag.
+
+    PyYAML keeps the last of two keys silently: a second `denv:recipes` drops the whole first
+    list. And it reads a tagged value with Python's own conversions, which raise ValueError
+    (`2001-02-30`, an integer of over 4300 digits), TypeError, KeyError or AttributeError (a
+    `!!map` of a list, a `!!bool` or `!!timestamp` of anything else), none of them a YAMLError.
     """
 
-
-class _DuplicateKey(yaml.YAMLError):
-    pass
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise _Refused(_unreadable(node)) from error
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -63,9 +74,9 @@ def _refuse_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
         if not isinstance(key, Hashable):
-            raise _DuplicateKey(f"line {line}: a mapping key must be a plain value")
+            raise _Refused(f"line {line}: a mapping key must be a plain value")
         if key in seen:
-            raise _DuplicateKey(
+            raise _Refused(
                 f"line {line}: key {key!r} is given twice in one mapping (first on line "
                 f"{seen[key]}); keep one"
             )
@@ -74,6 +85,24 @@ def _refuse_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _refuse_duplicates)
+
+# YAML's own tags are written `!!name`; PyYAML spells them out.
+YAML_TAG_PREFIX = "tag:yaml.org,2002:"
+
+
+def _unreadable(node: yaml.Node) -> str:
+    """A value that cannot be read as its tag, as one line: its start, quoted as JSON would
+    (a block scalar's line breaks included), and the tag, explicit or as YAML resolved it."""
+    tag = node.tag.replace(YAML_TAG_PREFIX, "!!", 1)
+    if isinstance(node, yaml.ScalarNode):
+        text = str(node.value)
+        shown = json.dumps(text[:40]) + ("..." if len(text) > 40 else "")
+    else:
+        shown = "a sequence" if isinstance(node, yaml.SequenceNode) else "a mapping"
+    return (
+        f"line {node.start_mark.line + 1}: {shown} cannot be read as {tag}; write a value of"
+        " that type, or quote it if it is text"
+    )
 
 
 def _utf8(data: bytes, name: str, fix: str) -> str:
@@ -108,7 +137,7 @@ def parse_yaml(data: bytes, name: str) -> Any:
     text = _utf8(data, name, "save the file as UTF-8")
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no Python objects
-    except _DuplicateKey as error:
+    except _Refused as error:
         raise StackError([f"{name} {error}"]) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
