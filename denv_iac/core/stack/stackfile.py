@@ -39,8 +39,8 @@ def lock_path(stacks_dir: Path, name: str) -> Path:
 
 
 class _Refused(yaml.YAMLError):
-    """A document PyYAML would read, or fail to read with another error than its own: the
-    message starts with the line."""
+    """A problem PyYAML does not report itself: a key given twice (it keeps the last), or a
+    value its constructors fail on with a Python error. The message starts with the line."""
 
 
 class _StrictLoader(yaml.SafeLoader):
