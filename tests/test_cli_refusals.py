@@ -613,6 +613,18 @@ TOO_LARGE = "expected a number >= 0, got a number too large to compute with"
             "port: !!int |\n      80\n      80",
             f'Pulumi.s.yaml line 46: "80\\n80\\n" cannot be read as !!int; {UNREADABLE}',
         ),
+        (
+            "port: 8080",
+            "port: !!python/object:object {}",
+            "Pulumi.s.yaml line 46: the tag !!python/object:object is not one a stack file takes;"
+            " remove it and write a plain value",
+        ),
+        (
+            "port: 8080",
+            "port: !Ref Port",
+            "Pulumi.s.yaml line 46: the tag !Ref is not one a stack file takes; remove it and"
+            " write a plain value",
+        ),
     ],
 )
 def test_a_stack_value_python_cannot_convert_is_one_line(

@@ -84,10 +84,22 @@ def _refuse_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
     return loader.construct_mapping(node, deep=True)
 
 
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _refuse_duplicates)
-
 # YAML's own tags are written `!!name`; PyYAML spells them out.
 YAML_TAG_PREFIX = "tag:yaml.org,2002:"
+
+
+def _refuse_tag(loader: _StrictLoader, node: yaml.Node) -> Any:
+    """A tag no constructor is registered for (`!!python/object`, `!Ref`): SafeLoader refuses
+    it too, but in words about constructors; the stack takes plain values only."""
+    tag = node.tag.replace(YAML_TAG_PREFIX, "!!", 1)
+    raise _Refused(
+        f"line {node.start_mark.line + 1}: the tag {tag} is not one a stack file takes; remove"
+        " it and write a plain value"
+    )
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _refuse_duplicates)
+_StrictLoader.add_constructor(None, _refuse_tag)
 
 
 def _unreadable(node: yaml.Node) -> str:
