@@ -259,6 +259,10 @@ def parse(text: str, base: Path = Path(), source: str = "config") -> AgentConfig
         raise ConfigError(
             source, "holds an integer of over 4300 digits", "write a number of usual size"
         ) from None
+    except RecursionError:  # arrays or inline tables nested thousands deep
+        raise ConfigError(
+            source, "nested too deeply to read", "write it as denv writes it: tables of values"
+        ) from None
     top = _Table(data, "")
     node = top.string("node", '"node-a"')
     state_file = top.string("state_file", '"/var/lib/denv-agent/state.json"')

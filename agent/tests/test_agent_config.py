@@ -389,6 +389,20 @@ def test_an_integer_past_what_python_reads_names_the_file(tmp_path: Path) -> Non
     )
 
 
+@pytest.mark.parametrize(
+    "value", ["[" * 100_000 + "]" * 100_000, "{a = " * 5000 + "1" + "}" * 5000]
+)
+def test_a_config_nested_too_deeply_names_the_file(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text(f"{BASE}deep = {value}\n{REPLICA}")
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert str(raised.value) == (
+        f"agent config: {path}: nested too deeply to read; write it as denv writes it: tables"
+        " of values"
+    )
+
+
 def test_cli_a_value_python_cannot_take_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
