@@ -4,6 +4,7 @@ Each case is run through the real command line; `--strict` turns the warnings in
 """
 
 import copy
+import json
 import shutil
 import time
 from pathlib import Path
@@ -226,26 +227,111 @@ def test_local_down_touches_nothing_outside_the_project(
     assert outside.read_text() == "{}"
 
 
+STATE = {
+    "stack": "local",
+    "endpoint": "http://127.0.0.1:8080",
+    "admin_socket": "/p/.denv/local/haproxy.sock",
+    "prometheus": "http://127.0.0.1:8405/metrics",
+    "haproxy_pid": 4242,
+    "control_token": "t" * 32,
+    "replicas": [],
+    "agents": [],
+}
+REPLICA = {
+    "id": "voice.local.node-a.0",
+    "pool": "voice",
+    "site": "local",
+    "node": "node-a",
+    "gpu": 0,
+    "address": "127.0.0.1",
+    "port": 8001,
+    "agent_port": 9300,
+    "pid": 4243,
+}
+AGENT = {"node": "node-a", "agent_port": 9300, "http_port": 9301, "pid": 4244, "config": "a.toml"}
+
+
+def _state(**fields: object) -> bytes:
+    return json.dumps({**STATE, **fields}).encode()
+
+
 @pytest.mark.parametrize("command", [("local", "down"), ("status",)], ids=["local-down", "status"])
 @pytest.mark.parametrize(
-    "text",
-    ['{"replicas": [', "{}", "[]", '{"replicas": [1], "agents": []}', "\udcff", "null"],
-    ids=["truncated", "no-keys", "a-list", "odd-replica", "not-utf8", "null"],
+    ("data", "problem"),
+    [
+        (b'{"replicas": [', " line 1 column 15: not JSON (Expecting value)"),
+        (b"\xff{}", ": byte 0xff at offset 0 is not UTF-8"),
+        (b"[" * 100_000, ": nested too deeply to be one denv writes"),
+        (b"[]", ": holds a list, not an object of fields"),
+        (b"null", ": holds empty, not an object of fields"),
+        (b"{}", ": stack is missing"),
+        (_state(haproxy_pid="12"), ": haproxy_pid is a string, not a whole number of 0 or more"),
+        (_state(haproxy_pid=True), ": haproxy_pid is a boolean, not a whole number of 0 or more"),
+        (_state(haproxy_pid=-1), ": haproxy_pid is -1, not a whole number of 0 or more"),
+        (_state(haproxy_pid=1.5), ": haproxy_pid is a number, not a whole number of 0 or more"),
+        (_state(endpoint=None), ": endpoint is empty, not a string"),
+        (_state(endpoint="a\nb"), ": endpoint holds a newline"),
+        (_state(replicas={}), ": replicas is a mapping, not a list"),
+        (_state(replicas=[1]), ": replicas[0] is a number, not an object of fields"),
+        (_state(replicas=[{**REPLICA, "id": 1}]), ": replicas[0].id is a number, not a string"),
+        (
+            _state(replicas=[{**REPLICA, "group": "yes"}]),
+            ": replicas[0].group is a string, not true or false",
+        ),
+        (
+            _state(replicas=[{k: v for k, v in REPLICA.items() if k != "pid"}]),
+            ": replicas[0].pid is missing",
+        ),
+        (
+            _state(agents=[{**AGENT, "http_port": [9301]}]),
+            ": agents[0].http_port is a list, not a whole number of 0 or more",
+        ),
+        (
+            _state(agents=[{**AGENT, "pi\nd": 1}]),
+            ': agents[0]."pi\\nd" is not a field of the run state',
+        ),
+    ],
 )
-def test_a_state_file_local_up_did_not_write_is_named_not_parsed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...], text: str
+def test_a_state_file_local_up_did_not_write_says_what_is_wrong_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+    data: bytes,
+    problem: str,
 ) -> None:
     project = _project(tmp_path, monkeypatch)
     shutil.copy(LOCAL_STACK, project / "stacks" / "Pulumi.local.yaml")
     state = project / ".denv" / "local" / "state.json"
     state.parent.mkdir(parents=True)
-    state.write_bytes(text.encode("utf-8", "surrogateescape"))
+    state.write_bytes(data)
     refused(
         denv(*command, "--stack", "local"),
-        f"{state.resolve()}: not the run state `denv local up` writes (cut short or edited); "
-        "stop the stack's processes by hand (pgrep -f denv) and delete the file",
+        f"{state.resolve()}{problem}; the file was cut short or edited: stop the stack's"
+        " processes by hand (pgrep -f denv) and delete it",
     )
     assert state.exists()
+
+
+def test_local_up_refuses_a_state_file_it_cannot_read_and_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = _project(tmp_path, monkeypatch)
+    shutil.copy(LOCAL_STACK, project / "stacks" / "Pulumi.local.yaml")
+    state = project / ".denv" / "local" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_bytes(_state(haproxy_pid="12"))
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the stack was started")
+
+    monkeypatch.setattr("denv_iac.cli.local.LocalCluster", started)
+    refused(
+        denv("local", "up", "--stack", "local", "--detach"),
+        f"{state.resolve()}: haproxy_pid is a string, not a whole number of 0 or more; the file"
+        " was cut short or edited: stop the stack's processes by hand (pgrep -f denv) and"
+        " delete it",
+    )
+    assert state.read_bytes() == _state(haproxy_pid="12")
 
 
 def test_status_with_a_missing_admin_socket_names_the_reason(
@@ -407,3 +493,143 @@ def test_settings_that_work_against_each_other_are_a_warning(
     warned = result.stderr.splitlines()
     assert warned[: len(WARNINGS)] == [f"warning: {w}" for w in WARNINGS]
     assert warned[len(WARNINGS) :] == ([] if line is None else [f"warning: {line}"])
+
+
+def test_admin_cidrs_of_a_family_the_site_is_not_reached_over_are_a_warning(
+    tmp_path: Path,
+) -> None:
+    config = copy.deepcopy(WORLD_OPEN)
+    config["denv:sites"][2]["admin_cidrs"] = ["2001:db8::/32"]
+    result = plan(stack_dir(tmp_path, yaml.safe_dump({"config": config})))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        f"warning: {line}"
+        for line in (
+            *(w for w in WARNINGS if not w.startswith("sites[2].")),
+            "sites[2].admin_cidrs: 2001:db8::/32 holds no IPv4 block, but aws gives the machines"
+            " it creates a public IPv4 address only, so the firewall refuses the deploy's SSH"
+            " over IPv4; add the IPv4 addresses you administer from, e.g. 198.51.100.7/32",
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("lock", "problem"),
+    [
+        (b'{"replicas": ["caf\xe9"]}', ": byte 0xe9 at offset 18 is not UTF-8"),
+        (b"[" * 100_000, ": nested too deeply to be one denv writes"),
+        (b'{"replicas": ["a"', " line 1 column 18: not JSON (Expecting ',' delimiter)"),
+        (b'{"replicas": ["a", "a"]}', ': replicas[1] "a" is listed twice (first as replicas[0])'),
+    ],
+)
+def test_a_placement_lock_that_cannot_be_read_is_one_line(
+    tmp_path: Path, lock: bytes, problem: str
+) -> None:
+    folder = stack_dir(tmp_path, LOCAL_STACK.read_bytes())  # a stack without warnings
+    (folder / "Pulumi.s.placement.json").write_bytes(lock)
+    refused(
+        plan(folder),
+        f"Pulumi.s.placement.json{problem}; delete it and run `denv plan --lock` again",
+    )
+
+
+# Integers YAML reads that Python cannot turn into a float (10**400) or write in digits (over
+# 4300 of them, which a hexadecimal value holds in fewer characters).
+PAST_FLOAT = "9" * 400
+PAST_DIGITS = "0x" + "f" * 4000
+PAST_RANGE_RULE = "a number this large is out of range; use a number from"
+ENV_RULE = "expected a mapping of names to string values or secure: values"
+UNREADABLE = "write a value of that type, or quote it if it is text"
+TOO_LARGE = "expected a number >= 0, got a number too large to compute with"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line"),
+    [
+        (
+            "kind: local",
+            f"kind: local\n      round_trip_ms: {PAST_FLOAT}",
+            f"sites[0].round_trip_ms: {TOO_LARGE}",
+        ),
+        (
+            "kind: local",
+            f"kind: local\n      price_per_gpu_hour: -{PAST_DIGITS}",
+            f"sites[0].price_per_gpu_hour: {TOO_LARGE}",
+        ),
+        (
+            "ttft_ms: 40,",
+            f"ttft_ms: 40, itl_growth: {PAST_FLOAT},",
+            f"recipes[0].simulate.itl_growth: {TOO_LARGE}",
+        ),
+        (
+            "max_concurrency: 2",
+            f"max_concurrency: 2\n      ttft_budget_ms: {PAST_FLOAT}",
+            f"recipes[2].ttft_budget_ms: {PAST_RANGE_RULE} 1 to 600000",
+        ),
+        (
+            "max_concurrency: 2",
+            f"max_concurrency: 2\n      canary: {{share: {PAST_FLOAT}}}",
+            "recipes[2].canary.share: a number this large is out of range; give the fraction of"
+            " new sessions it takes, above 0 and below 1 (0.1 = 10 %)",
+        ),
+        (
+            "max_concurrency: 2",
+            f"max_concurrency: 2\n      env: {{A: {PAST_DIGITS}}}",
+            f"recipes[2].env: {ENV_RULE}",
+        ),
+        ("port: 8080", f"port: {PAST_DIGITS}", f"balancer.port: {PAST_RANGE_RULE} 1 to 65535"),
+        (
+            "port: 8080",
+            "port: 1" + "0" * 5000,
+            f'Pulumi.s.yaml line 46: "1{"0" * 39}"... cannot be read as !!int; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: 2001-02-30",
+            f'Pulumi.s.yaml line 46: "2001-02-30" cannot be read as !!timestamp; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!int x",
+            f'Pulumi.s.yaml line 46: "x" cannot be read as !!int; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!bool x",
+            f'Pulumi.s.yaml line 46: "x" cannot be read as !!bool; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!timestamp x",
+            f'Pulumi.s.yaml line 46: "x" cannot be read as !!timestamp; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!map [1]",
+            f"Pulumi.s.yaml line 46: a sequence cannot be read as !!map; {UNREADABLE}",
+        ),
+        (
+            "port: 8080",
+            "port: !!int |\n      80\n      80",
+            f'Pulumi.s.yaml line 46: "80\\n80\\n" cannot be read as !!int; {UNREADABLE}',
+        ),
+        (
+            "port: 8080",
+            "port: !!python/object:object {}",
+            "Pulumi.s.yaml line 46: the tag !!python/object:object is not one a stack file takes;"
+            " remove it and write a plain value",
+        ),
+        (
+            "port: 8080",
+            "port: !Ref Port",
+            "Pulumi.s.yaml line 46: the tag !Ref is not one a stack file takes; remove it and"
+            " write a plain value",
+        ),
+    ],
+)
+def test_a_stack_value_python_cannot_convert_is_one_line(
+    tmp_path: Path, old: str, new: str, line: str
+) -> None:
+    text = LOCAL_STACK.read_text()
+    assert old in text
+    refused(plan(stack_dir(tmp_path, text.replace(old, new, 1))), line)

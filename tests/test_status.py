@@ -238,7 +238,7 @@ def test_bad_input_exits_2_with_one_line(project: Path) -> None:
     refused(["--admin-socket", str(project / "missing.sock")], "cannot read the balancer's stats")
     run_dir(project, "t").mkdir(parents=True)
     (run_dir(project, "t") / "state.json").write_text("{")
-    refused(["--stack", "t"], "state.json: not the run state `denv local up` writes")
+    refused(["--stack", "t"], "state.json line 1 column 2: not JSON (Expecting property name")
 
 
 # Both replicas in rotation, each taking the default max_concurrency of 32, and no load.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -17,6 +18,17 @@ DEFAULT_THROTTLE_REASONS = frozenset({"hw_slowdown", "sw_thermal", "hw_thermal",
 # Replica ids travel as HAProxy's agent-send string, so they must be short and printable.
 _REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 _MIN_TOKEN_CHARS = 16
+
+
+def _shown(value: object) -> str:
+    """A value as an error shows it: Python's repr, cut short, since a TOML value may be a long
+    array, or an integer of more digits than Python will write (a hexadecimal one of over 4300
+    digits, ValueError)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "a value of over 4300 digits"
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 class ConfigError(Exception):
@@ -171,17 +183,20 @@ class _Table:
         value = self.get(key)
         if value is None:
             return default
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or value < 0
-            or (value == 0 and not zero_ok)
-        ):
+        # TOML has inf and nan, and integers past what a float holds: none is a duration.
+        number = (
+            _float(value)
+            if isinstance(value, int | float) and not isinstance(value, bool)
+            else math.nan
+        )
+        if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
             bound = "0 or more" if zero_ok else "over 0"
             raise ConfigError(
-                self.name(key), f"{value!r} is not a number {bound}", f"write {key} = {default}"
+                self.name(key),
+                f"{_shown(value)} is not a number {bound}",
+                f"write {key} = {default}",
             )
-        return float(value)
+        return number
 
     def integer(self, key: str, default: int, low: int, high: int) -> int:
         value = self.optional_integer(key, low, high, example=default)
@@ -194,7 +209,7 @@ class _Table:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ConfigError(
                 self.name(key),
-                f"{value!r} is not a whole number from {low} to {high}",
+                f"{_shown(value)} is not a whole number from {low} to {high}",
                 f"write {key} = {example}",
             )
         return value
@@ -240,6 +255,14 @@ def parse(text: str, base: Path = Path(), source: str = "config") -> AgentConfig
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(source, f"not valid TOML ({e})", "fix the syntax there") from None
+    except ValueError:  # the one other: an integer past the 4300 digits Python reads
+        raise ConfigError(
+            source, "holds an integer of over 4300 digits", "write a number of usual size"
+        ) from None
+    except RecursionError:  # arrays or inline tables nested thousands deep
+        raise ConfigError(
+            source, "nested too deeply to read", "write it as denv writes it: tables of values"
+        ) from None
     top = _Table(data, "")
     node = top.string("node", '"node-a"')
     state_file = top.string("state_file", '"/var/lib/denv-agent/state.json"')
@@ -272,7 +295,7 @@ def _control_token(top: _Table, base: Path) -> str:
     if token_file is not None:
         try:
             token = (base / token_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8, or a NUL in the path
             reason = e.strerror.lower() if isinstance(e, OSError) and e.strerror else str(e)
             raise ConfigError(
                 "control_token_file", f"cannot read {token_file}: {reason}", "write the token there"
@@ -290,6 +313,13 @@ def _control_token(top: _Table, base: Path) -> str:
     return token
 
 
+def _float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer past 1.8e308
+        return math.inf
+
+
 def _address(table: _Table, key: str, default: Address) -> Address:
     found = _maybe_address(table, key, default)
     return default if found is None else found
@@ -303,9 +333,12 @@ def _maybe_address(table: _Table, key: str, like: Address) -> Address | None:
     if isinstance(value, str):
         host, sep, port = value.rpartition(":")
         host = host.strip("[]")
-        if sep and host and port.isdigit() and int(port) <= 65535:
+        # isdecimal, not isdigit: int() refuses a superscript digit such as "²".
+        if sep and host and port.isdecimal() and int(port) <= 65535:
             return host, int(port)
-    raise ConfigError(table.name(key), f"{value!r} is not host:port", f"write {key} = {example}")
+    raise ConfigError(
+        table.name(key), f"{_shown(value)} is not host:port", f"write {key} = {example}"
+    )
 
 
 def _listen(table: _Table) -> Listen:
@@ -341,11 +374,13 @@ def _thresholds(table: _Table) -> Thresholds:
     reasons = table.get("throttle_reasons")
     if reasons is None:
         reasons = sorted(d.throttle_reasons)
-    if not isinstance(reasons, list) or not all(r in CLOCKS_EVENT_REASONS for r in reasons):
+    if not isinstance(reasons, list) or not all(
+        isinstance(r, str) and r in CLOCKS_EVENT_REASONS for r in reasons
+    ):
         names = ", ".join(f'"{name}"' for name in CLOCKS_EVENT_REASONS)
         raise ConfigError(
             table.name("throttle_reasons"),
-            f"{reasons!r} is not a list of clock event reasons",
+            f"{_shown(reasons)} is not a list of clock event reasons",
             f"choose from {names}",
         )
     thresholds = Thresholds(
@@ -419,8 +454,8 @@ def _kubernetes(top: _Table, base: Path) -> Kubernetes | None:
 
 
 def _is_http_url(url: str) -> bool:
-    parts = urlsplit(url)
     try:
+        parts = urlsplit(url)  # raises on a bracket left open ("http://[::1/")
         parts.port  # noqa: B018 - reading it validates the port
     except ValueError:
         return False
@@ -431,7 +466,7 @@ def _http_url(table: _Table, key: str, example: str) -> str | None:
     url = table.optional_string(key, f'"{example}"')
     if url is not None and not _is_http_url(url):
         raise ConfigError(
-            table.name(key), f"{url!r} is not an http:// URL", f'write {key} = "{example}"'
+            table.name(key), f"{_shown(url)} is not an http:// URL", f'write {key} = "{example}"'
         )
     return url
 
@@ -540,7 +575,9 @@ def _engine(table: _Table, health_url: str) -> Engine | None:
         return None
     if family not in (AUTO, *ENGINES):
         names = ", ".join(f'"{name}"' for name in (AUTO, *ENGINES))
-        raise ConfigError(table.name("engine"), f"{family!r} is not an engine", f"use {names}")
+        raise ConfigError(
+            table.name("engine"), f"{_shown(family)} is not an engine", f"use {names}"
+        )
     default_metrics = f"http://{urlsplit(health_url).netloc}/metrics"
     model, url = _probe_request(table, health_url)
     return Engine(

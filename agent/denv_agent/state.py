@@ -39,14 +39,17 @@ class DrainStore:
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
             replicas = data["drained_replicas"]
-            if not isinstance(data["node_drained"], bool) or not all(
-                isinstance(r, str) for r in replicas
+            if (
+                not isinstance(data["node_drained"], bool)
+                or not isinstance(replicas, list)  # a mapping's keys would pass as ids
+                or not all(isinstance(r, str) for r in replicas)
             ):
                 raise ValueError("unexpected content")
             return Drains(node=data["node_drained"], replicas=frozenset(replicas))
         except (FileNotFoundError, NotADirectoryError):
             return Drains()  # no file could be there, so no drain was lost
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        # RecursionError: JSON nested thousands deep, more than its reader recurses.
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             log.error("state file %s unreadable (%s): draining every replica", self.path, e)
             return Drains(unreadable="state file unreadable")
 

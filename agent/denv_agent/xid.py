@@ -15,6 +15,11 @@ class XidClass(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
+# The most XIDs one range may name. The table holds each XID it lists, so "1-99999999999" would
+# fill the memory; NVIDIA's XIDs number under 200, and a range past this is a typo.
+MAX_RANGE = 1000
+
+
 def parse_xids(items: Iterable[object]) -> list[int]:
     """XIDs from TOML: integers or inclusive ranges written as "143-150"."""
     xids: list[int] = []
@@ -24,11 +29,17 @@ def parse_xids(items: Iterable[object]) -> list[int]:
             continue
         if isinstance(item, str):
             low, sep, high = item.partition("-")
-            if sep and low.strip().isdigit() and high.strip().isdigit():
+            # isdecimal, not isdigit: int() refuses a superscript digit such as "²".
+            if sep and low.strip().isdecimal() and high.strip().isdecimal():
                 first, last = int(low), int(high)
-                if 0 < first <= last:
+                if 0 < first <= last < first + MAX_RANGE:
                     xids.extend(range(first, last + 1))
                     continue
+                if 0 < first <= last:
+                    raise ValueError(
+                        f"{item!r} names {last - first + 1} XIDs, more than a range may"
+                        f" ({MAX_RANGE})"
+                    )
         raise ValueError(f'{item!r} is not an XID or a range such as "143-150"')
     return xids
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from denv_agent import cli
 from denv_agent.config import ConfigError, load, parse, to_toml
+from denv_agent.nvml_api import CLOCKS_EVENT_REASONS
 from denv_agent.xid import XidClass
 
 from agent.tests.agent_testkit import TOKEN, config_data
@@ -271,3 +272,144 @@ def test_cli_unreadable_config_exits_2(
     assert cli.main(["--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+BASE = f'node = "node-a"\nstate_file = "state.json"\ncontrol_token = "{TOKEN}"\n'
+REPLICA = '[[replicas]]\nid = "a"\nhealth_url = "http://x/h"\ngpu = 0\n'
+PAST_DIGITS = "0x" + "f" * 4000  # more than 4300 decimal digits: Python will not write it
+REASONS = ", ".join(f'"{name}"' for name in CLOCKS_EVENT_REASONS)
+ENGINES = '"auto", "vllm", "sglang", "tgi", "llamacpp"'
+
+
+NOT_OVER_0 = "is not a number over 0; write"
+NOT_REASONS = f"is not a list of clock event reasons; choose from {REASONS}"
+LIST_XIDS = 'list XIDs as numbers or ranges like "143-150"'
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "message"),
+    [
+        (
+            "[intervals]\nhealth_s = inf\n",
+            "",
+            f"intervals.health_s: inf {NOT_OVER_0} health_s = 1.0",
+        ),
+        (
+            "[intervals]\nhealth_s = nan\n",
+            "",
+            f"intervals.health_s: nan {NOT_OVER_0} health_s = 1.0",
+        ),
+        (
+            f"[intervals]\nhealth_s = {PAST_DIGITS}\n",
+            "",
+            f"intervals.health_s: a value of over 4300 digits {NOT_OVER_0} health_s = 1.0",
+        ),
+        (
+            "[intervals]\nhealth_s = " + "9" * 400 + "\n",
+            "",
+            "intervals.health_s: " + "9" * 57 + f"... {NOT_OVER_0} health_s = 1.0",
+        ),
+        (
+            "",
+            'ttft_budget_ms = inf\nprobe_model = "m"\n',
+            f"replicas[0].ttft_budget_ms: inf {NOT_OVER_0} ttft_budget_ms = 300.0",
+        ),
+        (
+            "[thresholds]\nthrottle_reasons = [[1]]\n",
+            "",
+            f"thresholds.throttle_reasons: [[1]] {NOT_REASONS}",
+        ),
+        (
+            "[thresholds]\nthrottle_reasons = [{a = 1}]\n",
+            "",
+            f"thresholds.throttle_reasons: [{{'a': 1}}] {NOT_REASONS}",
+        ),
+        (
+            '[xid]\nnode_fatal = ["1-99999999999"]\n',
+            "",
+            "xid.node_fatal: '1-99999999999' names 99999999999 XIDs, more than a range may"
+            f" (1000); {LIST_XIDS}",
+        ),
+        (
+            '[xid]\nnode_fatal = ["1-\u00b2"]\n',
+            "",
+            f"xid.node_fatal: '1-\u00b2' is not an XID or a range such as \"143-150\"; {LIST_XIDS}",
+        ),
+        (
+            '[listen]\nhttp = "127.0.0.1:\u00b2"\n',
+            "",
+            "listen.http: '127.0.0.1:\u00b2' is not host:port; write http = \"127.0.0.1:9301\"",
+        ),
+        (
+            f"[listen]\nhttp = {PAST_DIGITS}\n",
+            "",
+            "listen.http: a value of over 4300 digits is not host:port;"
+            ' write http = "127.0.0.1:9301"',
+        ),
+        (
+            "",
+            'health_url = "http://[::1/h"\n',
+            "replicas[0].health_url: 'http://[::1/h' is not an http:// URL; write health_url ="
+            ' "http://127.0.0.1:8001/health"',
+        ),
+        (
+            "",
+            f"engine = {PAST_DIGITS}\n",
+            f"replicas[0].engine: a value of over 4300 digits is not an engine; use {ENGINES}",
+        ),
+        (
+            'control_token_file = "t\\u0000"\n',
+            "",
+            "control_token_file: cannot read t\x00: embedded null byte; write the token there",
+        ),
+    ],
+)
+def test_values_python_cannot_take_are_one_line_naming_the_field(
+    tmp_path: Path, before: str, after: str, message: str
+) -> None:
+    path = tmp_path / "agent.toml"
+    text = BASE + before + REPLICA + after
+    if "control_token_file" in before:
+        text = text.replace(f'control_token = "{TOKEN}"\n', "")
+    if "health_url" in after:
+        text = text.replace('health_url = "http://x/h"\n', "")
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert str(raised.value) == f"agent config: {message}"
+
+
+def test_an_integer_past_what_python_reads_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text(BASE + REPLICA.replace("gpu = 0", "gpu = 1" + "0" * 5000))
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert str(raised.value) == (
+        f"agent config: {path}: holds an integer of over 4300 digits; write a number of usual size"
+    )
+
+
+@pytest.mark.parametrize(
+    "value", ["[" * 100_000 + "]" * 100_000, "{a = " * 5000 + "1" + "}" * 5000]
+)
+def test_a_config_nested_too_deeply_names_the_file(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text(f"{BASE}deep = {value}\n{REPLICA}")
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert str(raised.value) == (
+        f"agent config: {path}: nested too deeply to read; write it as denv writes it: tables"
+        " of values"
+    )
+
+
+def test_cli_a_value_python_cannot_take_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text(BASE + "[thresholds]\nthrottle_reasons = [[1]]\n" + REPLICA)
+    assert cli.main(["--config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        "agent config: thresholds.throttle_reasons: [[1]] is not a list of clock event reasons;"
+        f" choose from {REASONS}\n"
+    )

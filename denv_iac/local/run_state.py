@@ -2,16 +2,35 @@
 admin socket, each replica's and agent's address, ports and pid), read back by `denv local
 down`, `denv status` and scripts; and the folder's private files."""
 
+import dataclasses
 import json
 import os
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+from denv_iac.core.stack.fields import describe
 from denv_iac.core.stack.reader import StackError
-from denv_iac.core.stack.stackfile import check_stack_name
+from denv_iac.core.stack.stackfile import check_stack_name, parse_json
+from denv_iac.core.stack.values import control_character, describe_character
 from denv_iac.local.processes import HOST
 
 STATE_FILE = "state.json"
+# What to do with a state file that cannot be read: its processes may still run, and nothing
+# else says which they are.
+STATE_FIX = (
+    "the file was cut short or edited: stop the stack's processes by hand (pgrep -f denv) and "
+    "delete it"
+)
+
+
+class StateFieldError(ValueError):
+    """A field of a state file that `local up` would not have written: its path and what is
+    wrong with it."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path} {problem}" if path else problem)
 
 
 @dataclass
@@ -66,10 +85,14 @@ class RunState:
 
     @classmethod
     def from_json(cls, text: str) -> "RunState":
-        raw = json.loads(text)
-        raw["replicas"] = [ReplicaState(**r) for r in raw["replicas"]]
-        raw["agents"] = [AgentState(**a) for a in raw["agents"]]
-        return cls(**raw)
+        return cls.from_document(json.loads(text))
+
+    @classmethod
+    def from_document(cls, raw: object) -> "RunState":
+        """The state a parsed state file holds; StateFieldError naming the first field that is
+        missing, unknown or of another type than `local up` writes."""
+        state: RunState = _record(cls, raw, "")
+        return state
 
     def agent_of(self, node: str) -> AgentState:
         return next(a for a in self.agents if a.node == node)
@@ -93,11 +116,60 @@ def read_state(directory: Path) -> RunState | None:
     if not state_file.exists():
         return None
     try:
-        return RunState.from_json(state_file.read_text(encoding="utf-8"))
-    except (ValueError, TypeError, KeyError, AttributeError, OSError):
+        data = state_file.read_bytes()
+    except OSError as error:
         raise StackError(
-            [
-                f"{state_file}: not the run state `denv local up` writes (cut short or edited); "
-                "stop the stack's processes by hand (pgrep -f denv) and delete the file"
-            ]
+            [f"{state_file}: cannot read it ({error.strerror}); check the file and its permissions"]
         ) from None
+    try:
+        return RunState.from_document(parse_json(data, str(state_file), STATE_FIX))
+    except StateFieldError as error:
+        raise StackError([f"{state_file}: {error}; {STATE_FIX}"]) from None
+
+
+def _record(cls: type[Any], raw: object, path: str) -> Any:
+    """An instance of the dataclass `cls` from a JSON object, each field of its declared type
+    (str, int, bool, or a list of another such dataclass); `path` names `raw` in errors."""
+    if not isinstance(raw, dict):
+        what = f"is {describe(raw)}" if path else f"holds {describe(raw)}"
+        raise StateFieldError(path, f"{what}, not an object of fields")
+    types = typing.get_type_hints(cls)
+    declared = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in declared:
+            # A key is any JSON string, a newline included: quoted, it stays on one line.
+            raise StateFieldError(_field(path, json.dumps(key)), "is not a field of the run state")
+    values: dict[str, Any] = {}
+    for name, spec in declared.items():
+        where = _field(path, name)
+        if name not in raw:
+            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+                raise StateFieldError(where, "is missing")
+            continue
+        values[name] = _typed(types[name], raw[name], where)
+    return cls(**values)
+
+
+def _field(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _typed(kind: Any, value: object, where: str) -> object:
+    if typing.get_origin(kind) is list:
+        if not isinstance(value, list):
+            raise StateFieldError(where, f"is {describe(value)}, not a list")
+        (item,) = typing.get_args(kind)
+        return [_record(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    # bool is an int in Python: a pid of `true` is not one `local up` writes.
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        shown = str(value) if whole else describe(value)
+        raise StateFieldError(where, f"is {shown}, not a whole number of 0 or more")
+    if kind in (str, bool) and not isinstance(value, kind):
+        expected = "a string" if kind is str else "true or false"
+        raise StateFieldError(where, f"is {describe(value)}, not {expected}")
+    # What `local up` records is printed back on one line, which a line break would split.
+    character = control_character(value) if isinstance(value, str) else None
+    if character is not None:
+        raise StateFieldError(where, f"holds {describe_character(character)}")
+    return value

@@ -84,13 +84,10 @@ def _recorded_processes(state: RunState) -> list[tuple[int, str, bool]]:
 
 
 def running_recorded(directory: Path) -> bool:
-    """Whether any process that `state.json` records still runs; False without a state file."""
-    state_file = directory / STATE_FILE
-    if not state_file.exists():
-        return False
-    try:
-        state = RunState.from_json(state_file.read_text())
-    except (ValueError, TypeError, KeyError):
+    """Whether any process that `state.json` records still runs; False without a state file,
+    StackError when it cannot be read (its processes may still run)."""
+    state = read_state(directory)
+    if state is None:
         return False
     return any(ours(pid, mark) for pid, mark, _ in _recorded_processes(state))
 

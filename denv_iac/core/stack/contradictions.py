@@ -5,8 +5,9 @@ warnings (denv_iac.core.stack.exposure) and `denv plan --strict` refuses the sta
 """
 
 import ipaddress
+from collections.abc import Sequence
 
-from denv_iac.core.stack.model import StackSpec
+from denv_iac.core.stack.model import SiteSpec, StackSpec
 
 # Networks container runtimes and Kubernetes distributions route on a node by default (a
 # bridge, a pod network): an overlay that overlaps one sends the balancer's traffic into it.
@@ -18,8 +19,19 @@ CONTAINER_RANGES = (
 )
 
 
+# Kinds whose machines the stack creates with a public IPv4 address only (an Elastic IP on
+# AWS, the instance's address on Lambda and Nebius): the deploy reaches them over IPv4.
+IPV4_ONLY_KINDS = ("aws", "lambda", "nebius")
+# A block of each family to show in a fix (documentation ranges, RFC 5737 and RFC 3849).
+EXAMPLE_BLOCKS = {4: "198.51.100.7/32", 6: "2001:db8::7/128"}
+
+
 def contradiction_warnings(stack: StackSpec) -> list[str]:
-    return _probe_budget_warnings(stack) + _overlay_range_warnings(stack)
+    return (
+        _probe_budget_warnings(stack)
+        + _overlay_range_warnings(stack)
+        + admin_family_warnings(stack.sites)
+    )
 
 
 def _probe_budget_warnings(stack: StackSpec) -> list[str]:
@@ -51,3 +63,38 @@ def _overlay_range_warnings(stack: StackSpec) -> list[str]:
         for name, cidr in CONTAINER_RANGES
         if ours.overlaps(ipaddress.ip_network(cidr))
     ]
+
+
+def admin_family_warnings(sites: Sequence[SiteSpec]) -> list[str]:
+    """admin_cidrs of one IP family on a site reached over the other: a connection comes from an
+    address of the family it goes to, so the firewall admits SSH from no address the deploy
+    (or an admin) connects from, and the deploy cannot reach the machines."""
+    out = []
+    for index, site in enumerate(sites):
+        if not site.admin_cidrs:
+            continue  # none at all is warned about by the exposure checks
+        admitted = {ipaddress.ip_network(c, strict=False).version for c in site.admin_cidrs}
+        for version, reached in _reached_over(site):
+            if version not in admitted:
+                out.append(
+                    f"sites[{index}].admin_cidrs: {', '.join(site.admin_cidrs)} holds no IPv"
+                    f"{version} block, but {reached}, so the firewall refuses the deploy's SSH"
+                    f" over IPv{version}; add the IPv{version} addresses you administer from,"
+                    f" e.g. {EXAMPLE_BLOCKS[version]}"
+                )
+    return out
+
+
+def _reached_over(site: SiteSpec) -> list[tuple[int, str]]:
+    """(IP version, what is reached over it) for each family the deploy reaches the site's
+    machines over: a node given by host name may resolve to either, so it says nothing."""
+    if site.kind in IPV4_ONLY_KINDS:
+        return [(4, f"{site.kind} gives the machines it creates a public IPv4 address only")]
+    found: dict[int, str] = {}
+    for node in site.nodes:
+        try:
+            version = ipaddress.ip_address(node.address).version
+        except ValueError:
+            continue
+        found.setdefault(version, f"node {node.name} is reached at {node.address}")
+    return sorted(found.items())

@@ -9,7 +9,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from denv_iac.core.stack.model import Secret
 from denv_iac.core.stack.values import (
@@ -42,6 +42,8 @@ def describe(value: object) -> str:
         return "a boolean"
     if isinstance(value, float) and not math.isfinite(value):
         return f"{value} (not a finite number)"
+    if isinstance(value, int) and not fits_float(value):
+        return "a number too large to compute with"
     if isinstance(value, int | float):
         return "a number"
     if isinstance(value, str):
@@ -53,9 +55,34 @@ def describe(value: object) -> str:
     return "empty" if value is None else type(value).__name__
 
 
-def _finite(value: object) -> bool:
-    # YAML's .nan and .inf are floats: they would print as "$nan/hour" and write NaN into JSON.
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def finite(value: object) -> TypeGuard[int | float]:
+    """A number that is no boolean, .nan or .inf: YAML's .nan and .inf would print as
+    "$nan/hour" and write NaN into JSON. An integer is one at any size (YAML reads 10**400 as
+    one, where math.isfinite would raise)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+
+
+def fits_float(value: int | float) -> bool:
+    """Whether a number converts to a float: an integer past 1.8e308 does not (OverflowError)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _writable_number(value: object) -> bool:
+    """A number an env value may be, written as text: finite, and of a size Python writes (it
+    will not write an integer of over 4300 digits, which a hexadecimal YAML value can hold)."""
+    return finite(value) and fits_float(value)
+
+
+def shown_number(number: int) -> str:
+    """A whole number as a message shows it: in digits while that stays short (Python will not
+    even write one of over 4300 digits, which a hexadecimal YAML value can hold)."""
+    return str(number) if abs(number) < 10**30 else "a number this large"
 
 
 def is_secret(value: object) -> bool:
@@ -142,13 +169,13 @@ class Fields:
             if default is None and self.ok:
                 self.problem(key, f"missing; add {key}: {low}")
             return default if default is not None else low
-        if not _finite(value) or value != int(value):
+        if not finite(value) or value != int(value):
             self.problem(key, f"expected a whole number, got {describe(value)}")
             return default if default is not None else low
         number = int(value)
         if number < low or (high is not None and number > high):
             bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
-            self.problem(key, f"{number} is out of range; use a number {bounds}")
+            self.problem(key, f"{shown_number(number)} is out of range; use a number {bounds}")
             return default if default is not None else low
         return number
 
@@ -156,7 +183,7 @@ class Fields:
         value = self._get(key)
         if value is None:
             return None
-        if not _finite(value):
+        if not finite(value) or not fits_float(value):
             self.problem(key, f"expected a number >= 0, got {describe(value)}")
             return None
         if value < 0:
@@ -201,8 +228,7 @@ class Fields:
         if value is None:
             return (), ()
         if not isinstance(value, Mapping) or not all(
-            isinstance(k, str)
-            and (is_secret(v) or (isinstance(v, str | int | float) and not isinstance(v, bool)))
+            isinstance(k, str) and (is_secret(v) or isinstance(v, str) or _writable_number(v))
             for k, v in value.items()
         ):
             self.problem(key, "expected a mapping of names to string values or secure: values")

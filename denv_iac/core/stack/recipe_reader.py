@@ -2,7 +2,6 @@
 image, command and env, its simulated server (`simulate:`), and its canary (`canary:`).
 """
 
-import math
 import re
 from dataclasses import replace
 
@@ -10,7 +9,9 @@ from denv_iac.core.stack.fields import (
     Fields,
     Problems,
     describe,
+    finite,
     listed_twice,
+    shown_number,
 )
 from denv_iac.core.stack.model import (
     AUTO_ENGINE,
@@ -213,10 +214,11 @@ def _canary_share(f: Fields) -> float:
     if value is None:
         if f.ok:
             f.problem("share", f"missing; {CANARY_SHARE_RULE}, e.g. share: 0.1")
-    elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    elif not finite(value):
         f.problem("share", f"expected a number, got {describe(value)}; {CANARY_SHARE_RULE}")
     elif not 0 < value < 1:
-        f.problem("share", f"{value} is out of range; {CANARY_SHARE_RULE}")
+        shown = shown_number(value) if isinstance(value, int) else str(value)
+        f.problem("share", f"{shown} is out of range; {CANARY_SHARE_RULE}")
     else:
         return float(value)
     return 0.0
