@@ -2,6 +2,7 @@
 
 import ast
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,50 @@ def test_no_module_of_the_package_imports_itself_through_others() -> None:
     modules = frozenset(_module(p) for p in PACKAGE.rglob("*.py") if DATA not in p.parents)
     graph = {_module(p): _dependencies(p, modules) for p in MODULES}
     assert cycles(graph) == []
+
+
+def room_of(module: str) -> str:
+    """The part of the house `module` lives in: a package with no packages inside is one room
+    (denv_iac.local, denv_iac.core.stack); in a package that holds others (denv_iac,
+    denv_iac.core) each of its own modules is a room of its own."""
+    parts = module.split(".")
+    for depth in range(2, len(parts) + 1):
+        folder = PACKAGE.parent.joinpath(*parts[:depth])
+        inner = [d for d in folder.glob("*/__init__.py") if d.parent != DATA]
+        if (folder / "__init__.py").exists() and not inner:
+            return ".".join(parts[:depth])
+    return module
+
+
+def rooms(graph: dict[str, set[str]], room: Callable[[str], str]) -> dict[str, set[str]]:
+    """`graph` between rooms: an arrow from a room to each other room one of its modules
+    imports."""
+    out: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        out.setdefault(room(module), set()).update(
+            room(other) for other in imports if room(other) != room(module)
+        )
+    return out
+
+
+def test_no_room_imports_itself_through_another() -> None:
+    """Two packages each importing the other is a circle even where no module does: the stack
+    reader importing the balancer's tiers while the balancer reads the stack model."""
+    graph = {_module(p): _dependencies(p, frozenset(map(_module, MODULES))) for p in MODULES}
+    assert cycles(rooms(graph, room_of)) == []
+
+
+def test_the_room_check_sees_a_circle_the_module_check_does_not() -> None:
+    graph = {
+        "denv_iac.core.stack.reader": {"denv_iac.core.balancer.tiers"},
+        "denv_iac.core.balancer.tiers": set(),
+        "denv_iac.core.balancer.haproxy": {"denv_iac.core.stack.model"},
+        "denv_iac.core.stack.model": set(),
+    }
+    assert cycles(graph) == []
+    assert cycles(rooms(graph, room_of)) == [["denv_iac.core.balancer", "denv_iac.core.stack"]]
+    assert room_of("denv_iac.core.plan") == "denv_iac.core.plan"
+    assert room_of("denv_iac.local.runner") == "denv_iac.local"
 
 
 @pytest.mark.parametrize(
