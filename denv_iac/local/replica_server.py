@@ -438,7 +438,7 @@ class ReplicaSim:
             try:
                 if espeak:
                     await sequence.started()
-                    await self._espeak(writer, str(body["input"]), pcm)
+                    await self._espeak(sequence, writer, str(body["input"]), pcm)
                 else:
                     await self._tone(sequence, pcm, writer)
             except (EngineLost, _RequestFailed):
@@ -465,9 +465,13 @@ class ReplicaSim:
             await writer.drain()
 
     @staticmethod
-    async def _espeak(writer: asyncio.StreamWriter, text: str, pcm: bool) -> None:
+    async def _espeak(
+        sequence: Sequence, writer: asyncio.StreamWriter, text: str, pcm: bool
+    ) -> None:
         """Real speech: espeak-ng's WAV (or, for `pcm`, its samples at 24 kHz), each piece sent
-        as soon as espeak-ng writes it."""
+        as soon as espeak-ng writes it. Each piece is the engine's progress, as a token is: the
+        agent calls an engine with requests running and no progress for its stall budget stalled,
+        and a sentence espeak-ng takes over a second to write on a busy CPU is not."""
         to_pcm = voice_sim.WavToPcm() if pcm else None
         # The text goes after `--` as one argument: never read as an option, no shell.
         engine = await asyncio.create_subprocess_exec(
@@ -486,6 +490,7 @@ class ReplicaSim:
                     piece = to_pcm.feed(piece)
                 if piece:
                     writer.write(http_chunk(piece))
+                sequence.emitted()
                 await writer.drain()
         finally:
             if engine.returncode is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import struct
+import urllib.request
 import wave
 from collections.abc import Callable, Iterator
 
@@ -79,3 +80,32 @@ def test_a_format_not_served_is_refused_in_openai_s_error_shape(
     assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
     assert error["code"] == "unsupported_response_format"
     assert "send one of pcm, wav" in error["message"]
+
+
+def _generation_tokens(replica_url: str) -> float:
+    page = urllib.request.urlopen(f"{replica_url}/metrics", timeout=5).read().decode()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in page.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+def test_speech_is_the_engines_progress_while_it_streams(
+    start_dataplane: Callable[..., Dataplane],
+) -> None:
+    """The agent calls an engine with requests running and no progress for its stall budget
+    stalled, and the balancer then cuts its streams: a sentence espeak-ng takes over a second to
+    write on a busy CPU must read as progress, as a token does, not as a wedged engine."""
+    plane = start_dataplane(sim=ESPEAK)
+    client = openai.OpenAI(base_url=f"{plane.url}/v1", api_key="unused", max_retries=0)
+    with client.audio.speech.with_streaming_response.create(
+        model="voice", voice="alloy", input="Progress is audio written.", response_format="wav"
+    ) as response:
+        replica = plane.replicas[response.headers["x-denv-replica"]]
+        pieces = response.iter_bytes()
+        next(pieces)
+        while_streaming = _generation_tokens(replica.url)
+        b"".join(pieces)
+    client.close()
+    assert while_streaming >= 1
