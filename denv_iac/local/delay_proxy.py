@@ -15,7 +15,7 @@ its own failed connect.
     python -m denv_iac.local.delay_proxy --listen 10.231.1.1 --to 10.231.1.2 --port 8001
 
 It prints one ready line, then reads lines from stdin, each a new one-way delay in
-milliseconds; closing stdin stops it.
+milliseconds, and answers each with a line once it holds; closing stdin stops it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 READY_LINE = "delay_proxy ready"
+DELAY_SET_LINE = "delay_proxy delay"
 _CHUNK = 65536
 
 
@@ -112,6 +113,7 @@ async def _read_delays(delay: Delay) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
         delay.seconds = float(line) / 1000
+        print(f"{DELAY_SET_LINE} {line.decode().strip()}", flush=True)
 
 
 async def serve(
@@ -172,10 +174,15 @@ class DelayProxyProcess:
             self.stop()
             raise RuntimeError(f"delay proxy failed to start: {line!r}")
 
-    def set_delay(self, one_way_ms: float) -> None:
+    def set_delay(self, one_way_ms: float, timeout_s: float = 10.0) -> None:
+        """Returns once the new delay holds, so that the next byte sent is delayed by it: on a
+        busy machine the proxy may read its stdin only after a connection that follows."""
         assert self._process is not None and self._process.stdin is not None
         self._process.stdin.write(f"{one_way_ms}\n")
         self._process.stdin.flush()
+        line = _readline_within(self._process, timeout_s)
+        if not line.startswith(DELAY_SET_LINE):
+            raise RuntimeError(f"delay proxy did not take the delay {one_way_ms} ms: {line!r}")
 
     def stop(self) -> None:
         process = self._process
