@@ -163,7 +163,7 @@ def test_the_delay_proxy_adds_its_delay_each_way() -> None:
         try:
             proxy.start()
             url = f"http://{link.balancer_end}:{port}/"
-            assert lab.call(_get, url) == 200
+            assert lab.call(_get_once_up, url) == 200
 
             def timed_get() -> float:
                 start = time.perf_counter()
