@@ -126,6 +126,8 @@ class Level:
     served_by_fallback: int = 0
     # Replicas HAProxy took out of rotation during the level: a full replica is never down.
     left_rotation: tuple[str, ...] = ()
+    # Why, as HAProxy saw it when they were out: "replica: status (last check; agent's reply)".
+    why_out: tuple[str, ...] = ()
 
 
 def count(
@@ -165,7 +167,7 @@ def level_problems(level: Level) -> list[str]:
     if level.other_errors:
         problems.append(f"{level.scenario}: unserved without a 503/429: {level.other_errors}")
     if level.left_rotation:
-        problems.append(f"{level.scenario}: full replicas marked down: {level.left_rotation}")
+        problems.append(f"{level.scenario}: full replicas marked down: {level.why_out}")
     if level.scenario.startswith("fallback") and level.within_budget_share < 0.99:
         problems.append(f"{level.scenario}: {level.within_budget_share:.1%} within budget (< 99%)")
     if level.load >= 2.0 and not level.scenario.startswith("fallback") and level.goodput < 0.9:
@@ -186,10 +188,14 @@ async def _load(state: RunState, rate: float, duration_s: float, seed: int) -> L
     )
 
 
-def _out_of_rotation(state: RunState) -> set[str]:
-    """The replicas HAProxy has out of rotation (not UP) now."""
-    rows = stats_of(state).items()
-    return {replica for replica, row in rows if not row.get("status", "").startswith("UP")}
+def _out_of_rotation(state: RunState) -> dict[str, str]:
+    """The replicas HAProxy has out of rotation (not UP) now, each with why: its status, its
+    last health check and the agent's last reply."""
+    return {
+        replica: f"{row.get('status')} (check: {row.get('last_chk')}; agent: {row.get('last_agt')})"
+        for replica, row in stats_of(state).items()
+        if not row.get("status", "").startswith("UP")
+    }
 
 
 def run_levels(
@@ -213,7 +219,8 @@ def run_levels(
                 report = asyncio.run(_load(state, load * capacity, duration_s, seed))
             level = count(f"{name} {load}x", load, capacity, duration_s, report)
             left = sorted({replica for sample in samples for replica in sample})
-            out.append(replace(level, left_rotation=tuple(left)))
+            why = sorted({f"{r}: {reason}" for sample in samples for r, reason in sample.items()})
+            out.append(replace(level, left_rotation=tuple(left), why_out=tuple(why)))
             time.sleep(1.0)
     return out
 

@@ -21,7 +21,7 @@ from denv_iac.components.site import SiteContext, SiteNodes
 from denv_iac.core.ingress import (
     IngressRule,
     OverlayAccess,
-    host_cidr,
+    ipv4_source,
     node_overlay_access,
     site_ingress_rules,
 )
@@ -65,14 +65,14 @@ def firewall_rules(
     """
     out = []
     for rule in rules:
-        source = addresses[rule.source] if rule.from_machine else rule.source
-        if not source or ":" in source:
+        source = ipv4_source(rule, addresses)
+        if source is None:
             continue
         out.append(
             {
                 "protocol": rule.protocol,
                 "port_range": [rule.from_port, rule.to_port],
-                "source_network": source if "/" in source else host_cidr(source),
+                "source_network": source,
                 "description": rule.description[:128],
             }
         )

@@ -9,6 +9,7 @@ endpoint port to everyone.
 """
 
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -222,3 +223,13 @@ def host_cidr(address: str) -> str:
     """One host's address as a CIDR, as firewalls and policies take a source: /32, or /128 for
     an IPv6 address."""
     return f"{address}/128" if ":" in address else f"{address}/32"
+
+
+def ipv4_source(rule: IngressRule, addresses: Mapping[str, str]) -> str | None:
+    """The rule's source as an IPv4 CIDR, for firewalls that filter IPv4 only (Lambda, Robot):
+    a machine's row takes that machine's address from `addresses`. None where the source is
+    empty or IPv6, which such a firewall has no place for (the node's own firewall filters it)."""
+    source = addresses[rule.source] if rule.from_machine else rule.source
+    if not source or ":" in source:
+        return None
+    return source if "/" in source else host_cidr(source)

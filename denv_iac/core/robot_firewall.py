@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from denv_iac.core.ingress import (
     IngressRule,
     Protocol,
-    host_cidr,
+    ipv4_source,
     node_overlay_access,
     site_ingress_rules,
 )
@@ -86,10 +86,9 @@ def robot_rules(rules: Sequence[IngressRule], addresses: Mapping[str, str]) -> l
     ports: dict[tuple[str, Protocol], list[tuple[int, int]]] = {}
     names: dict[str, str] = {}
     for rule in rules:
-        source = addresses[rule.source] if rule.from_machine else rule.source
-        if not source or ":" in source:
+        cidr = ipv4_source(rule, addresses)
+        if cidr is None:
             continue
-        cidr = source if "/" in source else host_cidr(source)
         ports.setdefault((cidr, rule.protocol), []).append((rule.from_port, rule.to_port))
         who = f"balancer {rule.source}" if rule.from_machine else rule.description
         names.setdefault(cidr, rule_name(who))

@@ -510,10 +510,11 @@ def ask_roll(directory: Path, supervisor: int, timeout_s: float) -> RollAnswer:
         except (OSError, ValueError):
             return {}
 
-    answer = wait_until_or_last(
-        read, lambda answer: answer.get("nonce") == nonce, timeout_s=timeout_s, interval_s=0.1
-    )
-    if answer.get("nonce") == nonce:
+    def answered(answer: Any) -> bool:
+        return bool(answer.get("nonce") == nonce)
+
+    answer = wait_until_or_last(read, answered, timeout_s=timeout_s, interval_s=0.1)
+    if answered(answer):
         return RollAnswer(tuple(str(line) for line in answer["lines"]), int(answer["code"]))
     return RollAnswer(
         (
