@@ -10,7 +10,7 @@ from pathlib import Path
 import botocore
 import pytest
 
-from denv_iac.core.catalog import PROVIDERS, load_catalog, parse_catalog, parse_server_types
+from denv_iac.core.stack.catalog import PROVIDERS, load_catalog, parse_catalog, parse_server_types
 from denv_iac.core.stack.site_reader import HETZNER_LOCATIONS
 
 

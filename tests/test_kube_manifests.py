@@ -12,7 +12,6 @@ from denv_agent.http_api import MAX_HOLD_S
 
 from denv_iac.core.balancer.gateway import AGENT_UNKNOWN
 from denv_iac.core.balancer.model import RenderedConfig
-from denv_iac.core.catalog import load_catalog
 from denv_iac.core.ingress import AGENT_PORT
 from denv_iac.core.kube_manifests.agent import AGENT_PODS_PORT, AGENT_RUN_DIR
 from denv_iac.core.kube_manifests.gateway import (
@@ -32,6 +31,7 @@ from denv_iac.core.kube_manifests.pods import (
 )
 from denv_iac.core.kube_manifests.site import SiteManifests, site_manifests, site_problems
 from denv_iac.core.placement import place_replicas
+from denv_iac.core.stack.catalog import load_catalog
 from denv_iac.core.stack.exposure import stack_warnings
 from denv_iac.core.stack.model import SERVER_STOP_S, RecipeSpec
 from denv_iac.core.stack.reader import StackError, read_stack

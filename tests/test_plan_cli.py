@@ -10,7 +10,7 @@ import yaml
 from click.testing import CliRunner
 
 from denv_iac.cli import main
-from denv_iac.core.catalog import load_catalog
+from denv_iac.core.stack.catalog import load_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 STACKS = ROOT / "stacks"

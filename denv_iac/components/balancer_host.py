@@ -21,8 +21,8 @@ from denv_iac.components.aws import (
 from denv_iac.components.hcloud_firewall import hcloud_rules, overlay_firewall
 from denv_iac.components.joined import LOOPBACK
 from denv_iac.components.naming import aws_tags, child_name, hcloud_labels
-from denv_iac.core.catalog import load_catalog
 from denv_iac.core.ingress import IngressRule, balancer_ingress_rules
+from denv_iac.core.stack.catalog import load_catalog
 from denv_iac.core.stack.model import BalancerSpec, SiteSpec
 
 AWS_INSTANCE_TYPE = "c7i.large"

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from denv_iac.core.catalog import Catalog, load_catalog
+from denv_iac.core.stack.catalog import Catalog, load_catalog
 from denv_iac.core.stack.model import RecipeSpec, SiteSpec, StackSpec
 from denv_iac.core.stack.reader import StackError
 

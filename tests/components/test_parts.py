@@ -8,8 +8,8 @@ import pytest
 from denv_iac.components import BalancerHost, GlobalBalancer, JoinedSite, WarmPool
 from denv_iac.components.pool import ReplicaEndpointArgs
 from denv_iac.components.secrets import public_key_of
-from denv_iac.core.catalog import load_catalog
 from denv_iac.core.placement import PlacedNode, place_replicas
+from denv_iac.core.stack.catalog import load_catalog
 from denv_iac.core.stack.model import BalancerSpec, SiteSpec
 from denv_iac.core.stack.site_reader import HETZNER_LOCATIONS
 from denv_iac.stacks_dir import load_stack

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from denv_iac.core.catalog import Catalog, load_catalog
 from denv_iac.core.stack.balancer_reader import read_balancer
+from denv_iac.core.stack.catalog import Catalog, load_catalog
 from denv_iac.core.stack.fields import (
     Fields,
     Problems,

@@ -7,7 +7,7 @@ import ipaddress
 import re
 from typing import Any
 
-from denv_iac.core.catalog import Catalog
+from denv_iac.core.stack.catalog import Catalog
 from denv_iac.core.stack.fields import (
     SECRET_HOW,
     Fields,

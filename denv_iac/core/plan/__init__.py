@@ -4,11 +4,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from denv_iac.core.balancer.api_surface import models_list_problem
-from denv_iac.core.catalog import Catalog, load_catalog
 from denv_iac.core.kube_manifests.site import resource_name_problems, site_problems
 from denv_iac.core.overlay_plan import OverlayPlan, plan_overlay
 from denv_iac.core.placement import PlacedNode, Placement, place_replicas
 from denv_iac.core.robot_firewall import site_robot_problems
+from denv_iac.core.stack.catalog import Catalog, load_catalog
 from denv_iac.core.stack.model import SSH_SITE_KINDS, SiteSpec, StackSpec
 from denv_iac.core.stack.ports import placed_port_problems
 from denv_iac.core.stack.reader import StackError
