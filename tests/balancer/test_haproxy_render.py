@@ -24,6 +24,7 @@ from denv_iac.core.balancer import (
     render_haproxy_config,
 )
 from denv_iac.core.balancer.api_surface import MODELS_LIST_LIMIT, models_list
+from denv_iac.core.balancer.model import connect_timeout_for
 
 from .sample_pools import (
     LLM,
@@ -897,3 +898,18 @@ def test_aliases_route_to_their_pool_and_are_listed() -> None:
     listed = re.search(r"string '(\{\"object\":\"list\".*?)' if METH_GET", rendered.haproxy_cfg)
     assert listed is not None
     assert [m["id"] for m in json.loads(listed.group(1))["data"]] == ["llm-8b", "tts-1", "voice"]
+
+
+@pytest.mark.parametrize(
+    ("round_trip_ms", "connect_ms"),
+    [
+        (0.0, 8),  # a local site: the busy host's scheduling alone
+        (0.3, 9),  # a region: two round trips, rounded up
+        (75.0, 158),  # another continent
+        (600.0, 1000),  # past 1 s a lost SYN is resent anyway: no longer
+    ],
+)
+def test_a_tiers_connect_timeout_follows_its_round_trip(
+    round_trip_ms: float, connect_ms: int
+) -> None:
+    assert connect_timeout_for(round_trip_ms) == connect_ms
