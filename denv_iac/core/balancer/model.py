@@ -60,7 +60,7 @@ class BalancerServer:
 # rather than the stack's one value for every tier (80 ms), which also cut every connect to a
 # site farther than about 80 ms. Not fewer than 8: HAProxy counts a connect it gets to only
 # after the timeout as failed, and marks that replica down (observe layer4); with 5, while a
-# replica died and its requests moved, a busy host took the healthy one out too in 1 run of 4
+# replica died and its requests moved, a busy host took the healthy one out too in 2 runs of 10
 # (every request 503 until its checks passed); with 8, in none of 12 (docs/balancer.md).
 CONNECT_SLACK_MS = 8
 CONNECT_ROUND_TRIPS = 2
