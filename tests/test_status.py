@@ -328,7 +328,12 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
         time.sleep(0.1)
     assert remote.exit_code == 1
     assert "FAILED agent of local/n1 not heard by the balancer's agent checks" in remote.output
-    assert "local/n0" not in remote.output.split("FAILED", 1)[1]
+    # Nothing else but the same transient as above: the live agent's check timing out meanwhile.
+    failed = [
+        f.strip().removeprefix("FAILED").strip()
+        for f in remote.output.split("FAILED", 1)[1].splitlines()
+    ]
+    assert all("local/n0" not in f or f.startswith(transient[1]) for f in failed), failed
 
 
 @pytest.mark.needs_haproxy
