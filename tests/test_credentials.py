@@ -33,6 +33,7 @@ from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
 from denv_iac.lambda_api import API_URL as LAMBDA_URL
 from denv_iac.lambda_api import LambdaApiError, LambdaClient
+from denv_iac.local.processes import free_port
 from denv_iac.local.rollout import ready_servers, roll_once, server_rows
 from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.loadgen_report import PROTOCOLS
@@ -215,12 +216,6 @@ def test_status_sends_no_credential_to_a_stats_page(
     assert {c.port for c in tap.connections} == {_port(balancer.url)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
@@ -307,7 +302,7 @@ def test_a_local_stack_keeps_each_credential_to_its_own_hosts(
     `local down` on a local stack with an API key: the key reaches the endpoint alone, the
     stack's control token the agents and replicas alone, and nothing leaves this machine."""
     _project(tmp_path, _local_config(), monkeypatch)
-    port = _free_port()
+    port = free_port()
     state = json.loads(
         denv("local", "up", "--stack", "t", "--detach", "--json", "--port", str(port))
     )
@@ -345,7 +340,7 @@ def test_a_local_roll_keeps_the_control_token_to_agents_and_replicas(
     """What the supervising `local up` runs when `denv local roll` asks it (roll_once): a
     replica drained, a new one warmed by a request sent to it directly, the old one stopped.
     The token goes to the stack's agents and replicas alone, the endpoint key nowhere."""
-    port = _free_port()
+    port = free_port()
     cluster = LocalCluster(read_stack("t", _local_config(spare=1)), tmp_path / "run", port)
     cluster.up()
     try:
@@ -380,7 +375,7 @@ def test_local_demo_sends_the_key_to_the_endpoint_alone(
     (DENV_API_KEY) to the endpoint and nowhere else; its faults reach replicas and agents
     with the stack's control token alone."""
     config = _local_config(tokens=8, spare=1)
-    port = _free_port()
+    port = free_port()
     config["denv:balancer"]["port"] = port
     _project(tmp_path, config, monkeypatch)
     output = denv("local", "demo", "--stack", "t", "--duration", "9")

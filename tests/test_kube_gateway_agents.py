@@ -18,16 +18,11 @@ import pytest
 from denv_agent.agentcheck import AgentCheckServer
 
 from benchmarks.lab.waiting import eventually
+from denv_iac.local.processes import free_port
 from tests.test_kube_manifests import VOICE, _manifests, _site
 
 pytestmark = pytest.mark.needs_haproxy
 REPLICA = "voice.k8s.node-1.0"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _gateway_agent_config(frontend_port: int, agents: list[int]) -> str:
@@ -100,7 +95,7 @@ def test_the_check_reaches_the_agent_that_knows_the_replica_and_follows_it(tmp_p
     agents = [AgentCheckServer(("127.0.0.1", 0), lambda n=n: replies[n], 0.25) for n in range(2)]
     for agent in agents:
         agent.start()
-    port = _free_port()
+    port = free_port()
     config = _gateway_agent_config(port, [agent.address[1] for agent in agents])
     try:
         with _haproxy(config, tmp_path):

@@ -2,6 +2,7 @@
 address, or a network namespace's), the ports they take, the marks in their command lines that
 tell them from any other process, and how soon one that died is restarted."""
 
+import random
 import socket
 import threading
 import time
@@ -24,25 +25,53 @@ class Host:
 
 
 LOOPBACK = Host()
+# Ports are drawn from below the range the kernel takes outgoing connections' own ports
+# from: a port drawn there (as binding to port 0 does) may be taken by any connection made
+# before its process binds it, and an endpoint once failed to start so ("Address already in
+# use"). Each draw is checked by binding it, and no port is handed out twice by one process.
+LOWEST_PORT = 10000
+OUTGOING_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LINUX_FIRST_OUTGOING_PORT = 32768
+_DRAWS = 1000
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LOCK = threading.Lock()
+# Its own generator, not the shared one: a test runner that seeds `random` would otherwise
+# have two processes draw the same ports in the same order.
+_CHOOSER = random.SystemRandom()
+
+
+def first_outgoing_port() -> int:
+    try:
+        return int(OUTGOING_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LINUX_FIRST_OUTGOING_PORT
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A port free now and never handed out before by this process.
-
-    The kernel may give the same free port to two binds in a row when the first socket is
-    closed before its port is used (an endpoint and a metrics port once came out equal), so
-    each port is handed out once.
-    """
+    """A port free now, below the kernel's range for outgoing connections, and never handed
+    out before by this process."""
+    top = first_outgoing_port()
+    if top <= LOWEST_PORT:
+        raise RuntimeError(
+            f"{OUTGOING_PORTS} starts at {top}: leave the ports from {LOWEST_PORT} up to "
+            f"{LINUX_FIRST_OUTGOING_PORT} to listeners (sysctl net.ipv4.ip_local_port_range)"
+        )
     with _HANDED_OUT_LOCK:
-        while True:
-            with socket.socket() as sock:
-                sock.bind((HOST, 0))
-                port = int(sock.getsockname()[1])
-            if port not in _HANDED_OUT:
+        for _ in range(_DRAWS):
+            port = _CHOOSER.randrange(LOWEST_PORT, top)
+            if port not in _HANDED_OUT and _bindable(port):
                 _HANDED_OUT.add(port)
                 return port
+    raise RuntimeError(f"no free port found in {_DRAWS} draws from {LOWEST_PORT}-{top - 1}")
 
 
 def endpoint_in_use(port: int, address: str = HOST) -> bool:

@@ -36,6 +36,7 @@ from denv_iac.core.balancer.model import CLIENT_SECRET_KEY_PATH, TLS_CERT_PATH
 from denv_iac.core.overlay_plan import CONFIG_PATH, PRIVATE_KEY_PLACEHOLDER
 from denv_iac.core.placement import place_replicas
 from denv_iac.core.stack.reader import StackError, read_stack
+from denv_iac.local.processes import free_port
 from denv_iac.node import (
     CacheVolume,
     MigSlice,
@@ -478,13 +479,6 @@ def test_a_machine_lost_after_the_login_is_not_retried_with_the_old_key() -> Non
     assert len(machine.keys) == 1
 
 
-def _closed_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on: a connection there is refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _delete_within(props: dict[str, Any], bound_s: float = 60.0) -> BaseException | None:
     """The real provider's delete (real SSH, an OpenSSH key paramiko loads), in a thread given
     `bound_s`; what it raised."""
@@ -513,7 +507,7 @@ def test_delete_of_a_cloud_node_whose_machine_is_gone_succeeds_with_a_warning(
     # As in the provider's own process, which has no engine to log to: the warning goes to
     # stderr (an earlier test's mocks may have left one set in this process).
     monkeypatch.setattr(pulumi.log, "get_engine", lambda: None)
-    port = _closed_port()
+    port = free_port()
     props = {**NODE, "host": f"127.0.0.1:{port}", "deleted_by": "aws"}
     assert _delete_within(props) is None
     warning = capsys.readouterr().err
@@ -525,7 +519,7 @@ def test_delete_of_a_cloud_node_whose_machine_is_gone_succeeds_with_a_warning(
 def test_delete_of_a_joined_node_where_nothing_answers_fails_naming_the_host_and_the_fix() -> None:
     """No provider deletes a joined or Hetzner machine: one that does not answer may still
     serve, so its removal fails and the node stays in the state until the user says."""
-    port = _closed_port()
+    port = free_port()
     raised = _delete_within({**NODE, "host": f"127.0.0.1:{port}"})
     assert isinstance(raised, NodeUnreachable) and not raised.answered, raised
     message = str(raised)

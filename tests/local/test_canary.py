@@ -24,7 +24,7 @@ from benchmarks.lab.waiting import eventually
 from denv_iac.core.balancer.stats import server_rows
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_rows
-from denv_iac.local.processes import HOST
+from denv_iac.local.processes import HOST, free_port
 from denv_iac.local.rollout import RollStopped, roll
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
@@ -36,7 +36,6 @@ from denv_iac.ops.status import (
     with_agent_health,
 )
 from tests.local.test_local_roll import VOICE, Load, _cmdline, _ready
-from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import _stack_project, _supervised_up
 from tests.stacks import local_site
 
@@ -74,7 +73,7 @@ def _config(
 
 @pytest.fixture
 def running(tmp_path: Path) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(read_stack("t", _config()), tmp_path / "run", free_endpoint_port())
+    cluster = LocalCluster(read_stack("t", _config()), tmp_path / "run", free_port())
     cluster.up()
     try:
         eventually(lambda: len(_ready(cluster)) == 4, 15, "all 4 replicas UP")
@@ -265,7 +264,7 @@ def test_a_canary_that_never_warms_stays_out_of_the_balancer(tmp_path: Path) -> 
     slow_budget = {"stall_timeout_ms": 30000}
     config = _config(canary=False)
     config["denv:recipes"][0].update(slow_budget)
-    cluster = LocalCluster(read_stack("t", config), tmp_path / "run", free_endpoint_port())
+    cluster = LocalCluster(read_stack("t", config), tmp_path / "run", free_port())
     cluster.up()
     try:
         assert cluster.state is not None

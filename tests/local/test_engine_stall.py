@@ -4,13 +4,13 @@ A real local stack (simulated replicas with slots, their agents reading the engi
 HAProxy) with the stack's defaults: stall budget 1000 ms, metrics read every 250 ms.
 """
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from denv_iac.core.stack.reader import read_stack
+from denv_iac.local.processes import free_port
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.demo import replica_fault
@@ -42,10 +42,7 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunState]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    cluster = LocalCluster(read_stack("t", CONFIG), tmp_path_factory.mktemp("run"), port)
+    cluster = LocalCluster(read_stack("t", CONFIG), tmp_path_factory.mktemp("run"), free_port())
     state = cluster.up()
     try:
         yield state

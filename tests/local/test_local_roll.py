@@ -19,6 +19,7 @@ from benchmarks.lab.waiting import eventually
 from denv_iac.core.rollout import RolloutRefused
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.haproxy.runtime import stats_command
+from denv_iac.local.processes import free_port
 from denv_iac.local.rollout import (
     RollStopped,
     ready_servers,
@@ -27,7 +28,6 @@ from denv_iac.local.rollout import (
 )
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
-from tests.local.test_local_runner import free_endpoint_port
 from tests.local.test_local_supervision import CONFIG as SUPERVISED
 from tests.local.test_local_supervision import _stack_project, _supervised_up
 from tests.stacks import local_site
@@ -58,7 +58,7 @@ def _config(**voice: Any) -> dict[str, Any]:
 @pytest.fixture
 def started(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalCluster]:
     config: dict[str, Any] = request.param
-    cluster = LocalCluster(read_stack("t", config), tmp_path / "run", free_endpoint_port())
+    cluster = LocalCluster(read_stack("t", config), tmp_path / "run", free_port())
     cluster.up()
     try:
         eventually(lambda: len(_ready(cluster)) == len(cluster.placement.replicas), 15, "all UP")

@@ -60,15 +60,9 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/status").read_text().find("zombie") < 0
 
 
-def free_endpoint_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_endpoint_port())
+    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_port())
     running.up()
     yield running
     running.down()
@@ -108,7 +102,7 @@ def test_a_replica_obeys_only_its_runs_token(cluster: LocalCluster) -> None:
 
 
 def test_down_leaves_no_process(tmp_path: Path) -> None:
-    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_endpoint_port())
+    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_port())
     state = running.up()
     pids = [state.haproxy_pid] + [a.pid for a in state.agents] + [r.pid for r in state.replicas]
     running.down()
@@ -134,7 +128,7 @@ def test_local_up_runs_with_the_stacks_balancer_timers(tmp_path: Path) -> None:
         "agent_inter_ms": 2500,
     }
     stack = read_stack("t", {**CONFIG, "denv:balancer": {"sites": ["local"], "timers": timers}})
-    running = LocalCluster(stack, tmp_path / "run", free_endpoint_port())
+    running = LocalCluster(stack, tmp_path / "run", free_port())
     running.up()
     try:
         settings = running.balancer_settings
@@ -160,7 +154,7 @@ def test_local_up_mints_and_opens_realtime_client_secrets_with_a_key_of_its_run(
     running = LocalCluster(
         read_stack("t", {**CONFIG, "denv:balancer": balancer}),
         tmp_path / "run",
-        free_endpoint_port(),
+        free_port(),
     )
     running.up()
     try:
@@ -209,7 +203,7 @@ def test_status_command_reads_a_running_stack(
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     assert runner.invoke(main, ["local", "status", "--stack", "t"]).exit_code == 2
-    port = str(free_endpoint_port())
+    port = str(free_port())
     up = runner.invoke(main, ["local", "up", "--stack", "t", "--port", port, "--detach", "--json"])
     try:
         assert up.exit_code == 0, up.output
@@ -236,23 +230,56 @@ def test_status_command_reads_a_running_stack(
     assert "stopped 7 processes" in down.output
 
 
-def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The kernel gives the same free port to two binds in a row: the second is not used.
-    offered = iter([47001, 47001, 47002])
+class _Draws:
+    """Stands in for the port chooser: hands out the given ports in turn."""
 
-    class Socket:
-        def __enter__(self) -> "Socket":
-            return self
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = iter(ports)
 
-        def __exit__(self, *_: object) -> None:
-            pass
+    def randrange(self, low: int, high: int) -> int:
+        port = next(self.ports)
+        assert low <= port < high
+        return port
 
-        def bind(self, _address: object) -> None:
-            self.port = next(offered)
 
-        def getsockname(self) -> tuple[str, int]:
-            return ("127.0.0.1", self.port)
+def test_free_port_never_hands_out_a_port_twice_nor_one_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = int(taken.getsockname()[1])
+        monkeypatch.setattr(processes, "LOWEST_PORT", 1024)
+        monkeypatch.setattr(processes, "first_outgoing_port", lambda: 65536)
+        monkeypatch.setattr(processes, "_HANDED_OUT", set())
+        free = [free_port() for _ in range(3)]
+        drawn = [free[0], free[0], taken_port, free[1], free[2]]
+        monkeypatch.setattr(processes, "_CHOOSER", _Draws(drawn))
+        monkeypatch.setattr(processes, "_HANDED_OUT", set())
+        assert [free_port(), free_port()] == [free[0], free[1]]
 
-    monkeypatch.setattr(processes.socket, "socket", Socket)
-    monkeypatch.setattr(processes, "_HANDED_OUT", set())
-    assert [free_port(), free_port()] == [47001, 47002]
+
+def test_free_port_draws_below_the_kernel_s_outgoing_ports() -> None:
+    # An outgoing connection takes its own port from that range, and may take a port drawn
+    # there before its listener binds it.
+    top = processes.first_outgoing_port()
+    assert all(processes.LOWEST_PORT <= free_port() < top for _ in range(50))
+
+
+@pytest.mark.parametrize(
+    ("text", "first"), [("32768\t60999\n", 32768), ("20000 40000", 20000), ("", 32768)]
+)
+def test_the_outgoing_range_is_read_from_the_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, first: int
+) -> None:
+    (tmp_path / "range").write_text(text)
+    monkeypatch.setattr(processes, "OUTGOING_PORTS", tmp_path / "range")
+    assert processes.first_outgoing_port() == first
+
+
+def test_a_kernel_that_gives_every_port_to_outgoing_connections_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(processes, "first_outgoing_port", lambda: 1024)
+    with pytest.raises(RuntimeError, match=r"sysctl net\.ipv4\.ip_local_port_range"):
+        free_port()

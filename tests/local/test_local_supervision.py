@@ -16,18 +16,18 @@ import yaml
 
 from benchmarks.lab.waiting import eventually
 from denv_iac.core.stack.reader import StackError, read_stack
-from denv_iac.local.processes import RestartBackoff
+from denv_iac.local.processes import RestartBackoff, free_port
 from denv_iac.local.run_state import RunState
 from denv_iac.local.runner import LocalCluster
 from denv_iac.local.stopping import StackLock
-from tests.local.test_local_runner import CONFIG, alive, free_endpoint_port
+from tests.local.test_local_runner import CONFIG, alive
 
 pytestmark = pytest.mark.needs_haproxy
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_endpoint_port())
+    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_port())
     running.up()
     yield running
     running.down()
@@ -133,7 +133,7 @@ def test_a_replica_that_keeps_dying_is_not_restarted_in_a_loop(cluster: LocalClu
 
 
 def test_nothing_is_restarted_once_down_began(tmp_path: Path) -> None:
-    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_endpoint_port())
+    running = LocalCluster(read_stack("t", CONFIG), tmp_path / "run", free_port())
     state = running.up()
     running.down()
     assert running.supervise() == []
@@ -163,7 +163,7 @@ def test_a_second_lock_on_one_stack_is_refused_with_the_holder(tmp_path: Path) -
 def test_two_local_up_of_one_stack_the_second_fails_and_orphans_nothing(tmp_path: Path) -> None:
     _stack_project(tmp_path)
     denv = [sys.executable, "-m", "denv_iac", "local", "up", "--stack", "t", "--quiet"]
-    port = str(free_endpoint_port())
+    port = str(free_port())
     first = subprocess.Popen(
         [*denv, "--port", port],
         cwd=tmp_path,
@@ -176,7 +176,7 @@ def test_two_local_up_of_one_stack_the_second_fails_and_orphans_nothing(tmp_path
         endpoint = first.stdout.readline().strip()
         assert endpoint == f"http://127.0.0.1:{port}", first.poll() is not None and first.stderr
         second = subprocess.run(
-            [*denv, "--port", str(free_endpoint_port())],
+            [*denv, "--port", str(free_port())],
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -203,7 +203,7 @@ def test_a_left_over_state_file_is_dropped(tmp_path: Path) -> None:
     # Recorded processes that are long gone (pids no process of ours has).
     state = RunState("t", "http://127.0.0.1:1", "/nonexistent", "", 2**22 + 7, "x")
     (run / "state.json").write_text(state.to_json())
-    port = str(free_endpoint_port())
+    port = str(free_port())
     up = subprocess.run(
         [
             sys.executable,
@@ -245,7 +245,7 @@ def _ignore_sigint() -> None:
 @contextlib.contextmanager
 def _supervised_up(project: Path) -> Iterator[tuple[subprocess.Popen[str], RunState]]:
     """A foreground `denv local up` started as a background job, and what it recorded."""
-    port = str(free_endpoint_port())
+    port = str(free_port())
     command = [sys.executable, "-m", "denv_iac", "local", "up", "--stack", "t", "--quiet"]
     supervisor = subprocess.Popen(
         [*command, "--port", port],

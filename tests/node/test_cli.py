@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from denv_iac.cli.node import node
+from denv_iac.local.processes import free_port
 from denv_iac.node import NodeDeploySpec, firewall
 from denv_iac.node.facts import NodeFacts
 
@@ -20,14 +20,8 @@ def run(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_unreachable_host_is_one_clear_line() -> None:
-    port = closed_port()
+    port = free_port()
     code, output = run("join", f"127.0.0.1:{port}", "--site", "s1")
     assert code == 1
     assert output.startswith(f"error: cannot connect to 127.0.0.1:{port}: ")
@@ -42,7 +36,7 @@ def test_unreadable_and_invalid_keys_are_named_never_shown(tmp_path: Path) -> No
     )
     key = tmp_path / "id_bad"
     key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nc2VjcmV0LWtleS1ieXRlcw==\n")
-    code, output = run("join", f"127.0.0.1:{closed_port()}", "--site", "s1", "--key", str(key))
+    code, output = run("join", f"127.0.0.1:{free_port()}", "--site", "s1", "--key", str(key))
     assert code == 1 and "c2VjcmV0" not in output and str(key) in output
 
 

@@ -18,6 +18,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
+from denv_iac.local.processes import free_port
 from denv_iac.node import deploy
 from denv_iac.node.deploy import CannotConnect, Target, connect
 
@@ -29,12 +30,6 @@ def quick_polls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(deploy, "SSH_POLL_S", 0.2)
     # pyinfra records a new machine's host key in ~/.ssh/known_hosts: the test's own home.
     monkeypatch.setenv("HOME", str(tmp_path))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _key_file(tmp_path: Path) -> Path:
@@ -59,7 +54,7 @@ class _AnyKey(paramiko.ServerInterface):
 def late_sshd() -> Iterator[tuple[int, list[float]]]:
     """An SSH server on a port that listens only START_AFTER_S from now; (port, the times it
     took connections at, from now)."""
-    port, started, taken = _free_port(), time.monotonic(), []
+    port, started, taken = free_port(), time.monotonic(), []
     host_key = paramiko.RSAKey.generate(2048)
     transports: list[paramiko.Transport] = []
     stop = threading.Event()
@@ -100,7 +95,7 @@ def test_a_deploy_connects_once_the_machines_sshd_starts_listening(
 
 
 def test_a_port_that_never_answers_fails_after_the_wait_in_one_line_naming_it() -> None:
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     waiting = connect(Target(f"127.0.0.1:{port}"), ssh_wait_s=1)
     with pytest.raises(CannotConnect) as raised, waiting:

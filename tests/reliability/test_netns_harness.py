@@ -20,6 +20,7 @@ from denv_iac.local.netns import (
     running,
     running_in_netns,
 )
+from denv_iac.local.processes import free_port
 
 STACK = {
     "denv:sites": [
@@ -65,7 +66,7 @@ def test_each_site_gets_its_own_subnet_and_namespace() -> None:
 
 def _listening_in(namespace: str, address: str) -> tuple[subprocess.Popen[str], int]:
     """An HTTP server inside `namespace`, and its port."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             *("ip", "netns", "exec", namespace),
@@ -76,12 +77,6 @@ def _listening_in(namespace: str, address: str) -> tuple[subprocess.Popen[str], 
         text=True,
     )
     return server, port
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _get(url: str, timeout_s: float = 1.0) -> int:
