@@ -315,7 +315,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _import_graph() -> dict[str, set[str]]:
     """Each module of the package -> the package's modules it imports."""
-    modules = frozenset(_module(p) for p in PACKAGE.rglob("*.py") if DATA not in p.parents)
+    modules = frozenset({"denv_iac", *map(_module, MODULES)})
     return {_module(p): _dependencies(p, modules) for p in MODULES}
 
 
@@ -345,15 +345,13 @@ def core_together(module: str) -> str:
     return core if core == "denv_iac.core" and (PACKAGE / "core" / f"{name}.py").is_file() else room
 
 
-def rooms(
-    graph: dict[str, set[str]], room_of: Callable[[str], str] = room_of
-) -> dict[str, set[str]]:
-    """`graph` between rooms: an arrow from a room to each other room one of its modules
-    imports."""
+def rooms(graph: dict[str, set[str]], room: Callable[[str], str] = room_of) -> dict[str, set[str]]:
+    """`graph` between rooms, each module's room as `room` says: an arrow from a room to each
+    other room one of its modules imports."""
     out: dict[str, set[str]] = {}
     for module, imports in graph.items():
-        room = room_of(module)
-        out.setdefault(room, set()).update(room_of(o) for o in imports if room_of(o) != room)
+        home = room(module)
+        out.setdefault(home, set()).update(room(o) for o in imports if room(o) != home)
     return out
 
 

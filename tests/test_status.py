@@ -7,7 +7,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ import yaml
 from click.testing import CliRunner, Result
 from denv_agent.control import inject_fault
 
+from benchmarks.lab.waiting import eventually
 from denv_iac.cli import main
 from denv_iac.core.stack.reader import read_stack
 from denv_iac.local.processes import free_port, ours
@@ -217,14 +218,34 @@ def status(*args: str) -> Result:
     return CliRunner().invoke(main, ["status", *args])
 
 
+def first_status(holds: Callable[[Result], bool], timeout_s: float, *args: str) -> Result:
+    """The first `denv status ARGS` that `holds`, asked every 0.1 s; past `timeout_s` the test
+    fails showing the last one."""
+    last: list[Result] = []
+
+    def answered() -> bool:
+        last[:] = [status(*args)]
+        return holds(last[0])
+
+    eventually(
+        answered,
+        timeout_s,
+        f"the awaited `denv status {' '.join(args)}`",
+        interval_s=0.1,
+        detail=lambda: last[0].output,
+    )
+    return last[0]
+
+
 def wait_for_healthy(count: int, timeout_s: float = 5.0) -> Result:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = status("--stack", "t", "--json")
-        pools = json.loads(result.output)["pools"]
-        if pools[0]["healthy"] == count or time.monotonic() > deadline:
-            return result
-        time.sleep(0.1)
+    def healthy(result: Result) -> bool:
+        return bool(json.loads(result.output)["pools"][0]["healthy"] == count)
+
+    return first_status(healthy, timeout_s, "--stack", "t", "--json")
+
+
+def wait_gone(pid: int, mark: str) -> None:
+    eventually(lambda: not ours(pid, mark), 10, f"{mark} (pid {pid}) ended")
 
 
 def test_bad_input_exits_2_with_one_line(project: Path) -> None:
@@ -295,8 +316,7 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     wait_for_healthy(2)
     agent = state.agent_of("local/n1")
     os.kill(agent.pid, signal.SIGTERM)
-    while ours(agent.pid, "denv_agent"):
-        time.sleep(0.02)
+    wait_gone(agent.pid, "denv_agent")
     start = time.monotonic()
     result = status("--stack", "t", "--json")
     assert time.monotonic() - start < 3
@@ -319,13 +339,11 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
         " checks alone"
     )
     # Through the balancer's stats page (no agent is asked), its agent checks say the same.
-    deadline = time.monotonic() + 5
-    while (
-        "FAILED agent of local/n1"
-        not in (remote := status("--stack", "t", "--endpoint", metrics_address(state))).output
-    ):
-        assert time.monotonic() < deadline, remote.output
-        time.sleep(0.1)
+    remote = first_status(
+        lambda result: "FAILED agent of local/n1" in result.output,
+        5,
+        *("--stack", "t", "--endpoint", metrics_address(state)),
+    )
     assert remote.exit_code == 1
     assert "FAILED agent of local/n1 not heard by the balancer's agent checks" in remote.output
     # Nothing else but the same transient as above: the live agent's check timing out meanwhile.
@@ -342,8 +360,7 @@ def test_a_dead_balancer_fails_the_status_with_one_line(running: LocalCluster) -
     assert state is not None
     wait_for_healthy(2)
     os.killpg(state.haproxy_pid, signal.SIGKILL)
-    while ours(state.haproxy_pid, "haproxy"):
-        time.sleep(0.02)
+    wait_gone(state.haproxy_pid, "haproxy")
     result = status("--stack", "t")
     assert result.exit_code == 1
     assert result.output == (
@@ -370,13 +387,11 @@ def test_status_of_a_remote_balancer_through_its_stats_page(running: LocalCluste
     inject_fault(f"http://127.0.0.1:{node.http_port}", state.control_token, gpu=0, xid=79)
     # Until the fault shows: on a loaded machine an agent check may go unanswered first, which
     # fails the status too, for another reason.
-    deadline = time.monotonic() + 15
-    while (
-        "xid 79"
-        not in (table := status("--stack", "t", "--endpoint", metrics_address(state))).output
-    ):
-        assert time.monotonic() < deadline, table.output
-        time.sleep(0.1)
+    table = first_status(
+        lambda result: "xid 79" in result.output,
+        15,
+        *("--stack", "t", "--endpoint", metrics_address(state)),
+    )
     assert table.exit_code == 1 and "xid 79" in table.output
     assert "(remote: node agents are not read)" in table.output
     assert "pool voice: 1 healthy, min_warm 2: BELOW MIN_WARM" in table.output
