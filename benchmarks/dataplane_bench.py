@@ -13,7 +13,7 @@ Figures (targets from the design's numbers):
   requests to that replica (<= 500 ms). Worst of the trials.
 - first_after_death_errors, first_after_death_added_ms: a replica process is killed, and the
   next request of its session goes out at once: errors, and time to first token added over
-  the steady state (0; at most the tier's connect timeout, 5 ms for these local sites, plus
+  the steady state (0; at most the tier's connect timeout, 8 ms for these local sites, plus
   the retry's own connect and the machine's scheduling). Worst of the trials, and
   first_after_death_added_p50_ms, their median.
 - abort_surfaced_ms: a replica is killed mid-stream; how long until the client sees the stream

@@ -1,7 +1,7 @@
-"""The simulated replica's minimal HTTP/1.1: reading a request (its head parsed by h11), writing
-a response's head and body (whole or chunked), a server-sent event, a connection cut with a TCP
-reset; and the OpenAI shapes it answers in (a chat completion, whole or by chunks, and the error
-object)."""
+"""The simulated replica's HTTP/1.1, spoken through h11: reading a request (h11 parses its head),
+writing a response (h11 frames its head and body, whole or chunked), a server-sent event, a
+connection cut with a TCP reset; and the OpenAI shapes it answers in (a chat completion, whole
+or by chunks, and the error object)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import socket
 import struct
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import h11
@@ -41,6 +41,10 @@ class Request:
     keep_alive: bool
     headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
     body: bytes
+    # The h11 connection that read this request's head: the response is framed by it.
+    http: h11.Connection = field(
+        default_factory=lambda: h11.Connection(h11.SERVER), repr=False, compare=False
+    )
 
     @property
     def path(self) -> str:
@@ -89,27 +93,53 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
     if length > _MAX_BODY_BYTES:
         raise BadRequest(413, "request body too large")
     body = await reader.readexactly(length) if length else b""
-    connection = headers.get("connection", "").lower()
-    if event.http_version == b"1.1":
-        keep_alive = connection != "close"
-    else:
-        keep_alive = connection == "keep-alive"
+    # As h11 frames the answer: HTTP/1.1 keeps the connection unless the client says close;
+    # HTTP/1.0 never does (h11 keeps no 1.0 connection alive).
+    keep_alive = event.http_version == b"1.1" and "close" not in _tokens(headers, "connection")
     method, target = event.method.decode("ascii"), event.target.decode("ascii")
-    return Request(method, target, keep_alive, headers, body)
+    return Request(method, target, keep_alive, headers, body, http)
+
+
+def _tokens(headers: dict[str, str], name: str) -> set[str]:
+    return {token.strip().lower() for token in headers.get(name, "").split(",")}
+
+
+def _sent(http: h11.Connection, event: h11.Response | h11.Data | h11.EndOfMessage) -> bytes:
+    data = http.send(event)
+    assert data is not None  # None only for ConnectionClosed
+    return data
 
 
 def response_head(
-    status: int, content_type: str, config: ReplicaSimConfig, keep_alive: bool, chunked: bool
+    request: Request,
+    status: int,
+    content_type: str,
+    config: ReplicaSimConfig,
+    length: int | None = None,
+    extra: tuple[tuple[str, str], ...] = (),
 ) -> bytes:
-    lines = [
-        f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}",
-        f"Content-Type: {content_type}",
-        f"{SELF_HEADER}: {config.replica_id}",
-        "Connection: keep-alive" if keep_alive else "Connection: close",
+    """The head of the answer to `request`: with `length`, a body of that many bytes follows;
+    without, a body in pieces (chunked to an HTTP/1.1 client) until `response_end`."""
+    headers = [
+        ("Content-Type", content_type),
+        (SELF_HEADER, config.replica_id),
+        ("Connection", "keep-alive" if request.keep_alive else "close"),
+        *extra,
     ]
-    if chunked:
-        lines.append("Transfer-Encoding: chunked")
-    return ("\r\n".join(lines) + "\r\n").encode("latin-1")
+    if length is not None:
+        headers.append(("Content-Length", str(length)))
+    reason = _REASONS.get(status, "Status").encode()
+    return _sent(request.http, h11.Response(status_code=status, headers=headers, reason=reason))
+
+
+def body_piece(request: Request, data: bytes) -> bytes:
+    """A piece of the answer's body, framed (a chunk to an HTTP/1.1 client)."""
+    return _sent(request.http, h11.Data(data=data))
+
+
+def response_end(request: Request) -> bytes:
+    """The end of the answer's body (the last chunk, where chunked)."""
+    return _sent(request.http, h11.EndOfMessage())
 
 
 async def respond_json(
@@ -117,10 +147,10 @@ async def respond_json(
     status: int,
     body: dict[str, Any],
     config: ReplicaSimConfig,
-    keep_alive: bool,
+    request: Request,
 ) -> None:
     payload = json.dumps(body, separators=(",", ":")).encode()
-    await respond_bytes(writer, status, "application/json", payload, config, keep_alive)
+    await respond_bytes(writer, status, "application/json", payload, config, request)
 
 
 async def respond_bytes(
@@ -129,11 +159,17 @@ async def respond_bytes(
     content_type: str,
     payload: bytes,
     config: ReplicaSimConfig,
-    keep_alive: bool,
+    request: Request,
 ) -> None:
-    head = response_head(status, content_type, config, keep_alive, chunked=False)
-    writer.write(head + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    head = response_head(request, status, content_type, config, length=len(payload))
+    writer.write(head + body_piece(request, payload) + response_end(request))
     await writer.drain()
+
+
+def refusal() -> Request:
+    """Where no request could be read, what its refusal answers: a connection h11 saw no
+    request on, closed after the answer."""
+    return Request("GET", "/", False, {}, b"")
 
 
 def client_left(next_request: asyncio.Future[Request | None]) -> bool:
@@ -144,10 +180,6 @@ def client_left(next_request: asyncio.Future[Request | None]) -> bool:
     if error is not None:
         return isinstance(error, ConnectionError)
     return next_request.result() is None
-
-
-def http_chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def sse_event(event: dict[str, Any]) -> bytes:

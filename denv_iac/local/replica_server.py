@@ -31,14 +31,16 @@ from denv_iac.local.replica_http import (
     Completion,
     ConnectionAborted,
     Request,
+    body_piece,
     client_left,
-    http_chunk,
     openai_error,
     prompt_tokens,
     read_request,
+    refusal,
     reset_connection,
     respond_bytes,
     respond_json,
+    response_end,
     response_head,
     sse_event,
 )
@@ -48,6 +50,7 @@ from denv_iac.wire.audio import audio_frame, wav_header
 from denv_iac.wire.multipart import parse_multipart
 from denv_iac.wire.websocket import WebSocket, WebSocketClosed, handshake_response
 
+_DONE_EVENT = b"data: [DONE]\n\n"
 _ROUTES = (
     "/stats",
     "/metrics",
@@ -163,7 +166,7 @@ class ReplicaSim:
             return
         except BadRequest as error:
             body = openai_error(str(error), error.status)
-            await respond_json(writer, error.status, body, self.config, False)
+            await respond_json(writer, error.status, body, self.config, refusal())
         finally:
             pending.cancel()
             if pending.done() and not pending.cancelled():
@@ -216,7 +219,7 @@ class ReplicaSim:
         elif route == ("GET", "/metrics"):
             load = total([engine.load() for engine in self._engines])
             page = render_metrics(self.config.engine, self.config.model, load).encode()
-            await respond_bytes(writer, 200, _METRICS_TYPE, page, self.config, request.keep_alive)
+            await respond_bytes(writer, 200, _METRICS_TYPE, page, self.config, request)
         elif route == ("POST", "/v1/chat/completions"):
             await self._chat_completion(request, writer)
         elif route == ("POST", "/v1/audio/speech"):
@@ -363,8 +366,13 @@ class ReplicaSim:
     ) -> None:
         # Headers go out at admission, before a slot: the first chunk when decoding begins.
         writer.write(
-            response_head(200, "text/event-stream", self.config, request.keep_alive, chunked=True)
-            + b"Cache-Control: no-cache\r\n\r\n"
+            response_head(
+                request,
+                200,
+                "text/event-stream",
+                self.config,
+                extra=(("Cache-Control", "no-cache"),),
+            )
         )
         await writer.drain()
         die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
@@ -376,22 +384,22 @@ class ReplicaSim:
                     self.stats.streams_aborted += 1
                     reset_connection(writer)
                     raise ConnectionAborted
-                writer.write(http_chunk(sse_event(completion.token_chunk(index))))
+                writer.write(body_piece(request, sse_event(completion.token_chunk(index))))
                 await writer.drain()
         except (EngineLost, _RequestFailed) as error:
             # As vLLM's stream generator does: one error event, then [DONE].
             self.stats.streams_failed += 1
             writer.write(
-                http_chunk(sse_event(openai_error(str(error), 500)))
-                + http_chunk(b"data: [DONE]\n\n")
-                + b"0\r\n\r\n"
+                body_piece(request, sse_event(openai_error(str(error), 500)))
+                + body_piece(request, _DONE_EVENT)
+                + response_end(request)
             )
             await writer.drain()
             return
         writer.write(
-            http_chunk(sse_event(completion.final_chunk()))
-            + http_chunk(b"data: [DONE]\n\n")
-            + b"0\r\n\r\n"
+            body_piece(request, sse_event(completion.final_chunk()))
+            + body_piece(request, _DONE_EVENT)
+            + response_end(request)
         )
         await writer.drain()
         self.stats.streams_completed += 1
@@ -430,28 +438,27 @@ class ReplicaSim:
             return
         try:
             content_type = "audio/pcm" if pcm else "audio/wav"
-            writer.write(
-                response_head(200, content_type, self.config, request.keep_alive, chunked=True)
-            )
-            writer.write(b"\r\n")
+            writer.write(response_head(request, 200, content_type, self.config))
             await writer.drain()
             try:
                 if espeak:
                     await sequence.started()
-                    await self._espeak(sequence, writer, str(body["input"]), pcm)
+                    await self._espeak(sequence, request, writer, str(body["input"]), pcm)
                 else:
-                    await self._tone(sequence, pcm, writer)
+                    await self._tone(sequence, pcm, request, writer)
             except (EngineLost, _RequestFailed):
                 # Audio has no error event: the stream is closed before its last chunk.
                 self.stats.streams_failed += 1
                 raise ConnectionAborted from None
-            writer.write(b"0\r\n\r\n")
+            writer.write(response_end(request))
             await writer.drain()
             self.stats.streams_completed += 1
         finally:
             self.speech_engine.release(sequence)
 
-    async def _tone(self, sequence: Sequence, pcm: bool, writer: asyncio.StreamWriter) -> None:
+    async def _tone(
+        self, sequence: Sequence, pcm: bool, request: Request, writer: asyncio.StreamWriter
+    ) -> None:
         die_after = self.fault_k if self.fault is FaultMode.DIE_AFTER_TOKENS else None
         made = await sequence.started()
         for index in range(self.config.tokens):
@@ -461,12 +468,12 @@ class ReplicaSim:
                 reset_connection(writer)
                 raise ConnectionAborted
             header = wav_header() if index == 0 and not pcm else b""
-            writer.write(http_chunk(header + audio_frame(index)))
+            writer.write(body_piece(request, header + audio_frame(index)))
             await writer.drain()
 
     @staticmethod
     async def _espeak(
-        sequence: Sequence, writer: asyncio.StreamWriter, text: str, pcm: bool
+        sequence: Sequence, request: Request, writer: asyncio.StreamWriter, text: str, pcm: bool
     ) -> None:
         """Real speech: espeak-ng's WAV (or, for `pcm`, its samples at 24 kHz), each piece sent
         as soon as espeak-ng writes it. Each piece is the engine's progress, as a token is: the
@@ -489,7 +496,7 @@ class ReplicaSim:
                 if to_pcm is not None:
                     piece = to_pcm.feed(piece)
                 if piece:
-                    writer.write(http_chunk(piece))
+                    writer.write(body_piece(request, piece))
                 sequence.emitted()
                 await writer.drain()
         finally:
@@ -520,9 +527,7 @@ class ReplicaSim:
             self.transcription_engine.release(sequence)
         text = voice_sim.transcript_text(upload)
         if upload.fields.get("response_format") == "text":
-            await respond_bytes(
-                writer, 200, "text/plain", text.encode(), self.config, request.keep_alive
-            )
+            await respond_bytes(writer, 200, "text/plain", text.encode(), self.config, request)
         else:
             await self._respond(writer, 200, {"text": text}, request)
 
@@ -564,4 +569,4 @@ class ReplicaSim:
     async def _respond(
         self, writer: asyncio.StreamWriter, status: int, body: dict[str, Any], request: Request
     ) -> None:
-        await respond_json(writer, status, body, self.config, request.keep_alive)
+        await respond_json(writer, status, body, self.config, request)
