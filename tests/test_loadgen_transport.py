@@ -21,11 +21,12 @@ from websockets.frames import Opcode
 from websockets.protocol import Protocol as WsProtocol
 from websockets.protocol import Side, State
 
+from denv_iac.local.replica_http import read_request, switching_protocols
 from denv_iac.local.voice_sim import realtime_event
 from denv_iac.ops.loadgen import run_load
 from denv_iac.ops.loadgen_transport import Endpoint
 from denv_iac.wire.audio import audio_frame
-from denv_iac.wire.websocket import WebSocket, handshake_response
+from denv_iac.wire.websocket import WebSocket, handshake_headers
 
 # The n-th request on a connection -> the raw response; a list is written piece by piece, a
 # pause between pieces, so that the client reads each on its own.
@@ -196,10 +197,11 @@ def test_a_speech_chunk_read_in_pieces_is_one_unit_of_audio(
 async def _realtime_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Answers the upgrade and sends `session.created` in the same write, so the client's
     HTTP parser holds the first frame when the 101 is parsed; then one audio delta per turn."""
-    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")[1:]
-    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head if h)}
-    answer = handshake_response(headers, {})
-    assert answer is not None
+    request = await read_request(reader)
+    assert request is not None
+    headers = handshake_headers(request.headers, {})
+    assert headers is not None
+    answer = switching_protocols(request, headers)
     server = WsProtocol(Side.SERVER, state=State.OPEN)
     server.send_text(realtime_event("session.created", 0))
     writer.write(answer + b"".join(server.data_to_send()))

@@ -104,7 +104,10 @@ def _tokens(headers: dict[str, str], name: str) -> set[str]:
     return {token.strip().lower() for token in headers.get(name, "").split(",")}
 
 
-def _sent(http: h11.Connection, event: h11.Response | h11.Data | h11.EndOfMessage) -> bytes:
+def _sent(
+    http: h11.Connection,
+    event: h11.Response | h11.InformationalResponse | h11.Data | h11.EndOfMessage,
+) -> bytes:
     data = http.send(event)
     assert data is not None  # None only for ConnectionClosed
     return data
@@ -164,6 +167,18 @@ async def respond_bytes(
     head = response_head(request, status, content_type, config, length=len(payload))
     writer.write(head + body_piece(request, payload) + response_end(request))
     await writer.drain()
+
+
+def switching_protocols(request: Request, headers: list[tuple[str, str]]) -> bytes:
+    """The 101 answer that hands the connection to a WebSocket, with `headers`."""
+    # h11 answers an upgrade once it has seen the whole request: the body was read apart.
+    request.http.receive_data(request.body)
+    while not isinstance(request.http.next_event(), h11.EndOfMessage):
+        pass
+    switching = h11.InformationalResponse(
+        status_code=101, headers=headers, reason=b"Switching Protocols"
+    )
+    return _sent(request.http, switching)
 
 
 def refusal() -> Request:

@@ -43,12 +43,13 @@ from denv_iac.local.replica_http import (
     response_end,
     response_head,
     sse_event,
+    switching_protocols,
 )
 from denv_iac.local.replica_model import FaultMode, ReplicaSimConfig, ReplicaStats, control_headers
 from denv_iac.local.replica_realtime import RealtimeSession
 from denv_iac.wire.audio import audio_frame, wav_header
 from denv_iac.wire.multipart import parse_multipart
-from denv_iac.wire.websocket import WebSocket, WebSocketClosed, handshake_response
+from denv_iac.wire.websocket import WebSocket, WebSocketClosed, handshake_headers
 
 _DONE_EVENT = b"data: [DONE]\n\n"
 _ROUTES = (
@@ -535,7 +536,7 @@ class ReplicaSim:
         self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """A realtime session: session.created, then one answer per response.create."""
-        handshake = handshake_response(request.headers, {SELF_HEADER: self.config.replica_id})
+        handshake = handshake_headers(request.headers, {SELF_HEADER: self.config.replica_id})
         if handshake is None:
             await self._respond(writer, 400, openai_error("send a WebSocket upgrade", 400), request)
             return
@@ -543,7 +544,7 @@ class ReplicaSim:
         self.stats.realtime_subprotocols = request.headers.get("sec-websocket-protocol", "")
         self._count(request.headers.get("x-request-id"))
         await self.hang_if_asked()
-        writer.write(handshake)
+        writer.write(switching_protocols(request, handshake))
         ws = WebSocket(reader, writer, Side.SERVER)
         session = RealtimeSession(self, ws, request)
         await session.send("session.created", session=session.config())

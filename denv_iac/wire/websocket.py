@@ -40,24 +40,25 @@ def upgrade_accepted(key: str, headers: Mapping[str, str]) -> bool:
     return headers.get("sec-websocket-accept") == accept_key(key)
 
 
-def handshake_response(headers: Mapping[str, str], extra: Mapping[str, str]) -> bytes | None:
-    """The 101 answer to a WebSocket upgrade (request headers' names lower-cased), with `extra`
-    headers, or None when the request is not one."""
+def handshake_headers(
+    headers: Mapping[str, str], extra: Mapping[str, str]
+) -> list[tuple[str, str]] | None:
+    """The headers of the 101 answer to a WebSocket upgrade (request headers' names
+    lower-cased), with `extra` headers, or None when the request is not one."""
     key = headers.get("sec-websocket-key")
     upgrade = headers.get("upgrade", "").lower()
     if not key or upgrade != "websocket":
         return None
-    lines = [
-        "HTTP/1.1 101 Switching Protocols",
-        "Upgrade: websocket",
-        "Connection: Upgrade",
-        f"Sec-WebSocket-Accept: {accept_key(key)}",
-        *(f"{name}: {value}" for name, value in extra.items()),
+    answer = [
+        ("Upgrade", "websocket"),
+        ("Connection", "Upgrade"),
+        ("Sec-WebSocket-Accept", accept_key(key)),
+        *extra.items(),
     ]
     offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
     if REALTIME_SUBPROTOCOL in offered:
-        lines.append(f"Sec-WebSocket-Protocol: {REALTIME_SUBPROTOCOL}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        answer.append(("Sec-WebSocket-Protocol", REALTIME_SUBPROTOCOL))
+    return answer
 
 
 class WebSocketClosed(ConnectionError):

@@ -18,6 +18,7 @@ from denv_iac.local.replica_http import (
     respond_bytes,
     response_end,
     response_head,
+    switching_protocols,
 )
 from denv_iac.local.replica_model import ReplicaSimConfig
 
@@ -176,3 +177,22 @@ def test_a_refusal_where_no_request_was_read_closes_the_connection() -> None:
     assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
     assert b"Connection: close\r\n" in answer and b"Content-Length: 2\r\n" in answer
     assert request.http.our_state is h11.MUST_CLOSE
+
+
+def test_an_upgrade_is_answered_101_and_the_connection_handed_over() -> None:
+    head = (
+        b"GET /v1/realtime HTTP/1.1\r\nHost: sim\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    request, _ = read(head)
+    assert request is not None
+    answer = switching_protocols(request, [("Upgrade", "websocket"), ("Connection", "Upgrade")])
+    assert answer.startswith(b"HTTP/1.1 101 Switching Protocols\r\n")
+    assert request.http.our_state is h11.SWITCHED_PROTOCOL
+    client = h11.Connection(h11.CLIENT)
+    client.send(_request_event(head))
+    client.send(h11.EndOfMessage())
+    client.receive_data(answer + b"first frame")
+    switched = client.next_event()
+    assert isinstance(switched, h11.InformationalResponse) and switched.status_code == 101
+    assert client.trailing_data == (b"first frame", False)
