@@ -43,7 +43,7 @@ def test_local_plan_table() -> None:
         " a replica that has just died costs the next request up to its tier's connect timeout"
     ) in shown
     # Every site of the local stack is on the balancer's machine: round trip 0, 5 ms.
-    assert "voice tier 10 (local): connect 8 ms (round trip 0 ms)" in shown
+    assert "voice tier 10 (local): connect 7 ms (round trip 0 ms)" in shown
 
 
 def test_multicloud_plan_json(tmp_path: Path) -> None:

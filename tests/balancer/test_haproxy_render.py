@@ -903,9 +903,9 @@ def test_aliases_route_to_their_pool_and_are_listed() -> None:
 @pytest.mark.parametrize(
     ("round_trip_ms", "connect_ms"),
     [
-        (0.0, 8),  # a local site: the busy host's scheduling alone
-        (0.3, 9),  # a region: two round trips, rounded up
-        (75.0, 158),  # another continent
+        (0.0, 7),  # a local site: the busy host's scheduling alone
+        (0.3, 8),  # a region: two round trips, rounded up
+        (75.0, 157),  # another continent
         (600.0, 1000),  # past 1 s a lost SYN is resent anyway: no longer
     ],
 )

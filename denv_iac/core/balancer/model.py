@@ -58,11 +58,13 @@ class BalancerServer:
 # at once. HAProxy waits min(timeout connect, 1 s) before it retries a refused connect, so this
 # is also what a replica that has just died costs the next request: a few ms on the same site
 # rather than the stack's one value for every tier (80 ms), which also cut every connect to a
-# site farther than about 80 ms. Not fewer than 8: HAProxy counts a connect it gets to only
+# site farther than about 80 ms. Not fewer than 7: HAProxy counts a connect it gets to only
 # after the timeout as failed, and marks that replica down (observe layer4); with 5, while a
 # replica died and its requests moved, a busy host took the healthy one out too in 2 runs of 10
-# (every request 503 until its checks passed); with 8, in none of 12 (docs/balancer.md).
-CONNECT_SLACK_MS = 8
+# (every request 503 until its checks passed); with 7 and 8, in none of 12. Not more: the wait
+# after a death is this plus about a millisecond (whole-millisecond timers), and a tier on the
+# same site may cost the next request at most 10 ms (8.4 at worst with 7; up to 10.0 with 8).
+CONNECT_SLACK_MS = 7
 CONNECT_ROUND_TRIPS = 2
 CONNECT_CEILING_MS = 1000  # a SYN lost is resent after 1 s: past that no timer helps
 
