@@ -18,7 +18,7 @@ from denv_agent.control import inject_fault
 from benchmarks.lab.waiting import eventually
 from denv_iac.cli import main
 from denv_iac.core.stack.reader import read_stack
-from denv_iac.local.processes import free_port, ours
+from denv_iac.local.processes import AGENT_MARK, HAPROXY_MARK, free_port, ours
 from denv_iac.local.run_state import RunState, run_dir
 from denv_iac.local.runner import LocalCluster
 from denv_iac.ops.status import (
@@ -316,7 +316,7 @@ def test_an_agent_that_is_gone_is_shown_as_such(running: LocalCluster) -> None:
     wait_for_healthy(2)
     agent = state.agent_of("local/n1")
     os.kill(agent.pid, signal.SIGTERM)
-    wait_gone(agent.pid, "denv_agent")
+    wait_gone(agent.pid, AGENT_MARK)
     start = time.monotonic()
     result = status("--stack", "t", "--json")
     assert time.monotonic() - start < 3
@@ -360,7 +360,7 @@ def test_a_dead_balancer_fails_the_status_with_one_line(running: LocalCluster) -
     assert state is not None
     wait_for_healthy(2)
     os.killpg(state.haproxy_pid, signal.SIGKILL)
-    wait_gone(state.haproxy_pid, "haproxy")
+    wait_gone(state.haproxy_pid, HAPROXY_MARK)
     result = status("--stack", "t")
     assert result.exit_code == 1
     assert result.output == (
